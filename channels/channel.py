@@ -1,0 +1,155 @@
+"""A channel: a named, typed, directed link between two executors, and its two endpoints.
+
+Routing is by *unit* (a data-parallel replica of an executor: its ranks all hold the same data).
+Only the first rank of a source unit sends; every rank of the chosen destination unit receives.
+
+Transport: an item's small JSON header goes through a queue in the job's rendezvous store, one
+queue per (channel, destination rank, step); its body goes straight from the producer rank to the
+consumer rank as one p2p message. The store queue gives the receiver the arrival order and the
+source rank, so "receive from whichever source is ready first" needs neither `recv(src=None)`
+(nccl has none) nor polling `irecv` (gloo never marks a pending irecv complete without wait()).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from channels.codec import decode, encode
+from channels.kinds import Kind
+
+
+@dataclass(frozen=True)
+class Channel:
+    name: str
+    src: str  # executor name
+    dst: str  # executor name
+    kind: Kind
+    payload: type
+    src_port: str | None = None  # defaults to the channel name
+    dst_port: str | None = None
+    lag: int | None = None  # 0: consumed in the step it is produced; 1: in the next step (WEIGHTS)
+
+    @property
+    def out_port(self) -> str:
+        return self.src_port or self.name
+
+    @property
+    def in_port(self) -> str:
+        return self.dst_port or self.name
+
+    @property
+    def step_lag(self) -> int:
+        return self.lag if self.lag is not None else int(self.kind is Kind.WEIGHTS)
+
+
+@dataclass(frozen=True)
+class Route:
+    """A channel resolved onto global ranks."""
+
+    channel_id: int
+    src_units: tuple[tuple[int, ...], ...]
+    dst_units: tuple[tuple[int, ...], ...]
+
+    def destinations(self, kind: Kind, item) -> tuple[int, ...]:
+        if kind is Kind.BROADCAST:
+            return tuple(r for unit in self.dst_units for r in unit)
+        if kind is Kind.GATHER:
+            return self.dst_units[0]
+        assert kind is Kind.SCATTER, kind
+        return self.dst_units[item.index % len(self.dst_units)]
+
+    @property
+    def all_dst_ranks(self) -> tuple[int, ...]:
+        return tuple(r for unit in self.dst_units for r in unit)
+
+    @property
+    def src_leaders(self) -> tuple[int, ...]:
+        return tuple(unit[0] for unit in self.src_units)
+
+
+def _queue_key(route: Route, dst: int, step: int) -> str:
+    return f"ch{route.channel_id}/{dst}/{step}"
+
+
+class Sender:
+    """Streams items of one step; `close_step` tells every destination rank this source is done."""
+
+    def __init__(self, *, channel: Channel, route: Route, store: dist.Store, rank: int,
+                 device: torch.device, on_send=None):
+        self.channel, self.route, self.store, self.rank = channel, route, store, rank
+        self.device = device
+        self.is_leader = rank in route.src_leaders
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._on_send = on_send
+        self.step, self.deliverable = -1, True
+        self.sent = 0
+
+    def open_step(self, step: int, *, deliverable: bool = True) -> None:
+        """`deliverable=False`: nobody will consume this step (a lagged channel's last step)."""
+        self.step, self.sent, self.deliverable = step, 0, deliverable
+
+    def send(self, item) -> None:
+        if not isinstance(item, self.channel.payload):
+            raise TypeError(f"channel {self.channel.name!r} carries {self.channel.payload.__name__}, "
+                            f"got {type(item).__name__}")
+        self.sent += 1
+        if not (self.is_leader and self.deliverable):  # the unit's other ranks computed the same item
+            return
+        header, body = encode(item)
+        body = body.to(self.device)
+        message = json.dumps({"src": self.rank, "header": header, "nbytes": body.numel()})
+        for dst in self.route.destinations(self.channel.kind, item):
+            if body.numel():
+                work = dist.isend(body, dst, tag=self.route.channel_id)
+                self._pending.append((work, body))
+            # posted after the isend, so the receiver's recv always finds it
+            self.store.queue_push(_queue_key(self.route, dst, self.step), message)
+        if self._on_send:
+            self._on_send(item)
+
+    def close_step(self) -> None:
+        if self.is_leader and self.deliverable:
+            end = json.dumps({"src": self.rank, "end": True})
+            for dst in self.route.all_dst_ranks:
+                self.store.queue_push(_queue_key(self.route, dst, self.step), end)
+
+    def flush(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+class Receiver:
+    """Yields the items of one step in arrival order, until every source unit has closed the step."""
+
+    def __init__(self, *, channel: Channel, route: Route, store: dist.Store, rank: int,
+                 device: torch.device):
+        self.channel, self.route, self.store, self.rank = channel, route, store, rank
+        self.device = device
+        self.step = -1
+        self.expected = True
+
+    def open_step(self, step: int, *, expected: bool = True) -> None:
+        """`expected=False`: nothing was sent for this step (a lagged channel's first step)."""
+        self.step, self.expected = step, expected
+
+    def __iter__(self) -> Iterator:
+        key = _queue_key(self.route, self.rank, self.step)
+        open_sources = set(self.route.src_leaders) if self.expected else set()
+        while open_sources:
+            message = json.loads(self.store.queue_pop(key, block=True))
+            src = message["src"]
+            if message.get("end"):
+                open_sources.discard(src)
+                continue
+            body = torch.empty(message["nbytes"], dtype=torch.uint8, device=self.device)
+            if body.numel():
+                dist.recv(body, src, tag=self.route.channel_id)
+            yield decode(self.channel.payload, message["header"], body.cpu())
+
+    def receive_all(self) -> list:
+        return list(self)

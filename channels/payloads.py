@@ -1,0 +1,33 @@
+"""Payload types carried by the GRPO-family graphs (ragged token data as lists of 1-D tensors)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RolloutGroup:
+    """One prompt and its G sampled responses, as generated (generator -> reward)."""
+
+    step: int
+    index: int  # prompt index within the step: fixes the trainer dp rank, never arrival order
+    prompt: str
+    extras: dict  # the data row's other columns (e.g. `answer`), passed to rewards
+    prompt_ids: torch.Tensor  # [P] int64
+    responses: list[torch.Tensor]  # G x [R_i] int64, EOS included when sampled
+    logprobs: list[torch.Tensor]  # G x [R_i] float32, log_softmax(logits / T) of the sampled tokens
+    finished: torch.Tensor  # [G] bool, hit EOS
+
+
+@dataclass
+class ScoredGroup(RolloutGroup):
+    """A rollout group with one scalar reward per response (reward -> trainer)."""
+
+    rewards: torch.Tensor  # [G] float32
+    reward_failures: int  # rewards that raised / were NaN and were scored 0 (on_error="zero")
+
+
+@dataclass
+class WeightsUpdate:
+    """Marker type of the WEIGHTS channel: the payload is the model's parameters themselves."""

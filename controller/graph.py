@@ -1,0 +1,94 @@
+"""A graph: executors and the channels between them, validated when built."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, is_dataclass
+
+from channels.channel import Channel
+from channels.kinds import Kind
+from executors.base import Executor
+
+
+@dataclass(frozen=True)
+class Graph:
+    executors: tuple[Executor, ...]
+    channels: tuple[Channel, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "executors", tuple(self.executors))
+        object.__setattr__(self, "channels", tuple(self.channels))
+        _validate(self)
+
+    def executor(self, name: str) -> Executor:
+        return next(e for e in self.executors if e.name == name)
+
+
+def _validate(graph: Graph) -> None:
+    by_name: dict[str, Executor] = {}
+    for ex in graph.executors:
+        if ex.name in by_name:
+            raise ValueError(f"graph: two executors are named {ex.name!r}")
+        by_name[ex.name] = ex
+    known = ", ".join(by_name)
+    seen_channels, used_ports = set(), set()
+    for ch in graph.channels:
+        if ch.name in seen_channels:
+            raise ValueError(f"graph: two channels are named {ch.name!r}")
+        seen_channels.add(ch.name)
+        for role, ex_name in (("source", ch.src), ("destination", ch.dst)):
+            if ex_name not in by_name:
+                raise ValueError(f"channel {ch.name!r}: unknown {role} executor {ex_name!r} (known: {known})")
+        if ch.src == ch.dst:
+            raise ValueError(f"channel {ch.name!r}: source and destination are both {ch.src!r}")
+        _check_port(ch, by_name[ch.src], "outputs", ch.out_port)
+        _check_port(ch, by_name[ch.dst], "inputs", ch.in_port)
+        for key in ((ch.src, "out", ch.out_port), (ch.dst, "in", ch.in_port)):
+            if key in used_ports:
+                raise ValueError(f"channel {ch.name!r}: port {key[0]}.{key[2]} already has a channel")
+            used_ports.add(key)
+        if ch.kind is Kind.SCATTER and not (is_dataclass(ch.payload) and
+                                            "index" in {f.name for f in fields(ch.payload)}):
+            raise ValueError(f"channel {ch.name!r}: SCATTER routes by `index`, which "
+                             f"{ch.payload.__name__} lacks")
+    for ex in graph.executors:
+        for port in ex.inputs:
+            if (ex.name, "in", port) not in used_ports:
+                raise ValueError(f"executor {ex.name!r}: input {port!r} has no channel; it would wait forever")
+    _check_cycles(graph)
+
+
+def _check_port(ch: Channel, ex: Executor, side: str, port: str) -> None:
+    ports = getattr(ex, side)
+    if port not in ports:
+        raise ValueError(f"channel {ch.name!r}: executor {ex.name!r} has no {side[:-1]} port {port!r} "
+                         f"(it has: {', '.join(ports) or 'none'})")
+    if ports[port] is not ch.payload:
+        verb = "produces" if side == "outputs" else "consumes"
+        raise ValueError(f"channel {ch.name!r} carries {ch.payload.__name__}, but {ex.name}.{port} "
+                         f"{verb} {ports[port].__name__}")
+
+
+def _check_cycles(graph: Graph) -> None:
+    """A cycle of same-step channels deadlocks: each executor waits for the other within the step.
+
+    Cycles through a lagged channel (WEIGHTS: produced at step k, consumed at step k+1) are fine.
+    """
+    edges: dict[str, list[str]] = {e.name: [] for e in graph.executors}
+    for ch in graph.channels:
+        if ch.step_lag == 0:
+            edges[ch.src].append(ch.dst)
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in edges[node]:
+            if state.get(nxt) == 1:
+                cycle = path[path.index(nxt):] + [nxt]
+                raise ValueError("graph: cycle " + " -> ".join(cycle) + " cannot make progress within a "
+                                 "step; make one of its channels lagged (lag=1, e.g. WEIGHTS)")
+            if state.get(nxt) is None:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for name in edges:
+        if name not in state:
+            visit(name, [name])

@@ -1,0 +1,118 @@
+"""World -> executor groups: placement, process groups, store clients and channel endpoints.
+
+Every rank runs this identically: groups are created by every rank, in graph order (a mismatch in
+`new_group` order silently pairs the wrong ranks).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from channels.channel import Receiver, Route, Sender
+from channels.kinds import Kind
+from channels.weights import WeightsReceiver, WeightsSender
+from controller.graph import Graph
+from executors.base import ExecutorEnv
+
+ENDPOINTS: dict[Kind, tuple[type, type]] = {  # (sender, receiver) classes per channel kind
+    Kind.BROADCAST: (Sender, Receiver),
+    Kind.SCATTER: (Sender, Receiver),
+    Kind.GATHER: (Sender, Receiver),
+    Kind.WEIGHTS: (WeightsSender, WeightsReceiver),
+}
+
+
+def placement(graph: Graph) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Executor name -> global ranks per unit; contiguous ranges in graph order."""
+    out, next_rank = {}, 0
+    for ex in graph.executors:
+        units = []
+        for _ in range(ex.units):
+            units.append(tuple(range(next_rank, next_rank + ex.ranks_per_unit)))
+            next_rank += ex.ranks_per_unit
+        out[ex.name] = tuple(units)
+    return out
+
+
+def world_size_of(graph: Graph) -> int:
+    return sum(ex.world_size for ex in graph.executors)
+
+
+def check_world_size(graph: Graph, world_size: int) -> None:
+    need = world_size_of(graph)
+    if world_size != need:
+        parts = " + ".join(f"{ex.name} {ex.world_size}" for ex in graph.executors)
+        raise ValueError(f"world size is {world_size} but the placement needs {need} ranks ({parts}); "
+                         f"run torchrun --nproc-per-node {need} or change the placement")
+
+
+def store_client(timeout: timedelta) -> dist.Store:
+    """A fresh client of the job's rendezvous store (one per thread that blocks on it)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore("tidal", store)
+
+
+@dataclass
+class World:
+    graph: Graph
+    units: dict[str, tuple[tuple[int, ...], ...]]
+    rank: int
+    local_name: str
+    env: ExecutorEnv
+    store: dist.Store
+    control_group: dist.ProcessGroup
+
+    @property
+    def local_executor(self):
+        return self.graph.executor(self.local_name)
+
+    def endpoints(self, step: int, *, first_step: int, last_step: int):
+        """Open this rank's inbound/outbound endpoints for `step`, keyed by port."""
+        inbound, outbound = {}, {}
+        for ch, (sender, receiver) in zip(self.graph.channels, self._endpoints):
+            if sender is not None:
+                sender.open_step(step, deliverable=step + ch.step_lag <= last_step)
+                outbound[ch.out_port] = sender
+            if receiver is not None:
+                receiver.open_step(step - ch.step_lag, expected=step - ch.step_lag >= first_step)
+                inbound[ch.in_port] = receiver
+        return inbound, outbound
+
+    def bind_channels(self) -> None:
+        self._endpoints = []
+        for cid, ch in enumerate(self.graph.channels):
+            route = Route(channel_id=cid + 1, src_units=self.units[ch.src], dst_units=self.units[ch.dst])
+            send_cls, recv_cls = ENDPOINTS[ch.kind]
+            common = dict(channel=ch, route=route, store=self.store, rank=self.rank, device=self.env.device)
+            sender = send_cls(**common) if ch.src == self.local_name else None
+            receiver = recv_cls(**common) if ch.dst == self.local_name else None
+            self._endpoints.append((sender, receiver))
+
+
+def build_world(graph: Graph, *, device: torch.device, seed: int, output_dir: Path,
+                timeout: timedelta) -> World:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    check_world_size(graph, world_size)
+    units = placement(graph)
+    local_name, local_group = None, None
+    for ex in graph.executors:  # same order on every rank
+        ranks = [r for unit in units[ex.name] for r in unit]
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            local_name, local_group = ex.name, group
+    control_group = dist.new_group(backend="gloo", timeout=timeout)
+    assert local_name is not None, f"rank {rank} not placed"
+    ex_units = units[local_name]
+    env = ExecutorEnv(name=local_name, ranks=tuple(r for u in ex_units for r in u), units=ex_units,
+                      rank=rank, group=local_group, device=device, seed=seed, output_dir=output_dir)
+    world = World(graph=graph, units=units, rank=rank, local_name=local_name, env=env,
+                  store=store_client(timeout), control_group=control_group)
+    world.bind_channels()
+    return world
+

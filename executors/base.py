@@ -1,0 +1,82 @@
+"""The executor contract: a self-contained SPMD role on its own ranks.
+
+The controller calls, on every rank of the executor: `init(env)` once, `step(ctx)` per step,
+`save_checkpoint(path)` on cadence and `finalize(output_dir)` at the end. Concrete executors are
+their own classes; there are no role flags.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Mapping
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ExecutorEnv:
+    """Where one rank of an executor lives. Built by the controller, identical in shape on all ranks."""
+
+    name: str
+    ranks: tuple[int, ...]  # global ranks of this executor
+    units: tuple[tuple[int, ...], ...]  # global ranks per data-parallel unit
+    rank: int  # this process's global rank
+    group: dist.ProcessGroup | None  # the executor's own process group
+    device: torch.device
+    seed: int
+    output_dir: Path
+
+    @property
+    def unit_index(self) -> int:
+        return next(i for i, unit in enumerate(self.units) if self.rank in unit)
+
+    @property
+    def is_leader(self) -> bool:
+        """First rank of the executor: the one that reports metrics."""
+        return self.rank == self.ranks[0]
+
+
+@dataclass
+class StepContext:
+    step: int
+    inbound: Mapping[str, Any]  # port -> Receiver (or WeightsReceiver)
+    outbound: Mapping[str, Any]  # port -> Sender (or WeightsSender)
+    timeline: Any = None  # controller.timeline.Timeline; records spans for timeline.jsonl
+    extras: dict = field(default_factory=dict)
+
+
+class Executor(ABC):
+    inputs: ClassVar[Mapping[str, type]] = {}
+    outputs: ClassVar[Mapping[str, type]] = {}
+
+    def __init__(self, *, name: str, units: int = 1, ranks_per_unit: int = 1):
+        if units < 1 or ranks_per_unit < 1:
+            raise ValueError(f"executor {name!r}: units and ranks_per_unit must be >= 1, "
+                             f"got {units} and {ranks_per_unit}")
+        self.name = name
+        self.units = units
+        self.ranks_per_unit = ranks_per_unit
+        self.env: ExecutorEnv | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.units * self.ranks_per_unit
+
+    def describe(self) -> Mapping[str, object]:
+        """Parallel sizes shown by --dry-run."""
+        return {"units": self.units, "ranks/unit": self.ranks_per_unit}
+
+    def init(self, env: ExecutorEnv) -> None:
+        self.env = env
+
+    @abstractmethod
+    def step(self, ctx: StepContext) -> Mapping[str, float]:
+        """Run one step; return this executor's metrics (reported by its leader rank)."""
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Write whatever this executor needs to resume; default: nothing."""
+
+    def finalize(self, output_dir: Path) -> None:
+        """Called once after the last step."""

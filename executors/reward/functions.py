@@ -1,0 +1,165 @@
+"""Rule-based rewards: plain callables `(prompt, response, sample) -> float`.
+
+`sample` is the data row's extra columns (e.g. `answer`). A reward is referenced in a config by a
+registered name or by "module:function", so users add rewards without touching this package.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import re
+from fractions import Fraction
+from typing import Callable, Literal
+
+from algorithms.registry import Registry
+from executors.embedded.task import embedded_reward
+
+RewardFn = Callable[[str, str, dict], float]
+
+
+class RewardError(ValueError):
+    """A reward function raised or returned something that is not a finite number."""
+
+
+# ---- math_verify -------------------------------------------------------------------------------
+
+_BOXED = "\\boxed{"
+# One candidate number in free text; longer forms come first so "3/4" is not read as "3".
+_NUMBER_RE = re.compile(
+    r"-?\\[dt]?frac\{[^{}]*\}\{[^{}]*\}"
+    r"|-?\d+(?:\.\d+)?\s*/\s*\d+(?:\.\d+)?"
+    r"|-?\d{1,3}(?:,\d{3})+(?:\.\d+)?"
+    r"|-?\d+(?:\.\d+)?"
+    r"|-?\.\d+"
+)
+_FRAC_RE = re.compile(r"(-?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+_THOUSANDS_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_TEXT_RE = re.compile(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}")
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last balanced `\\boxed{...}` (nested braces allowed), else None."""
+    start = text.rfind(_BOXED)
+    while start != -1:
+        depth, i = 1, start + len(_BOXED)
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            return text[start + len(_BOXED):i - 1]
+        # Unbalanced (e.g. a truncated response): try the previous one.
+        start = text.rfind(_BOXED, 0, start)
+    return None
+
+
+def _normalise(text: str) -> str:
+    s = _TEXT_RE.sub(r"\1", text)
+    # Escaped forms first, so "\\%" does not leave a stray backslash behind.
+    for junk in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\%", "%", "\\$", "$"):
+        s = s.replace(junk, "")
+    s = "".join(s.split()).rstrip(".")
+    # "x = 5" -> "5": the value is what follows the last '='.
+    return s.rsplit("=", 1)[-1]
+
+
+def _to_number(text: str) -> Fraction | None:
+    """Exact value of a number-like string (int, decimal, a/b, \\frac{a}{b}, 1,234), else None."""
+    s = _normalise(text)
+    m = _FRAC_RE.fullmatch(s)
+    if m:
+        num, den = _to_number(m.group(2)), _to_number(m.group(3))
+        if num is None or den is None or den == 0:
+            return None
+        return -num / den if m.group(1) else num / den
+    if _THOUSANDS_RE.fullmatch(s):
+        s = s.replace(",", "")
+    if s.count("/") == 1:  # "a/b" with decimal parts, which Fraction() alone refuses
+        num, den = (_to_number(part) for part in s.split("/"))
+        return num / den if num is not None and den else None
+    try:
+        return Fraction(s)  # exact: "0.75" == "3/4", and 1/3 != 0.333
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def extract_answer(response: str) -> str | None:
+    """The final answer of a response: the last \\boxed{...}, else the last number, else None."""
+    boxed = _last_boxed(response)
+    if boxed is not None:
+        return boxed
+    matches = _NUMBER_RE.findall(response)
+    return matches[-1] if matches else None
+
+
+def math_verify(prompt: str, response: str, sample: dict) -> float:
+    """1.0 when the response's final answer equals `sample["answer"]`, numerically if both parse."""
+    if "answer" not in sample:
+        raise ValueError(f"math_verify needs the data column 'answer'; the row has {sorted(sample)}")
+    pred = extract_answer(response)
+    if pred is None:
+        return 0.0
+    gold = str(sample["answer"])
+    gold = _last_boxed(gold) or gold
+    pred_num, gold_num = _to_number(pred), _to_number(gold)
+    if pred_num is not None and gold_num is not None:
+        return float(pred_num == gold_num)
+    return float(_normalise(pred).lower() == _normalise(gold).lower())
+
+
+# ---- registry and resolution -------------------------------------------------------------------
+
+REWARDS: Registry[RewardFn] = Registry("reward")
+REWARDS.register("math_verify", math_verify)
+REWARDS.register("embedded", embedded_reward)
+
+
+def resolve_reward(spec: str) -> RewardFn:
+    """A registered reward name, or "package.module:function" for a user's own callable."""
+    if ":" not in spec:
+        return REWARDS.get(spec)
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {e}") from e
+    fn = getattr(module, attr, None) if attr else None
+    if fn is None:
+        raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: {attr!r} is a {type(fn).__name__}, not callable")
+    return fn
+
+
+def score_group(
+    fn: RewardFn,
+    *,
+    name: str,
+    prompt: str,
+    responses: list[str],
+    sample: dict,
+    prompt_index: int,
+    on_error: Literal["fail", "zero"],
+) -> tuple[list[float], int]:
+    """Score the G responses of one prompt; returns (scores, number of failed samples)."""
+    if on_error not in ("fail", "zero"):
+        raise ValueError(f"on_error must be 'fail' or 'zero', got {on_error!r}")
+    scores, failures = [], 0
+    for sample_index, response in enumerate(responses):
+        try:
+            value = fn(prompt, response, sample)
+            # bool is a numbers.Real; a rule returning True/False is a fine 1/0 reward.
+            if not isinstance(value, numbers.Real):
+                raise TypeError(f"returned {type(value).__name__} {value!r}, not a number")
+            if not math.isfinite(value):
+                raise ValueError(f"returned non-finite {value!r}")
+            scores.append(float(value))
+        except Exception as e:  # any failure of user code is reported the same way
+            if on_error == "fail":
+                raise RewardError(
+                    f"reward {name!r} failed on prompt {prompt_index}, sample {sample_index}: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            scores.append(0.0)
+            failures += 1
+    return scores, failures

@@ -1,0 +1,63 @@
+"""The run config: pydantic models with defaults, unknown keys refused, errors naming the field.
+
+Each executor owns its config class; this module only composes them. Launch hands each executor
+its own section, never the whole RunConfig.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from algorithms.base import AlgoConfig
+from algorithms.registry import get_algorithm
+from executors.generator.executor import DataConfig, GeneratorConfig, ModelConfig
+from executors.reward.executor import RewardConfig
+from executors.trainer.executor import TrainerConfig
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    seed: int = 0
+    steps: int = Field(30, ge=1, description="optimizer steps")
+    schedule: Literal["periodic", "sync"] = Field(
+        "periodic", description="periodic: train groups as they finish; sync: generate all, then train")
+    output_dir: str | None = Field(None, description="default runs/<timestamp>")
+    checkpoint_every: int = Field(0, ge=0, description="save checkpoints/step_N every N steps; 0 = never")
+    timeout_s: float = Field(1800.0, gt=0, description="collective / channel timeout")
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    reward: RewardConfig = RewardConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    algorithm: dict = Field(default_factory=dict, description="options of --algo's config class")
+
+    algo: str = Field("", exclude=True)
+    algo_config: AlgoConfig | None = Field(None, exclude=True)
+
+    def with_algorithm(self, name: str) -> "RunConfig":
+        algorithm = get_algorithm(name)  # ValueError listing the known names
+        try:
+            algo_config = algorithm.config_cls.model_validate(self.algorithm)
+        except ValidationError as exc:
+            raise ValueError(config_error(exc, "algorithm section", prefix="algorithm.")) from None
+        return self.model_copy(update={"algo": name, "algo_config": algo_config})
+
+    def resolved(self) -> dict:
+        """Everything the run used, algorithm defaults included (written to config.json)."""
+        data = self.model_dump(mode="json")
+        data["algo"] = self.algo
+        data["algorithm"] = self.algo_config.model_dump(mode="json") if self.algo_config else self.algorithm
+        return data
+
+
+def config_error(exc: ValidationError, source: str, *, prefix: str = "") -> str:
+    """One line per problem, naming the dotted field: `trainer.lr: Input should be ...`."""
+    lines = []
+    for err in exc.errors():
+        field = prefix + ".".join(str(p) for p in err["loc"]) or "(top level)"
+        got = f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and "input" in err and \
+            not isinstance(err["input"], dict) else ""
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"{field}: {msg}{got}")
+    return f"invalid config ({source}): " + "; ".join(lines)

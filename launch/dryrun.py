@@ -1,0 +1,32 @@
+"""--dry-run: the placement and the channel graph as tables, without starting any rank."""
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from controller.graph import Graph
+from controller.world import placement, world_size_of
+from launch.config import RunConfig
+
+
+def describe(graph: Graph, cfg: RunConfig) -> str:
+    units = placement(graph)
+    rows = []
+    for ex in graph.executors:
+        ranks = [r for unit in units[ex.name] for r in unit]
+        rows.append([ex.name, type(ex).__name__, _span(ranks), " ".join(_span(list(u)) for u in units[ex.name]),
+                     f"group {graph.executors.index(ex)}: ranks {_span(ranks)}",
+                     ", ".join(f"{k}={v}" for k, v in ex.describe().items())])
+    channels = [[ch.name, ch.kind.value, f"{ch.src}.{ch.out_port} -> {ch.dst}.{ch.in_port}",
+                 ch.payload.__name__, "next step" if ch.step_lag else "same step"] for ch in graph.channels]
+    n = world_size_of(graph)
+    return "\n\n".join([
+        f"algo {cfg.algo}, schedule {cfg.schedule}, world size {n} "
+        f"(torchrun --nproc-per-node {n} launch.py --algo {cfg.algo} ...)",
+        tabulate(rows, headers=["executor", "class", "global ranks", "units", "process group", "parallel"],
+                 disable_numparse=True),
+        tabulate(channels, headers=["channel", "kind", "route", "payload", "delivered"]),
+    ])
+
+
+def _span(ranks: list[int]) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"

@@ -1,0 +1,36 @@
+"""The channel graph of each algorithm family: which executors, which channels."""
+from __future__ import annotations
+
+from channels.channel import Channel
+from channels.kinds import Kind
+from channels.payloads import RolloutGroup, ScoredGroup, WeightsUpdate
+from algorithms.registry import get_algorithm
+from controller.graph import Graph
+from executors.generator.executor import Generator
+from executors.reward.executor import Reward
+from executors.trainer.executor import Trainer
+from launch.config import RunConfig
+
+
+def grpo_graph(cfg: RunConfig) -> Graph:
+    """generator -> reward -> trainer, and the trainer's weights back to the generator (lag 1)."""
+    stream = cfg.schedule == "periodic"
+    functions = cfg.reward.functions or (["math_verify"] if cfg.data.path else ["embedded"])
+    executors = [
+        Generator(config=cfg.generator, model=cfg.model, data=cfg.data, stream=stream),
+        Reward(config=cfg.reward, functions=functions, tokenizer_path=cfg.model.path),
+        Trainer(config=cfg.trainer, model_path=cfg.model.path, dtype=cfg.model.torch_dtype,
+                algorithm=get_algorithm(cfg.algo), algo_config=cfg.algo_config,
+                temperature=cfg.generator.temperature, stream=stream, total_steps=cfg.steps),
+    ]
+    channels = [
+        Channel("rollouts", "generator", "reward", Kind.SCATTER, RolloutGroup),
+        Channel("scored", "reward", "trainer", Kind.SCATTER, ScoredGroup),
+        Channel("weights", "trainer", "generator", Kind.WEIGHTS, WeightsUpdate),
+    ]
+    return Graph(executors, channels)
+
+
+def build_graph(cfg: RunConfig) -> Graph:
+    # every registered algorithm so far is a GRPO-family policy-gradient graph
+    return grpo_graph(cfg)

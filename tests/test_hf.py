@@ -1,0 +1,96 @@
+"""Model/tokenizer loading, the shipped tokenizer, and the embedded task."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+
+from executors.embedded import TOKENIZER_FILE
+from executors.embedded.build_tokenizer import build
+from executors.embedded.task import embedded_prompts, embedded_reward
+from executors.hf import load_model, load_tokenizer, save_hf
+
+torch.set_num_threads(1)
+
+
+def _equal_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_embedded_model_is_deterministic_and_small():
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    a = load_model(None)
+    assert torch.equal(torch.rand(1), expected_next)  # the caller's RNG stream is untouched
+    assert _equal_weights(a, load_model(None))
+    assert not _equal_weights(a, load_model(None, seed=1))
+    assert type(a).__name__ == "Qwen3ForCausalLM" and a.config.vocab_size == len(load_tokenizer(None))
+    assert 0.5e6 < sum(p.numel() for p in a.parameters()) < 1.5e6
+    assert load_model(None, dtype=torch.bfloat16).model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_save_hf_round_trip(tmp_path):
+    model, tok = load_model(None, seed=4), load_tokenizer(None)
+    save_hf(model, tok, tmp_path / "ckpt")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "ckpt").iterdir()}
+    for loaded in (load_model(str(tmp_path / "ckpt")), AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")):
+        assert _equal_weights(model, loaded)
+    text = "eli sees 7 keys . how many ? answer: 7"
+    for loaded in (load_tokenizer(str(tmp_path / "ckpt")), AutoTokenizer.from_pretrained(tmp_path / "ckpt")):
+        assert loaded(text).input_ids == tok(text).input_ids
+        assert loaded.eos_token_id == loaded.pad_token_id == tok.eos_token_id
+
+
+@pytest.mark.parametrize("config_cls", [Qwen2Config, LlamaConfig])
+def test_other_families_load_from_a_directory(tmp_path, config_cls):
+    config = config_cls(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    save_hf(model, load_tokenizer(None), tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert type(loaded) is type(model) and _equal_weights(model, loaded)
+
+
+def test_missing_path_names_it(tmp_path):
+    missing = str(tmp_path / "nowhere")
+    for load in (load_model, load_tokenizer):
+        with pytest.raises(ValueError, match="nowhere"):
+            load(missing)
+
+
+def test_embedded_tokenizer():
+    tok = load_tokenizer(None)
+    assert len(tok) == 512 and tok.eos_token == tok.pad_token == "<|endoftext|>" and tok.eos_token_id == 0
+    assert tok.padding_side == "left"
+    for text in ("bo and hal keeps 3 cups . how many ? answer: 3", "Unseen wörds, émoji 🙂 and 12345!"):
+        ids = tok(text).input_ids
+        assert tok.decode(ids) == text
+    digit_ids = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
+    assert tok("answer: 1234").input_ids[-4:] == digit_ids[1:5]  # one token per digit
+    batch = tok(["a", "a b c"], padding=True, return_tensors="pt")
+    assert batch.input_ids[0, 0] == tok.pad_token_id and batch.attention_mask[0].tolist()[-1] == 1
+
+
+def test_shipped_tokenizer_is_reproducible():
+    assert json.loads(build().to_str()) == json.loads(TOKENIZER_FILE.read_text())
+
+
+def test_embedded_prompts_are_deterministic():
+    a = embedded_prompts(50, seed=0)
+    assert a == embedded_prompts(50, seed=0) and a[:10] == embedded_prompts(10, seed=0)
+    assert a != embedded_prompts(50, seed=1)
+    for s in a:
+        assert s["answer"] in s["prompt"] and len(s["answer"]) == 1 and s["prompt"].endswith("answer:")
+        assert sum(c.isdigit() for c in s["prompt"]) == 1
+
+
+@pytest.mark.parametrize("response,reward", [
+    ("", 0.0), (" none", 0.0), (" 7", 1.0), ("7<junk>", 1.0), (" 4", 0.5), (" x 7 4", 1.0),
+    (" 4 7", 0.5), ("²", 0.0), ("seven", 0.0),
+])
+def test_embedded_reward(response, reward):
+    sample = {"prompt": "eli sees 7 keys . how many ? answer:", "answer": "7"}
+    assert embedded_reward(sample["prompt"], response, sample) == reward
