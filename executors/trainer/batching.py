@@ -21,7 +21,11 @@ class MicroBatch:
 
     @property
     def tokens(self) -> int:
+        """Tokens the forward actually trains on (prompt counted once per sequence here)."""
         return int(self.attention_mask_NL.sum())
+
+    def logprobs(self, model, *, temperature: float) -> torch.Tensor:
+        return response_logprobs(model, self, temperature=temperature)
 
 
 def split_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, micro_batch_size: int,

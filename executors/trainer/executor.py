@@ -23,7 +23,7 @@ from algorithms.base import Algorithm, AlgoConfig, LossInputs
 from channels.payloads import ScoredGroup, WeightsUpdate
 from executors.base import Executor, ExecutorEnv, StepContext
 from executors.hf import load_model, load_tokenizer, save_hf
-from executors.trainer.batching import response_logprobs, split_group
+from executors.trainer.batching import split_group
 
 
 # per-step sums, all-reduced over dp at the barrier
@@ -124,11 +124,11 @@ class Trainer(Executor):
         mismatch = torch.zeros((), dtype=torch.float64)
         for mb in split_group(group.prompt_ids, group.responses, micro_batch_size=self.cfg.micro_batch_size,
                               pad_id=self.tokenizer.pad_token_id, device=self.env.device):
-            logp_NT = response_logprobs(self.policy, mb, temperature=self.temperature)
+            logp_NT = mb.logprobs(self.policy, temperature=self.temperature)
             ref_NT = None
             if self.reference is not None:
                 with torch.no_grad():
-                    ref_NT = response_logprobs(self.reference, mb, temperature=self.temperature)
+                    ref_NT = mb.logprobs(self.reference, temperature=self.temperature)
             idx = list(mb.samples)
             out = self.algo.loss(LossInputs(logp_NT=logp_NT, old_logp_NT=logp_NT.detach(), ref_logp_NT=ref_NT,
                                             adv_N=adv_G[idx].to(logp_NT), mask_NT=mb.mask_NT), self.algo_cfg)

@@ -1,0 +1,187 @@
+"""Attention over one packed row: the shared-prompt / varlen mask, its kernels, and the HF hook.
+
+One description, `PackMask.mask_mod(b, h, q_idx, kv_idx)` over per-token segment ids, is the mask;
+each backend turns it into what its kernel wants:
+  blocks: exact block-sparse SDPA (the prompt once, causal; each response over [prompt, itself]),
+          so attention costs ~P² + Σ R_i (P + R_i) instead of L²; the default off Ascend
+  dense:  a boolean [L, L] mask for SDPA (CPU and CUDA), the reference the others are tested against
+  flex:   a flex-attention BlockMask (CUDA only: flex has no CPU backward), opt-in
+  npu:    torch_npu.npu_fusion_attention (atten_mask True = masked), the default on Ascend
+
+Hook: the model runs under our attention name. transformers builds the mask once per forward
+through the mask function registered for the model's attention name; an unregistered custom name
+silently hands every layer `attention_mask=None` (the trap). So we register both, and while a packed
+forward runs our mask function hands the layers the row's `PackMask` instead of a tensor; otherwise
+both delegate to the stock SDPA mask and kernel, so unpadded/padded calls are bit-identical.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+
+ATTN_NAME = "tidal_packed"
+Backend = Literal["auto", "blocks", "dense", "flex", "npu"]
+BACKENDS = ("auto", "blocks", "dense", "flex", "npu")
+
+
+@dataclass(frozen=True, eq=False)
+class PackMask:
+    """Who sees whom in one packed row (batch dim 1). Segments are contiguous, in order, cover the row."""
+    seg_L: torch.Tensor  # long, segment id of each token
+    spans: tuple[tuple[int, int], ...]  # [start, end) of each non-empty segment
+    shared: bool  # segment 0 (spans[0]) is a prompt that every later segment sees whole
+    backend: Backend = "auto"
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        """True where query q_idx may attend key kv_idx (flex signature; also works on broadcast index grids)."""
+        seg = self.seg_L
+        mine = seg[q_idx] == seg[kv_idx]
+        if self.shared:
+            # prompt keys precede every response token, so `kv <= q` keeps prompt rows causal only
+            mine = mine | (seg[kv_idx] == 0)
+        return (kv_idx <= q_idx) & mine
+
+    def dense_LL(self, device: torch.device) -> torch.Tensor:
+        key = ("dense", str(device))
+        if key not in self._cache:
+            idx = torch.arange(self.seg_L.numel(), device=device)
+            self._cache[key] = self.mask_mod(None, None, idx[:, None], idx[None, :])
+        return self._cache[key]
+
+    def resolved_backend(self, device: torch.device) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "npu" if device.type == "npu" else "blocks"
+
+
+_ACTIVE: ContextVar[PackMask | None] = ContextVar("tidal_pack_mask", default=None)
+
+
+@contextmanager
+def packed_forward(pack: PackMask):
+    """Within this block, forwards of installed models attend through `pack` (per call, thread/task-local)."""
+    token = _ACTIVE.set(pack)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _mask(*args, **kwargs):
+    pack = _ACTIVE.get()
+    if pack is None:
+        return sdpa_mask(*args, **kwargs)
+    # Handed to every layer as `attention_mask`; also what activation checkpointing replays.
+    return pack
+
+
+def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    if not isinstance(attention_mask, PackMask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("packed attention does not support sliding-window layers; use trainer.shared_prompt=padded")
+    assert query.shape[0] == 1, "a packed row has batch size 1"
+    groups = getattr(module, "num_key_value_groups", 1)
+    out_1HLD = _KERNELS[attention_mask.resolved_backend(query.device)](
+        query, key, value, groups, attention_mask, scaling=scaling, dropout=dropout)
+    return out_1HLD.transpose(1, 2).contiguous(), None
+
+
+def _blocks(q, k, v, groups, pack, *, scaling, dropout):
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    outs = []
+    spans = pack.spans
+    if pack.shared:
+        P = spans[0][1]
+        assert spans[0] == (0, P)
+        outs.append(F.scaled_dot_product_attention(q[:, :, :P], k[:, :, :P], v[:, :, :P], dropout_p=dropout,
+                                                   scale=scaling, is_causal=True))
+        for s, e in spans[1:]:
+            # Exact: the keys a response may not see are simply absent rather than masked.
+            kk = torch.cat([k[:, :, :P], k[:, :, s:e]], dim=2)
+            vv = torch.cat([v[:, :, :P], v[:, :, s:e]], dim=2)
+            outs.append(F.scaled_dot_product_attention(q[:, :, s:e], kk, vv, attn_mask=_prefix_causal(pack, P, e - s, q.device),
+                                                       dropout_p=dropout, scale=scaling))
+    else:
+        for s, e in spans:
+            outs.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout_p=dropout,
+                                                       scale=scaling, is_causal=True))
+    return torch.cat(outs, dim=2)
+
+
+def _prefix_causal(pack: PackMask, P: int, R: int, device) -> torch.Tensor:
+    """[R, P + R]: the whole prompt, then causal over the response itself."""
+    key = ("prefix", P, R, str(device))
+    if key not in pack._cache:
+        m = torch.ones(R, P + R, dtype=torch.bool, device=device)
+        m[:, P:] = torch.ones(R, R, dtype=torch.bool, device=device).tril()
+        pack._cache[key] = m
+    return pack._cache[key]
+
+
+def _dense(q, k, v, groups, pack, *, scaling, dropout):
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=pack.dense_LL(q.device), dropout_p=dropout, scale=scaling)
+
+
+def _flex(q, k, v, groups, pack, *, scaling, dropout):
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as e:  # pragma: no cover - depends on the torch build
+        raise ValueError("backend 'flex' needs torch.nn.attention.flex_attention") from e
+    if dropout:
+        raise ValueError("backend 'flex' does not support attention dropout")
+    key = ("flex", str(q.device))
+    if key not in pack._cache:
+        L = q.shape[2]
+        pack._cache[key] = create_block_mask(pack.mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=L, device=q.device)
+    if "flex_fn" not in _COMPILED:
+        # Uncompiled flex materialises the scores; compiled it skips masked blocks.
+        _COMPILED["flex_fn"] = torch.compile(flex_attention, dynamic=True)
+    fn = _COMPILED["flex_fn"] if q.device.type == "cuda" else flex_attention
+    return fn(q, k, v, block_mask=pack._cache[key], scale=scaling, enable_gqa=groups > 1)
+
+
+def _npu(q, k, v, groups, pack, *, scaling, dropout):
+    try:
+        import torch_npu
+    except ImportError as e:  # pragma: no cover - Ascend only
+        raise ValueError("backend 'npu' needs torch_npu") from e
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # pragma: no cover - Ascend only
+    # npu_fusion_attention's atten_mask is True where attention is *forbidden*.
+    return torch_npu.npu_fusion_attention(q, k, v, q.shape[1], input_layout="BNSD",
+                                          atten_mask=~pack.dense_LL(q.device), scale=scaling,
+                                          keep_prob=1.0 - dropout)[0]  # pragma: no cover
+
+
+_KERNELS = {"blocks": _blocks, "dense": _dense, "flex": _flex, "npu": _npu}
+_COMPILED: dict = {}
+
+AttentionInterface.register(ATTN_NAME, _attention)
+AttentionMaskInterface.register(ATTN_NAME, _mask)
+assert ALL_MASK_ATTENTION_FUNCTIONS[ATTN_NAME] is _mask
+
+
+def install(model) -> None:
+    """Route `model`'s attention through ours (idempotent). Only from SDPA: off a packed forward it *is* SDPA.
+
+    Persistent rather than per call: activation checkpointing replays layer forwards during backward,
+    after any per-call switch would have been undone.
+    """
+    impl = model.config._attn_implementation
+    if impl == ATTN_NAME:
+        return
+    if impl != "sdpa":
+        raise ValueError(f"shared-prompt / varlen packing needs a model loaded with attn_implementation='sdpa', "
+                         f"got {impl!r}")
+    model.set_attn_implementation(ATTN_NAME)

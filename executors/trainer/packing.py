@@ -1,0 +1,162 @@
+"""Unpadded micro-batches of one prompt group: shared-prompt rows and varlen rows.
+
+shared_prompt on:  one row `[prompt, r_1, ..., r_G]`; every response restarts at position P, sees the
+                   whole prompt and its own past, nothing of another response (DESIGN.md).
+shared_prompt off: the G rows `[prompt, r_i]` back to back, each its own causal block (varlen).
+Either way a group whose row would exceed `token_budget` splits into several rows by sample index
+(greedy, in index order, so the split depends only on the group, never on arrival; DESIGN.md
+determinism rule 2), and a shared row repeats the prompt. `PackedMicroBatch` has `MicroBatch`'s
+interface, so the trainer treats both alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from executors.trainer.batching import MicroBatch, split_group
+from executors.trainer.packed_attention import BACKENDS, Backend, PackMask, install, packed_forward
+
+Mode = Literal["on", "off", "auto", "padded"]
+MODES = ("on", "off", "auto", "padded")
+
+# auto: share the prompt once it saves at least this fraction of the tokens a varlen row would carry.
+# Measured by bench/shared_prompt.py (see the module docstring there).
+AUTO_MIN_SAVED = 0.25
+
+
+@dataclass(frozen=True)
+class PackedMicroBatch:
+    samples: tuple[int, ...]  # sample indices within the group
+    input_ids_1L: torch.Tensor
+    position_ids_1L: torch.Tensor
+    pack: PackMask
+    targets_NT: torch.Tensor  # response tokens, padded with 0
+    mask_NT: torch.Tensor  # bool, True on real response tokens
+    rows_K: torch.Tensor  # the row position whose logits predict each real response token, in mask_NT order
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the forward actually trains on (a shared prompt counts once per row)."""
+        return self.input_ids_1L.shape[1]
+
+    def logprobs(self, model, *, temperature: float) -> torch.Tensor:
+        """log_softmax(logits / T) of each response token, [N, T] float32 (0 where masked)."""
+        install(model)
+        with packed_forward(self.pack):
+            # logits_to_keep: only the K rows that predict response tokens go through the LM head.
+            logits_1KV = model(input_ids=self.input_ids_1L, position_ids=self.position_ids_1L,
+                               logits_to_keep=self.rows_K).logits
+        logits_KV = logits_1KV[0].float() / temperature
+        logp_K = torch.log_softmax(logits_KV, dim=-1).gather(-1, self.targets_NT[self.mask_NT][:, None])[:, 0]
+        return torch.zeros(self.mask_NT.shape, dtype=torch.float32, device=logp_K.device).masked_scatter(
+            self.mask_NT, logp_K)
+
+
+def _chunks(costs: list[int], *, fixed: int, token_budget: int) -> list[tuple[int, ...]]:
+    """Greedy in index order: a row takes samples until the next would push it past the budget.
+
+    A single sample over budget still gets a row of its own (a response cannot be split).
+    """
+    out, cur, used = [], [], fixed
+    for i, c in enumerate(costs):
+        if cur and used + c > token_budget:
+            out.append(tuple(cur))
+            cur, used = [], fixed
+        cur.append(i)
+        used += c
+    out.append(tuple(cur))
+    return out
+
+
+def _row(prompt_ids_P, responses, samples, *, shared, backend, device) -> PackedMicroBatch:
+    P = prompt_ids_P.numel()
+    lens = [responses[i].numel() for i in samples]
+    N, T = len(samples), max(1, max(lens))
+    ids, pos, seg, rows, spans = [], [], [], [], []
+    start = 0
+    if shared:
+        ids.append(prompt_ids_P)
+        pos.append(torch.arange(P))
+        seg.append(torch.zeros(P, dtype=torch.long))
+        spans.append((0, P))
+        start = P
+    for n, (i, R) in enumerate(zip(samples, lens)):
+        if shared:
+            # the first response token is predicted by the last prompt token, the rest by their own past
+            rows.append(torch.cat([torch.tensor([P - 1]), torch.arange(start, start + R - 1)])[:R])
+            ids.append(responses[i])
+            pos.append(torch.arange(P, P + R))
+            seg.append(torch.full((R,), n + 1, dtype=torch.long))
+            end = start + R
+        else:
+            rows.append(torch.arange(start + P - 1, start + P - 1 + R))
+            ids += [prompt_ids_P, responses[i]]
+            pos.append(torch.arange(P + R))
+            seg.append(torch.full((P + R,), n, dtype=torch.long))
+            end = start + P + R
+        if end > start:
+            spans.append((start, end))
+        start = end
+    targets = torch.zeros((N, T), dtype=torch.long)
+    mask = torch.zeros((N, T), dtype=torch.bool)
+    for n, (i, R) in enumerate(zip(samples, lens)):
+        targets[n, :R] = responses[i]
+        mask[n, :R] = True
+    pack = PackMask(seg_L=torch.cat(seg).to(device), spans=tuple(spans), shared=shared, backend=backend)
+    return PackedMicroBatch(samples=tuple(samples), input_ids_1L=torch.cat(ids).long()[None].to(device),
+                            position_ids_1L=torch.cat(pos)[None].to(device), pack=pack,
+                            targets_NT=targets.to(device), mask_NT=mask.to(device),
+                            rows_K=torch.cat(rows).long().to(device))
+
+
+def pack_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, token_budget: int, pad_id: int,
+               device: torch.device, shared_prompt: bool, backend: Backend = "auto") -> list[PackedMicroBatch]:
+    """One group as unpadded rows of at most `token_budget` tokens (a lone over-long sample excepted).
+
+    `pad_id` is unused (nothing is padded); kept so every micro-batcher takes the same arguments.
+    """
+    del pad_id
+    P = prompt_ids_P.numel()
+    if P == 0:
+        raise ValueError("packing needs a non-empty prompt (its last token predicts each response's first)")
+    if not responses:
+        raise ValueError("packing needs at least one response")
+    if token_budget < 1:
+        raise ValueError(f"trainer.token_budget must be >= 1, got {token_budget}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown packed attention backend {backend!r}; choose one of {BACKENDS}")
+    lens = [r.numel() for r in responses]
+    if shared_prompt:
+        groups = _chunks(lens, fixed=P, token_budget=token_budget)
+    else:
+        groups = _chunks([P + R for R in lens], fixed=0, token_budget=token_budget)
+    return [_row(prompt_ids_P, responses, g, shared=shared_prompt, backend=backend, device=device) for g in groups]
+
+
+def auto_shared_prompt(prompt_len: int, response_lens: list[int]) -> bool:
+    """On when sharing saves >= AUTO_MIN_SAVED of the varlen tokens: (G-1)·P / (G·P + ΣR).
+
+    Sharing always does less arithmetic; below the threshold the saving is within the cost of the
+    extra per-response kernel calls and the prompt copies of K/V (bench/shared_prompt.py).
+    """
+    G = len(response_lens)
+    if G < 2:
+        return False
+    saved = (G - 1) * prompt_len / (G * prompt_len + sum(response_lens))
+    return saved >= AUTO_MIN_SAVED
+
+
+def make_micro_batches(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, mode: Mode, token_budget: int,
+                       micro_batch_size: int, pad_id: int, device: torch.device,
+                       backend: Backend = "auto") -> list[MicroBatch] | list[PackedMicroBatch]:
+    """trainer.shared_prompt: on | off | auto pack under `token_budget`; padded is the reference `split_group`."""
+    if mode == "padded":
+        return split_group(prompt_ids_P, responses, micro_batch_size=micro_batch_size, pad_id=pad_id, device=device)
+    if mode not in MODES:
+        raise ValueError(f"trainer.shared_prompt must be one of {MODES}, got {mode!r}")
+    shared = mode == "on" or (mode == "auto" and auto_shared_prompt(prompt_ids_P.numel(),
+                                                                      [r.numel() for r in responses]))
+    return pack_group(prompt_ids_P, responses, token_budget=token_budget, pad_id=pad_id, device=device,
+                      shared_prompt=shared, backend=backend)

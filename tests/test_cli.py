@@ -1,0 +1,70 @@
+"""The CLI surface (frozen), config errors (one line naming the field, exit 2) and --dry-run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.cli import parser
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_surface_is_frozen():
+    flags = sorted(opt for action in parser()._actions for opt in action.option_strings)
+    assert flags == ["--algo", "--config", "--dry-run", "--help", "--output-dir", "--schedule", "--seed",
+                     "--set", "--steps", "-h"]
+
+
+def test_dry_run_prints_placement_and_channels():
+    proc = _launch("--algo", "grpo", "--dry-run", "--set", "trainer.dp=2", "--set", "generator.replicas=2")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "world size 5" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.split()}
+    assert lines["generator"].split()[2:4] == ["0-1", "0"] and "1" in lines["generator"].split()[4]
+    assert lines["reward"].split()[2] == "2"
+    assert lines["trainer"].split()[2] == "3-4" and "dp=2" in lines["trainer"]
+    assert "generator.rollouts -> reward.rollouts" in out and "scatter" in lines["rollouts"]
+    assert "trainer.weights -> generator.weights" in out and "next step" in lines["weights"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--set", "trainer.lr=abc"], "invalid config (command line): trainer.lr: Input should be a valid number"),
+    (["--set", "trainer.lrr=1"], "trainer.lrr: unknown key"),
+    (["--set", "algorithm.clip_low=2"], "algorithm.clip_low: Input should be less than 1"),
+    (["--set", "algorithm.nope=1"], "algorithm.nope: unknown key"),
+    (["--set", "novalue"], "--set 'novalue': expected KEY=VALUE"),
+    (["--steps", "0"], "steps: Input should be greater than or equal to 1 (got 0)"),
+])
+def test_config_errors_name_the_field(args, message):
+    proc = _launch("--algo", "grpo", "--dry-run", *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_unknown_algo_lists_known():
+    proc = _launch("--algo", "ppo9000", "--dry-run")
+    assert proc.returncode == 2 and "unknown algo 'ppo9000'; known: grpo" in proc.stderr
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "run.yaml"
+    bad.write_text("trainer:\n  dp: two\n")
+    proc = _launch("--algo", "grpo", "--dry-run", "--config", str(bad))
+    assert proc.returncode == 2 and f"invalid config ({bad}): trainer.dp" in proc.stderr
+    good = tmp_path / "run.json"
+    good.write_text(json.dumps({"trainer": {"dp": 3}, "steps": 2}))
+    proc = _launch("--algo", "grpo", "--dry-run", "--config", str(good))
+    assert proc.returncode == 0 and "world size 5" in proc.stdout
+    proc = _launch("--algo", "grpo", "--dry-run", "--config", str(tmp_path / "missing.yaml"))
+    assert proc.returncode == 2 and "missing.yaml does not exist" in proc.stderr

@@ -1,0 +1,43 @@
+"""A rank that raises ends the whole job quickly, naming itself; a wrong world size fails fast."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _torchrun(nproc: int, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", *args]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("who,rank", [("relay", 1), ("producer", 0)])
+def test_raising_rank_ends_job_naming_it(tmp_path, who, rank):
+    # the collective timeout is 600 s: only the watchdog can end this job within the deadline
+    proc, took = _torchrun(3, "tests/toy_job.py", "--fail", who, "--output-dir", str(tmp_path), timeout=90)
+    assert proc.returncode != 0
+    assert took < 60, took
+    assert f"rank {rank} ({who}) failed: RuntimeError: {who} fails on purpose at step 1" in proc.stderr
+
+
+def test_clean_toy_job_exits_zero(tmp_path):
+    proc, _ = _torchrun(3, "tests/toy_job.py", "--output-dir", str(tmp_path), timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_wrong_world_size_fails_fast_naming_both_numbers(tmp_path):
+    proc, took = _torchrun(2, "launch.py", "--algo", "grpo", "--output-dir", str(tmp_path), timeout=60)
+    assert proc.returncode != 0
+    assert took < 10 + 5, took  # + interpreter and torchrun start-up on a loaded 2-core machine
+    assert "world size is 2 but the placement needs 3 ranks (generator 1 + reward 1 + trainer 1)" in proc.stderr
