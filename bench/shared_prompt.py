@@ -65,10 +65,11 @@ def main() -> None:
                              shared_prompt=shared)
             tokens, s = sum(mb.tokens for mb in mbs), fwd_bwd_s(model, mbs, G=G)
             token_ratio, time_ratio = base_tokens / tokens, base_s / s
+            print(name, P, G, R, tokens, s, flush=True)
             rows.append(["", name, tokens, f"{s * 1e3:.0f}", f"{token_ratio:.2f}", f"{time_ratio:.2f}",
                          f"{time_ratio / token_ratio:.2f}"])
     print(tabulate(rows, headers=["case", "method", "tokens", "fwd+bwd ms", "token ratio", "time ratio",
-                                  "efficiency"], disablenumparse=True))
+                                  "efficiency"], disable_numparse=True))
 
 
 if __name__ == "__main__":

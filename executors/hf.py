@@ -81,7 +81,13 @@ def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Not model.save_pretrained: under torch.distributed, transformers writes only on global rank 0,
-    # and the trainer is rarely rank 0. save_model drops the tied lm_head duplicate, as HF does.
+    # and the trainer is rarely rank 0. Tied tensors are stored once under their first name in
+    # state_dict order (as HF does), so the file is byte-identical for identical weights.
     model.config.save_pretrained(out)
-    safetensors.torch.save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+    state, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            state[name] = tensor.detach().contiguous().cpu()
+    safetensors.torch.save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out)

@@ -25,13 +25,13 @@ from transformers import DynamicCache, PreTrainedModel
 _MASK32 = 0xFFFFFFFF
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     n: int  # G samples per prompt
-    max_new_tokens: int
-    seed: int  # run seed
     temperature: float = 1.0  # 0 means greedy (log-probs are then those of the raw logits)
     top_p: float = 1.0
+    max_new_tokens: int
+    seed: int  # run seed
 
     def __post_init__(self):
         if self.n < 1 or self.max_new_tokens < 1:
@@ -42,13 +42,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PromptRequest:
     index: int  # prompt index within the step; part of every sample's seed
     prompt_ids: list[int] | torch.Tensor
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GroupCompletion:
     index: int
     prompt_ids_P: torch.Tensor
@@ -128,15 +128,19 @@ class NativeEngine:
     def generate(
         self, requests: list[PromptRequest], params: SamplingParams, *, step: int
     ) -> Iterator[GroupCompletion]:
+        """Stream the G-sample group of every request, each as soon as it is complete."""
         indices = [r.index for r in requests]
         if len(set(indices)) != len(indices):
             raise ValueError(f"duplicate prompt indices in one generate call: {sorted(indices)}")
-        prompts = [torch.as_tensor(r.prompt_ids, dtype=torch.long).reshape(-1) for r in requests]
+        prompts = [torch.as_tensor(r.prompt_ids, dtype=torch.long).reshape(-1).cpu() for r in requests]
         if any(p.numel() == 0 for p in prompts):
             raise ValueError("empty prompt")
-        for start in range(0, len(requests), self.max_batch_prompts):
-            chunk = _Chunk(self, indices[start : start + self.max_batch_prompts],
-                           prompts[start : start + self.max_batch_prompts], params, step)
+        return self._stream(indices, prompts, params, step)  # validated now, not at the first next()
+
+    def _stream(self, indices, prompts, params, step) -> Iterator[GroupCompletion]:
+        for start in range(0, len(prompts), self.max_batch_prompts):
+            end = start + self.max_batch_prompts
+            chunk = _Chunk(self, indices[start:end], prompts[start:end], params, step)
             while not chunk.exhausted:
                 # Yield outside inference_mode: the caller (a trainer in the same thread) runs
                 # between yields and must not inherit it; the yielded tensors are plain clones.

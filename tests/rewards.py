@@ -1,0 +1,19 @@
+"""Reward callables used by e2e tests through the `module:function` config path."""
+import time
+
+from executors.embedded.task import embedded_reward
+
+
+def slow_embedded(prompt: str, response: str, sample: dict) -> float:
+    """The embedded reward, but one prompt in four takes 0.3 s per response (a slow grader)."""
+    if sum(map(ord, prompt)) % 4 == 0:
+        time.sleep(0.3)
+    return embedded_reward(prompt, response, sample)
+
+
+def boom(prompt: str, response: str, sample: dict) -> float:
+    raise ZeroDivisionError("grader bug")
+
+
+def nan_sometimes(prompt: str, response: str, sample: dict) -> float:
+    return float("nan") if len(response) % 2 else 1.0

@@ -1,0 +1,111 @@
+"""Whole jobs under torchrun: outputs of a run, sync == periodic bit for bit, bad input errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from tests.dist import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--set", "data.prompts_per_step=4", "--set", "generator.samples_per_prompt=4",
+         "--set", "generator.max_new_tokens=4", "--set", "generator.max_batch_prompts=2"]  # 2 inference chunks
+REQUIRED = {"step", "reward_mean", "reward_std", "response_len_mean", "loss", "kl", "grad_norm", "gen_s",
+            "train_s", "push_s", "step_s", "tokens", "tpspd", "rollout_digest"}
+
+
+def launch(out: Path, *args: str, nproc: int = 3, steps: int = 3, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+           "launch.py", "--algo", "grpo", "--steps", str(steps), "--output-dir", str(out), *SMALL, *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def periodic_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("periodic")
+    proc = launch(out, "--schedule", "periodic")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_run_outputs(periodic_run):
+    rows = metrics(periodic_run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert REQUIRED <= row.keys(), REQUIRED - row.keys()
+        assert row["tokens"] > 0 and row["tpspd"] > 0 and row["groups"] == 4
+        assert row["logp_mismatch_max"] < 1e-4  # the trainer recomputes what the generator sampled
+    assert len({r["rollout_digest"] for r in rows}) == 3
+    config = json.loads((periodic_run / "config.json").read_text())
+    assert config["algo"] == "grpo" and config["algorithm"]["clip_low"] == 0.2 and config["steps"] == 3
+    model = AutoModelForCausalLM.from_pretrained(periodic_run / "final")
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert (periodic_run / "final" / "tokenizer.json").is_file()
+
+
+def _same_run(a: Path, b: Path) -> None:
+    assert [r["rollout_digest"] for r in metrics(a)] == [r["rollout_digest"] for r in metrics(b)]
+    assert (a / "final/model.safetensors").read_bytes() == (b / "final/model.safetensors").read_bytes()
+
+
+def test_sync_equals_periodic_bit_for_bit(periodic_run, tmp_path):
+    proc = launch(tmp_path, "--schedule", "sync")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _same_run(periodic_run, tmp_path)
+
+
+def test_sync_equals_periodic_with_two_trainer_ranks(tmp_path):
+    for schedule in ("sync", "periodic"):
+        proc = launch(tmp_path / schedule, "--schedule", schedule, "--set", "trainer.dp=2", nproc=4)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    _same_run(tmp_path / "sync", tmp_path / "periodic")
+
+
+def test_slow_reward_changes_timing_not_results(periodic_run, tmp_path):
+    proc = launch(tmp_path, "--set", "reward.functions=[tests.rewards:slow_embedded]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _same_run(periodic_run, tmp_path)
+
+
+def test_periodic_trains_before_generation_ends(periodic_run):
+    events = [json.loads(line) for f in sorted((periodic_run / "timeline").glob("rank*.jsonl"))
+              for line in f.read_text().splitlines()]
+    for step in range(3):
+        generated = [e["t1"] for e in events if e["step"] == step and e["kind"] == "generated"]
+        trained = [e["t0"] for e in events if e["step"] == step and e["kind"] == "train"]
+        assert len(generated) == 4 and len(trained) == 4
+        assert min(trained) < max(generated), f"step {step}: training waited for the whole batch"
+
+
+def test_bad_data_file_names_file_and_line(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": 5}\n')
+    proc = launch(tmp_path / "run", "--set", f"data.path={data}", steps=1, timeout=120)
+    assert proc.returncode != 0
+    assert "rank 0 (generator) failed: ValueError" in proc.stderr
+    assert f"{data}:2" in proc.stderr or f"{data} line 2" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_raising_reward_names_reward_and_prompt(tmp_path):
+    proc = launch(tmp_path, "--set", "reward.functions=[tests.rewards:boom]", steps=1, timeout=120)
+    assert proc.returncode != 0
+    assert "rank 1 (reward) failed: RewardError: reward 'tests.rewards:boom' failed on prompt" in proc.stderr
+    assert "ZeroDivisionError: grader bug" in proc.stderr
+
+
+def test_reward_errors_can_score_zero_and_count(tmp_path):
+    proc = launch(tmp_path, "--set", "reward.functions=[tests.rewards:nan_sometimes]",
+                  "--set", "reward.on_error=zero", steps=1, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = metrics(tmp_path)[0]
+    # NaN for odd-length responses (scored 0 and counted), 1.0 otherwise: 16 samples in all
+    assert row["reward_failures"] > 0
+    assert row["reward_failures"] == round(16 * (1 - row["reward_mean"]))
