@@ -4,7 +4,12 @@ from __future__ import annotations
 from typing import Generic, TypeVar
 
 from algorithms.base import Algorithm
+from algorithms.dapo import DAPO
+from algorithms.dr_grpo import DR_GRPO
 from algorithms.grpo import GRPO
+from algorithms.gspo import GSPO
+from algorithms.reinforce_pp import REINFORCE_PP
+from algorithms.rloo import RLOO
 
 T = TypeVar("T")
 
@@ -36,6 +41,11 @@ class Registry(Generic[T]):
 
 ALGORITHMS: Registry[Algorithm] = Registry("algo")
 ALGORITHMS.register("grpo", GRPO)
+ALGORITHMS.register("dr_grpo", DR_GRPO)
+ALGORITHMS.register("dapo", DAPO)
+ALGORITHMS.register("rloo", RLOO)
+ALGORITHMS.register("reinforce_pp", REINFORCE_PP)
+ALGORITHMS.register("gspo", GSPO)
 
 
 def get_algorithm(name: str) -> Algorithm:

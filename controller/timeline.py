@@ -31,3 +31,54 @@ class Timeline:
         with open(path, "w") as f:
             for event in self.events:
                 f.write(json.dumps(event) + "\n")
+
+
+def merge(run_dir: Path) -> list[dict]:
+    """All ranks' events, sorted by start time, written to run_dir/timeline.jsonl."""
+    events = [json.loads(line) for f in sorted((run_dir / "timeline").glob("rank*.jsonl"))
+              for line in f.read_text().splitlines()]
+    events.sort(key=lambda e: (e["t0"], e["rank"]))
+    with open(run_dir / "timeline.jsonl", "w") as f:
+        for event in events:
+            f.write(json.dumps(event) + "\n")
+    return events
+
+
+# kinds drawn as busy spans, and their colours; "step" spans frame each executor's step
+_BUSY = {"generate": "tab:blue", "scored": "tab:orange", "train": "tab:green", "barrier": "tab:red",
+         "push": "tab:purple", "weights_recv": "lightgray"}
+_LABEL = {"weights_recv": "waiting for weights"}
+
+
+def plot(events: list[dict], path: Path) -> None:
+    """One row per (executor, rank): busy spans coloured by kind over idle time, step boundaries dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not events:
+        return
+    t_start = min(e["t0"] for e in events)
+    rows = sorted({(e["rank"], e["executor"]) for e in events})
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * len(rows)))
+    for y, (rank, executor) in enumerate(rows):
+        mine = [e for e in events if e["rank"] == rank and e["executor"] == executor]
+        for kind, colour in _BUSY.items():
+            spans = [(e["t0"] - t_start, max(e["t1"] - e["t0"], 1e-4)) for e in mine if e["kind"] == kind]
+            if spans:
+                ax.broken_barh(spans, (y - 0.35, 0.7), color=colour, label=_LABEL.get(kind, kind))
+    for e in events:
+        if e["kind"] == "push":
+            ax.axvline(e["t1"] - t_start, color="k", linestyle="--", linewidth=0.6)
+    ax.set_yticks(range(len(rows)), [f"{ex} (rank {r})" for r, ex in rows])
+    ax.set_xlabel("seconds since the run started (dashed: barrier + weight push done)")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    if unique:  # a user graph may record only controller "step" spans
+        ax.legend(unique.values(), unique.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.35),
+                  ncol=len(unique), fontsize=8)
+    ax.set_title("busy spans per executor (white = idle)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

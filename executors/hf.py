@@ -7,15 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import safetensors.torch
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-    Qwen3Config,
-)
+import transformers  # a lazy module: the heavy model code loads on first attribute use
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
 from executors.embedded import EOS_TOKEN, TOKENIZER_FILE
 
@@ -25,7 +24,7 @@ ATTN_IMPL = "sdpa"
 
 
 def embedded_config(*, vocab_size: int, eos_token_id: int) -> Qwen3Config:
-    return Qwen3Config(
+    return transformers.Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=128,
         num_hidden_layers=4,
@@ -52,7 +51,7 @@ def load_model(path: str | None, *, dtype: torch.dtype = torch.float32, seed: in
     """An HF causal LM from a local directory, or the embedded tiny Qwen3 initialised from `seed`."""
     if path is not None:
         _check_dir(path)
-        return AutoModelForCausalLM.from_pretrained(
+        return transformers.AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dtype, attn_implementation=ATTN_IMPL
         )
     tok = load_tokenizer(None)
@@ -61,7 +60,7 @@ def load_model(path: str | None, *, dtype: torch.dtype = torch.float32, seed: in
     # fork_rng: seed the init without disturbing the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
+        model = transformers.AutoModelForCausalLM.from_config(config)
     return model.to(dtype)
 
 
@@ -69,9 +68,9 @@ def load_tokenizer(path: str | None) -> PreTrainedTokenizerFast:
     """A fast tokenizer from a local directory, or the embedded 512-token byte-level BPE."""
     if path is not None:
         _check_dir(path)
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     # Left padding: batched prompts must end at the same column so decoding appends in lockstep.
-    return PreTrainedTokenizerFast(
+    return transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(TOKENIZER_FILE), eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, padding_side="left"
     )
 

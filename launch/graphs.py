@@ -15,12 +15,17 @@ from launch.config import RunConfig
 def grpo_graph(cfg: RunConfig) -> Graph:
     """generator -> reward -> trainer, and the trainer's weights back to the generator (lag 1)."""
     stream = cfg.schedule == "periodic"
+    algo_config = cfg.algo_config
+    if "max_response_tokens" in type(algo_config).model_fields and \
+            "max_response_tokens" not in algo_config.model_fields_set:
+        # a length normaliser (Dr.GRPO, DAPO) must match what the generator may produce
+        algo_config = algo_config.model_copy(update={"max_response_tokens": cfg.generator.max_new_tokens})
     functions = cfg.reward.functions or (["math_verify"] if cfg.data.path else ["embedded"])
     executors = [
         Generator(config=cfg.generator, model=cfg.model, data=cfg.data, stream=stream),
         Reward(config=cfg.reward, functions=functions, tokenizer_path=cfg.model.path),
         Trainer(config=cfg.trainer, model_path=cfg.model.path, dtype=cfg.model.torch_dtype,
-                algorithm=get_algorithm(cfg.algo), algo_config=cfg.algo_config,
+                algorithm=get_algorithm(cfg.algo), algo_config=algo_config,
                 temperature=cfg.generator.temperature, stream=stream, total_steps=cfg.steps),
     ]
     channels = [

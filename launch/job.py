@@ -12,6 +12,7 @@ from controller.failure import Watchdog
 from controller.graph import Graph
 from controller.loop import Controller
 from controller.metrics import MetricsWriter
+from controller.timeline import merge, plot
 from controller.world import build_world, check_world_size, store_client
 from launch.devices import detect_device, init_distributed, pin_threads
 
@@ -44,7 +45,9 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
         Controller(world=world, steps=range(steps), checkpoint_every=checkpoint_every).run()
         if writer:
             writer.join()
-        dist.barrier(group=world.control_group)
+        dist.barrier(group=world.control_group)  # every rank has saved its timeline
+        if rank == 0:
+            plot(merge(output_dir), output_dir / "timeline.png")
     except BaseException as exc:
         watchdog.fail(exc)
     watchdog.stop()

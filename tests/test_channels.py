@@ -86,3 +86,10 @@ def test_lagged_channel_delivers_next_step(tmp_path):
     # sent at steps 0 and 1, consumed at steps 1 and 2; step 2's sends are never delivered
     assert sorted((s, it.tag) for s, it in sink) == sorted(
         (s + 1, f"s{s}i{i}") for s in range(2) for i in range(3))
+
+
+def test_timeline_of_a_user_graph_is_merged_and_drawn(tmp_path):
+    spawn(_run, 3, _streaming_graph, 1, tmp_path)
+    events = [line for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    assert len(events) == 3  # one controller "step" span per rank
+    assert (tmp_path / "timeline.png").stat().st_size > 1000

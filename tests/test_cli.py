@@ -54,7 +54,8 @@ def test_config_errors_name_the_field(args, message):
 
 def test_unknown_algo_lists_known():
     proc = _launch("--algo", "ppo9000", "--dry-run")
-    assert proc.returncode == 2 and "unknown algo 'ppo9000'; known: grpo" in proc.stderr
+    known = "dapo, dr_grpo, grpo, gspo, reinforce_pp, rloo"
+    assert proc.returncode == 2 and f"unknown algo 'ppo9000'; known: {known}" in proc.stderr
 
 
 def test_config_file_errors_name_the_file(tmp_path):

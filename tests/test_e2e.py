@@ -18,9 +18,10 @@ REQUIRED = {"step", "reward_mean", "reward_std", "response_len_mean", "loss", "k
             "train_s", "push_s", "step_s", "tokens", "tpspd", "rollout_digest"}
 
 
-def launch(out: Path, *args: str, nproc: int = 3, steps: int = 3, timeout: float = 240) -> subprocess.CompletedProcess:
+def launch(out: Path, *args: str, nproc: int = 3, steps: int = 3, timeout: float = 240,
+           algo: str = "grpo") -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           "launch.py", "--algo", "grpo", "--steps", str(steps), "--output-dir", str(out), *SMALL, *args]
+           "launch.py", "--algo", algo, "--steps", str(steps), "--output-dir", str(out), *SMALL, *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -109,3 +110,18 @@ def test_reward_errors_can_score_zero_and_count(tmp_path):
     # NaN for odd-length responses (scored 0 and counted), 1.0 otherwise: 16 samples in all
     assert row["reward_failures"] > 0
     assert row["reward_failures"] == round(16 * (1 - row["reward_mean"]))
+
+
+@pytest.mark.parametrize("algo,extra", [
+    ("dr_grpo", []), ("rloo", []), ("gspo", []), ("reinforce_pp", ["--set", "algorithm.baseline=true"]),
+    ("dapo", ["--set", "algorithm.dynamic_sampling=false"]),
+    ("grpo", ["--set", "algorithm.beta=0.05", "--set", "algorithm.kl_in=reward", "--set", "trainer.dp=2"]),
+])
+def test_every_algorithm_runs_end_to_end(tmp_path, algo, extra):
+    proc = launch(tmp_path, *extra, nproc=4 if "trainer.dp=2" in extra else 3, steps=2, timeout=180,
+                  algo=algo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert len(rows) == 2 and all(REQUIRED <= r.keys() for r in rows)
+    assert all(r["grad_norm"] == r["grad_norm"] for r in rows)  # finite, not NaN
+    assert json.loads((tmp_path / "config.json").read_text())["algo"] == algo

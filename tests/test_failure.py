@@ -39,5 +39,7 @@ def test_clean_toy_job_exits_zero(tmp_path):
 def test_wrong_world_size_fails_fast_naming_both_numbers(tmp_path):
     proc, took = _torchrun(2, "launch.py", "--algo", "grpo", "--output-dir", str(tmp_path), timeout=60)
     assert proc.returncode != 0
-    assert took < 10 + 5, took  # + interpreter and torchrun start-up on a loaded 2-core machine
+    # issue target: < 10 s on an idle machine (measured in the note); the bound here catches hangs
+    # without flaking when CI shares its 2 cores
+    assert took < 30, took
     assert "world size is 2 but the placement needs 3 ranks (generator 1 + reward 1 + trainer 1)" in proc.stderr

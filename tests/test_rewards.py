@@ -46,7 +46,7 @@ def test_resolve_reward():
     assert resolve_reward("math_verify") is math_verify
     assert resolve_reward("math:floor") is math.floor
     assert "math_verify" in REWARDS.names()
-    with pytest.raises(ValueError, match="unknown reward 'nope'; known: math_verify"):
+    with pytest.raises(ValueError, match="unknown reward 'nope'; known: embedded, math_verify"):
         resolve_reward("nope")
     with pytest.raises(ValueError, match="'no_such_module_xyz:f'.*cannot import"):
         resolve_reward("no_such_module_xyz:f")

@@ -129,3 +129,70 @@ def test_sync_consumption_equals_streaming(groups):
     _, a = _step(_trainer(stream=True), groups)
     _, b = _step(_trainer(stream=False), groups)
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _trainer_for(algorithm, algo_config, *, micro_batch_size=3) -> Trainer:
+    trainer = Trainer(config=TrainerConfig(lr=1e-2, micro_batch_size=micro_batch_size, grad_clip=100.0),
+                      model_path=None, dtype=torch.float32, algorithm=algorithm, algo_config=algo_config,
+                      temperature=0.9, stream=True, total_steps=4)
+    trainer.init(ExecutorEnv(name="trainer", ranks=(0,), units=((0,),), rank=0, group=None,
+                             device=torch.device("cpu"), seed=0, output_dir=Path("/nonexistent")))
+    return trainer
+
+
+@pytest.mark.parametrize("options", [{}, {"baseline": True}, {"beta": 0.05, "kl_in": "loss"}])
+def test_batch_scope_advantages_streamed_equal_known_statistics(groups, options):
+    """REINFORCE++ trained group by group (batch mean/std unknown until the barrier) gets the same
+    gradient as the same loss with the batch statistics known in advance."""
+    from dataclasses import replace
+
+    from algorithms.reinforce_pp import ReinforcePPConfig
+
+    algo, cfg = get_algorithm("reinforce_pp"), ReinforcePPConfig(**options)
+    scores = torch.cat([algo.advantages(g.rewards, cfg) for g in groups]).double()
+    mu, sigma = scores.mean().item(), scores.std(unbiased=False).item()
+    known = replace(algo, advantage_scope="group",
+                    advantages=lambda r, c: (algo.advantages(r, c) - mu) / (sigma + c.eps))
+    streamed, reference = _trainer_for(algo, cfg), _trainer_for(known, cfg)
+    g_s, g_r = _grads_seen(streamed), _grads_seen(reference)
+    m_s, _ = _step(streamed, list(reversed(groups)))
+    m_r, _ = _step(reference, groups)
+    assert max((g_s[n] - g_r[n]).abs().max().item() for n in g_r) < 1e-6
+    assert max(g.abs().max().item() for g in g_r.values()) > 1e-4
+    assert m_s["loss"] == pytest.approx(m_r["loss"], abs=1e-6)
+
+
+def test_kl_in_reward_penalises_rewards_before_advantages():
+    """beta with kl_in="reward": the gradient equals GRPO on rewards already penalised by the KL of the
+    sampling log-probs to the reference. The samples come from another model (seed 1) than the
+    reference (the trainer's initial weights, seed 0), so that KL is far from 0."""
+    from dataclasses import replace
+
+    groups = scored_groups(n=4, G=4, seed=1)
+    from algorithms.kl import kl_penalised_rewards
+
+    cfg = GRPOConfig(beta=0.5, kl_in="reward")
+    algo = get_algorithm("grpo")
+    ref = load_model(None, seed=0)
+    penalised = []
+    for g in groups:  # the reference's log-probs of the sampled tokens, one sequence at a time
+        P, r_G = g.prompt_ids.numel(), g.rewards.clone().double()
+        for i, resp in enumerate(g.responses):
+            with torch.no_grad():
+                logits = ref(input_ids=torch.cat([g.prompt_ids, resp])[None]).logits[0, P - 1:-1].float() / 0.9
+            ref_T = torch.log_softmax(logits, -1).gather(-1, resp[:, None])[:, 0]
+            r_G[i] = kl_penalised_rewards(rewards_N=r_G[i:i + 1], logp_NT=g.logprobs[i][None], ref_logp_NT=ref_T[None],
+                                          mask_NT=torch.ones(1, resp.numel(), dtype=torch.bool), cfg=cfg)[0]
+        penalised.append(replace(g, rewards=r_G.float()))
+    assert any(not torch.equal(a.rewards, b.rewards) for a, b in zip(groups, penalised))
+    t_kl, t_plain = _trainer_for(algo, cfg), _trainer_for(algo, GRPOConfig(beta=0.0))
+    g_kl, g_plain = _grads_seen(t_kl), _grads_seen(t_plain)
+    _step(t_kl, groups), _step(t_plain, penalised)
+    assert max((g_kl[n] - g_plain[n]).abs().max().item() for n in g_kl) < 1e-5
+
+
+def test_dynamic_sampling_is_refused_until_supported():
+    from algorithms.dapo import DAPOConfig
+
+    with pytest.raises(ValueError, match="dynamic sampling .* --set algorithm.dynamic_sampling=false"):
+        _trainer_for(get_algorithm("dapo"), DAPOConfig())

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+import transformers  # lazy module: DynamicCache loads on first use
 
 _MASK32 = 0xFFFFFFFF
 
@@ -111,7 +111,7 @@ def sample_tokens(
 
 
 class NativeEngine:
-    def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int, max_batch_prompts: int = 16):
+    def __init__(self, model: transformers.PreTrainedModel, *, eos_token_id: int, pad_token_id: int, max_batch_prompts: int = 16):
         if max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts must be >= 1, got {max_batch_prompts}")
         self.model = model.eval()
@@ -208,7 +208,7 @@ class _Chunk:
             ids_CP[c, P - len(p):] = p
             mask_CP[c, P - len(p):] = 1
         pos_CP = (mask_CP.cumsum(-1) - 1).clamp(min=0)
-        self.cache = DynamicCache(config=model.config)
+        self.cache = transformers.DynamicCache(config=model.config)
         out = model(input_ids=ids_CP.to(dev), attention_mask=mask_CP.to(dev), position_ids=pos_CP.to(dev),
                     past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         # Prefill once per prompt, then give each of its G samples a copy of its cache rows.

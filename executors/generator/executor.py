@@ -88,18 +88,22 @@ class Generator(Executor):
         requests = [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in mine]
         out, tokens = ctx.outbound["rollouts"], 0
         held = []  # sync schedule: nothing leaves before the whole batch is generated
-        for done in self.engine.generate(requests, self.params, step=ctx.step):
-            group = RolloutGroup(step=ctx.step, index=done.index, prompt=rows[done.index].prompt,
-                                 extras=rows[done.index].extras, prompt_ids=done.prompt_ids_P,
-                                 responses=done.response_ids, logprobs=done.logprobs,
-                                 finished=done.finished_G)
-            tokens += sum(r.numel() for r in done.response_ids)
-            ctx.timeline.mark("generated", index=done.index)
-            if self.stream:
-                out.send(group)
-            else:
-                held.append(group)
+        start_t = time.time()
+        with ctx.timeline.span("generate"):
+            for done in self.engine.generate(requests, self.params, step=ctx.step):
+                group = RolloutGroup(step=ctx.step, index=done.index, prompt=rows[done.index].prompt,
+                                     extras=rows[done.index].extras, prompt_ids=done.prompt_ids_P,
+                                     responses=done.response_ids, logprobs=done.logprobs,
+                                     finished=done.finished_G)
+                tokens += sum(r.numel() for r in done.response_ids)
+                ctx.timeline.mark("generated", index=done.index)
+                if self.stream:
+                    out.send(group)
+                else:
+                    held.append(group)
+        end_t = time.time()
         for group in sorted(held, key=lambda g: g.index):
             out.send(group)
         gen_s = time.perf_counter() - t0
-        return {"gen_s": gen_s, "gen_tokens_per_s": tokens / max(gen_s, 1e-9)}
+        return {"gen_s": gen_s, "gen_tokens_per_s": tokens / max(gen_s, 1e-9), "gen_start_t": start_t,
+                "gen_end_t": end_t}

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from algorithms.base import Algorithm, AlgoConfig, LossInputs
+from algorithms.batch_scope import batch_mean_scale, batch_normalise_at_barrier, linear_passes, score_moments
+from algorithms.kl import kl_in_loss, kl_in_reward, kl_penalised_rewards
 from channels.payloads import ScoredGroup, WeightsUpdate
 from executors.base import Executor, ExecutorEnv, StepContext
 from executors.hf import load_model, load_tokenizer, save_hf
@@ -27,7 +29,7 @@ from executors.trainer.batching import split_group
 
 
 # per-step sums, all-reduced over dp at the barrier
-_SUMS = ("loss_sum", "denom", "kl_sum", "clip_sum", "tokens", "reward_sum", "reward_sq_sum", "samples",
+_SUMS = ("loss_score", "loss_one", "loss_zero", "denom", "kl_sum", "clip_sum", "tokens", "reward_sum", "reward_sq_sum", "samples",
          "len_sum", "groups", "reward_failures")
 
 
@@ -66,10 +68,18 @@ class Trainer(Executor):
         self.cfg, self.model_path, self.dtype = config, model_path, dtype
         self.algo, self.algo_cfg, self.temperature = algorithm, algo_config, temperature
         self.stream, self.total_steps = stream, total_steps
+        if getattr(algo_config, "dynamic_sampling", False):
+            raise ValueError(f"algorithm {algorithm.name!r}: dynamic sampling (dropping groups with equal "
+                             "rewards and topping the batch up) is not supported by this trainer yet; "
+                             "run with --set algorithm.dynamic_sampling=false")
 
     def describe(self):
         return {"dp": self.cfg.dp, "algo": self.algo.name, "stream": self.stream,
                 "reference": self.uses_reference}
+
+    @property
+    def batch_scope(self) -> bool:
+        return self.algo.advantage_scope == "batch"
 
     @property
     def uses_reference(self) -> bool:
@@ -89,17 +99,20 @@ class Trainer(Executor):
             s, warmup=self.cfg.warmup_steps, schedule=self.cfg.lr_schedule, total=self.total_steps,
             floor=self.cfg.min_lr_ratio))
         acc_dtype = torch.float64 if self.cfg.fp64_grad_accumulation else None
-        self.acc = [torch.zeros_like(p, dtype=acc_dtype or p.dtype) for p in self.params]
+        passes = ["score"] + (["one"] + (["zero"] if kl_in_loss(self.algo_cfg) else []) if self.batch_scope else [])
+        self.acc = {name: [torch.zeros_like(p, dtype=acc_dtype or p.dtype) for p in self.params] for name in passes}
 
     # ---- one step -------------------------------------------------------------------------
     def step(self, ctx: StepContext):
         sums = torch.zeros(len(_SUMS), dtype=torch.float64)
         mismatch = torch.zeros((), dtype=torch.float64)  # max |trainer logp - sampling logp|
         digests: dict[int, str] = {}
-        train_s = 0.0
+        self.moments: dict[int, torch.Tensor] = {}  # batch-scope advantages: score moments per group
+        train_s, first_train_t = 0.0, None
         groups = ctx.inbound["scored"] if self.stream else list(ctx.inbound["scored"])
         for group in groups:
             t0 = time.perf_counter()
+            first_train_t = first_train_t or time.time()
             with ctx.timeline.span("train", index=group.index):
                 group_sums, group_mismatch = self._train_group(group)
             sums += group_sums
@@ -116,35 +129,56 @@ class Trainer(Executor):
             ctx.outbound["weights"].flush()
         push_s = time.perf_counter() - t0
         metrics = {k: v for k, v in zip(_SUMS, sums.tolist())}
-        return self._metrics(metrics, mismatch.item(), digest, grad_norm, train_s=train_s, push_s=push_s)
+        return {**self._metrics(metrics, mismatch.item(), digest, grad_norm, train_s=train_s, push_s=push_s),
+                "first_train_t": first_train_t, "push_end_t": time.time()}
+
+    def _rewards(self, group: ScoredGroup, mbs, refs) -> torch.Tensor:
+        """The group's rewards after the algorithm's shaping and, if asked, the KL-in-reward penalty."""
+        lengths_G = torch.tensor([r.numel() for r in group.responses])
+        rewards_G = self.algo.shape_rewards(group.rewards, lengths_G, self.algo_cfg)
+        if kl_in_reward(self.algo_cfg):
+            for mb, ref_NT in zip(mbs, refs):
+                idx = list(mb.samples)
+                sampled_NT = _sampled_logprobs(group, idx, like=ref_NT)
+                rewards_G = rewards_G.clone().to(torch.float64)
+                rewards_G[idx] = kl_penalised_rewards(rewards_N=rewards_G[idx], logp_NT=sampled_NT,
+                                                      ref_logp_NT=ref_NT, mask_NT=mb.mask_NT, cfg=self.algo_cfg)
+        return rewards_G
 
     def _train_group(self, group: ScoredGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        adv_G = self.algo.advantages(group.rewards, self.algo_cfg)
+        mbs = split_group(group.prompt_ids, group.responses, micro_batch_size=self.cfg.micro_batch_size,
+                          pad_id=self.tokenizer.pad_token_id, device=self.env.device)
+        refs = [None] * len(mbs)
+        if self.reference is not None:  # frozen: no graph, computed once for the KL (loss or reward)
+            with torch.no_grad():
+                refs = [mb.logprobs(self.reference, temperature=self.temperature) for mb in mbs]
+        score_G = self.algo.advantages(self._rewards(group, mbs, refs), self.algo_cfg)
+        if self.batch_scope:
+            self.moments[group.index] = score_moments(score_G)
         sums = dict.fromkeys(_SUMS, 0.0)
         mismatch = torch.zeros((), dtype=torch.float64)
-        for mb in split_group(group.prompt_ids, group.responses, micro_batch_size=self.cfg.micro_batch_size,
-                              pad_id=self.tokenizer.pad_token_id, device=self.env.device):
+        for mb, ref_NT in zip(mbs, refs):
             logp_NT = mb.logprobs(self.policy, temperature=self.temperature)
-            ref_NT = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_NT = mb.logprobs(self.reference, temperature=self.temperature)
             idx = list(mb.samples)
-            out = self.algo.loss(LossInputs(logp_NT=logp_NT, old_logp_NT=logp_NT.detach(), ref_logp_NT=ref_NT,
-                                            adv_N=adv_G[idx].to(logp_NT), mask_NT=mb.mask_NT), self.algo_cfg)
-            out.loss_sum.backward()
-            for acc, p in zip(self.acc, self.params):
-                if p.grad is not None:
-                    acc += p.grad
-                    p.grad = None
-            sampled_NT = torch.zeros_like(logp_NT)
-            for n, i in enumerate(idx):
-                sampled_NT[n, : group.logprobs[i].numel()] = group.logprobs[i]
+            score_N = score_G[idx].to(logp_NT)
+            # group scope: one pass at the advantages; batch scope: the loss at s, 1 (and 0), combined
+            # exactly at the barrier once the batch's mean and std are known (algorithms/batch_scope.py)
+            passes = linear_passes(score_N, self.algo_cfg) if self.batch_scope else {"score": score_N}
+            for k, (name, adv_N) in enumerate(passes.items()):
+                out = self.algo.loss(LossInputs(logp_NT=logp_NT, old_logp_NT=logp_NT.detach(), ref_logp_NT=ref_NT,
+                                                adv_N=adv_N, mask_NT=mb.mask_NT), self.algo_cfg)
+                out.loss_sum.backward(retain_graph=k < len(passes) - 1)
+                for acc, p in zip(self.acc[name], self.params):
+                    if p.grad is not None:
+                        acc += p.grad
+                        p.grad = None
+                sums[f"loss_{name}"] += out.loss_sum.item()
+                if name == "score":
+                    sums["denom"] += out.denom
+                    sums["kl_sum"] += out.stats.get("kl_sum", 0.0)
+                    sums["clip_sum"] += out.stats.get("clip_sum", 0.0)
+            sampled_NT = _sampled_logprobs(group, idx, like=logp_NT)
             mismatch = torch.maximum(mismatch, ((logp_NT.detach() - sampled_NT).abs() * mb.mask_NT).max().double())
-            sums["loss_sum"] += out.loss_sum.item()
-            sums["denom"] += out.denom
-            sums["kl_sum"] += out.stats.get("kl_sum", 0.0)
-            sums["clip_sum"] += out.stats.get("clip_sum", 0.0)
             sums["tokens"] += mb.tokens
         rewards = group.rewards.double()
         sums["reward_sum"] = rewards.sum().item()
@@ -161,17 +195,32 @@ class Trainer(Executor):
             group = self.env.group
             dist.all_reduce(sums, group=group)
             dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=group)
-            for acc in self.acc:
-                dist.all_reduce(acc, group=group)
+            for accs in self.acc.values():
+                for acc in accs:
+                    dist.all_reduce(acc, group=group)
             gathered = [None] * self.units
-            dist.all_gather_object(gathered, digests, group=group)
-            digests = {k: v for d in gathered for k, v in d.items()}
+            dist.all_gather_object(gathered, (digests, self.moments), group=group)
+            digests = {k: v for d, _ in gathered for k, v in d.items()}
+            self.moments = {k: v for _, m in gathered for k, v in m.items()}
+        grads = self.acc["score"]
+        if self.batch_scope:
+            mu, scale = batch_mean_scale(self.moments, eps=self.algo_cfg.eps)
+            zeros = self.acc.get("zero", [None] * len(self.params))
+            grads = [batch_normalise_at_barrier(at_score=s, at_one=o, at_zero=z, mu=mu, scale=scale)
+                     for s, o, z in zip(self.acc["score"], self.acc["one"], zeros)]
+            i = {k: _SUMS.index(f"loss_{k}") for k in ("score", "one", "zero")}
+            sums[i["score"]] = batch_normalise_at_barrier(
+                at_score=sums[i["score"]].item(), at_one=sums[i["one"]].item(),
+                at_zero=sums[i["zero"]].item() if "zero" in self.acc else None, mu=mu, scale=scale)
         denom = sums[_SUMS.index("denom")].item()
         assert denom > 0, "barrier reached with an empty batch"
-        for acc, p in zip(self.acc, self.params):
-            p.grad = (acc / denom).to(p.dtype)
-            acc.zero_()
+        for grad, p in zip(grads, self.params):
+            p.grad = (grad / denom).to(p.dtype)
+        for accs in self.acc.values():
+            for acc in accs:
+                acc.zero_()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip).item()
+        self.lr_used = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
@@ -182,9 +231,9 @@ class Trainer(Executor):
         n, denom = m["samples"], m["denom"]
         mean = m["reward_sum"] / n
         return {"reward_mean": mean, "reward_std": math.sqrt(max(0.0, m["reward_sq_sum"] / n - mean * mean)),
-                "response_len_mean": m["len_sum"] / n, "loss": m["loss_sum"] / denom,
+                "response_len_mean": m["len_sum"] / n, "loss": m["loss_score"] / denom,
                 "kl": m["kl_sum"] / denom, "clip_frac": m["clip_sum"] / denom, "grad_norm": grad_norm,
-                "lr": self.sched.get_last_lr()[0], "logp_mismatch_max": mismatch,
+                "lr": self.lr_used, "logp_mismatch_max": mismatch,
                 "groups": int(m["groups"]), "reward_failures": int(m["reward_failures"]),
                 "tokens": int(m["tokens"]), "train_s": train_s, "push_s": push_s, "rollout_digest": digest}
 
@@ -198,6 +247,14 @@ class Trainer(Executor):
     def finalize(self, output_dir: Path) -> None:
         if self.env.is_leader:
             save_hf(self.policy, self.tokenizer, output_dir / "final")
+
+
+def _sampled_logprobs(group: ScoredGroup, idx: list[int], *, like: torch.Tensor) -> torch.Tensor:
+    """The generator's sampling log-probs of samples `idx`, padded like a micro-batch's [N, T]."""
+    out_NT = torch.zeros_like(like)
+    for n, i in enumerate(idx):
+        out_NT[n, : group.logprobs[i].numel()] = group.logprobs[i]
+    return out_NT
 
 
 def _group_digest(group: ScoredGroup) -> str:

@@ -1,0 +1,81 @@
+"""The PPO-style clipped surrogate, shared by every algorithm with a per-token ratio.
+
+Per token t of sequence i, with ratio_it = exp(logp_it - old_logp_it):
+    pg_it = -min(ratio_it * A_i, clip(ratio_it, 1 - clip_low, 1 + clip_high) * A_i)
+    l_it  = pg_it + beta * kl_it          (kl only when kl_in == "loss")
+The algorithms differ only in how tokens are summed (a mean per sequence, or a plain sum) and in
+what the batch denominator counts (`Normaliser`), so both are arguments here.
+"""
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from algorithms.base import LossInputs, LossOutput, Normaliser, batch_denominator, check_loss_inputs, upcast
+from algorithms.kl import KLConfig, check_kl_inputs, kl_in_loss, masked_kl_NT
+
+
+class ClipConfig(KLConfig):
+    clip_low: float = Field(
+        0.2, ge=0.0, lt=1.0, description="Lower clip: the ratio is clamped below at 1 - clip_low."
+    )
+    clip_high: float = Field(
+        0.2, ge=0.0,
+        description="Upper clip: the ratio is clamped above at 1 + clip_high (clip-higher when > clip_low).",
+    )
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, *, clip_low: float, clip_high: float):
+    """-min(ratio * A, clip(ratio) * A), and where the clamp is the active branch (no gradient)."""
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = -torch.minimum(ratio * adv, clipped * adv)
+    with torch.no_grad():
+        low = (ratio < 1.0 - clip_low) & (adv < 0)
+        high = (ratio > 1.0 + clip_high) & (adv > 0)
+    return pg, low, high
+
+
+def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normaliser, per_sequence_mean: bool,
+                     max_response_tokens: int | None = None) -> LossOutput:
+    """Sum over the micro-batch of l_it, weighted 1/|o_i| (per_sequence_mean) or 1 (token sum).
+
+    Stats are summed in the normaliser's units, so stat / denom is a mean: per-sequence means
+    for "sequences", token sums for "tokens" and "constant".
+    """
+    check_loss_inputs(inputs)
+    check_kl_inputs(inputs, cfg)
+    mask_NT = inputs.mask_NT
+    # Padding positions may hold anything (even -inf); zero them before exp so that 0 * inf
+    # never turns into NaN in the forward or the backward.
+    logp_NT = upcast(inputs.logp_NT)
+    ratio_NT = torch.exp(torch.where(mask_NT, logp_NT - upcast(inputs.old_logp_NT), 0.0))
+    adv_N1 = upcast(inputs.adv_N).unsqueeze(1)
+    tok_NT, low_NT, high_NT = clipped_surrogate(ratio_NT, adv_N1, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+
+    kl_NT = None
+    if inputs.ref_logp_NT is not None:
+        kl_NT = masked_kl_NT(logp_NT=logp_NT, ref_logp_NT=inputs.ref_logp_NT, mask_NT=mask_NT,
+                             estimator=cfg.kl_estimator)
+        if kl_in_loss(cfg):
+            tok_NT = tok_NT + cfg.beta * kl_NT
+
+    # 1/|o_i|; clamp so an empty sequence contributes 0 instead of 0/0.
+    inv_len_N1 = 1.0 / mask_NT.sum(dim=1, keepdim=True).clamp(min=1).to(logp_NT.dtype)
+
+    def weighted_sum(x_NT: torch.Tensor, per_seq: bool) -> torch.Tensor:
+        x_NT = torch.where(mask_NT, x_NT, 0.0)
+        return (x_NT * inv_len_N1).sum() if per_seq else x_NT.sum()
+
+    loss_sum = weighted_sum(tok_NT, per_sequence_mean)
+    with torch.no_grad():
+        per_seq = normaliser == "sequences"
+        stats = {
+            "clip_low_sum": weighted_sum(low_NT.to(logp_NT.dtype), per_seq).item(),
+            "clip_high_sum": weighted_sum(high_NT.to(logp_NT.dtype), per_seq).item(),
+            "clip_sum": weighted_sum((low_NT | high_NT).to(logp_NT.dtype), per_seq).item(),
+            "kl_sum": weighted_sum(kl_NT, per_seq).item() if kl_NT is not None else 0.0,
+            "ratio_sum": weighted_sum(ratio_NT, per_seq).item(),
+            "adv_sum": adv_N1.sum().item(),
+        }
+    denom = batch_denominator(normaliser, mask_NT, max_response_tokens=max_response_tokens)
+    return LossOutput(loss_sum=loss_sum, denom=denom, stats=stats)
