@@ -41,10 +41,11 @@ def _validate(graph: Graph) -> None:
             raise ValueError(f"channel {ch.name!r}: source and destination are both {ch.src!r}")
         _check_port(ch, by_name[ch.src], "outputs", ch.out_port)
         _check_port(ch, by_name[ch.dst], "inputs", ch.in_port)
-        for key in ((ch.src, "out", ch.out_port), (ch.dst, "in", ch.in_port)):
-            if key in used_ports:
-                raise ValueError(f"channel {ch.name!r}: port {key[0]}.{key[2]} already has a channel")
-            used_ports.add(key)
+        # an output port may fan out to several channels; an input port takes exactly one
+        key = (ch.dst, "in", ch.in_port)
+        if key in used_ports:
+            raise ValueError(f"channel {ch.name!r}: port {ch.dst}.{ch.in_port} already has a channel")
+        used_ports.update({key, (ch.src, "out", ch.out_port)})
         if ch.kind is Kind.SCATTER and not (is_dataclass(ch.payload) and
                                             "index" in {f.name for f in fields(ch.payload)}):
             raise ValueError(f"channel {ch.name!r}: SCATTER routes by `index`, which "

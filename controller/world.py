@@ -27,6 +27,25 @@ ENDPOINTS: dict[Kind, tuple[type, type]] = {  # (sender, receiver) classes per c
 }
 
 
+class FanOut:
+    """One output port feeding several channels: every item goes into each of them."""
+
+    def __init__(self, senders: list):
+        self.senders = senders
+
+    def send(self, item) -> None:
+        for sender in self.senders:
+            sender.send(item)
+
+    def close_step(self) -> None:
+        for sender in self.senders:
+            sender.close_step()
+
+    def flush(self) -> None:
+        for sender in self.senders:
+            sender.flush()
+
+
 def placement(graph: Graph) -> dict[str, tuple[tuple[int, ...], ...]]:
     """Executor name -> global ranks per unit; contiguous ranges in graph order."""
     out, next_rank = {}, 0
@@ -78,7 +97,11 @@ class World:
         for ch, (sender, receiver) in zip(self.graph.channels, self._endpoints):
             if sender is not None:
                 sender.open_step(step, deliverable=step + ch.step_lag <= last_step)
-                outbound[ch.out_port] = sender
+                if ch.out_port in outbound:  # fan-out: one port, several channels
+                    outbound[ch.out_port] = FanOut([*getattr(outbound[ch.out_port], "senders",
+                                                             [outbound[ch.out_port]]), sender])
+                else:
+                    outbound[ch.out_port] = sender
             if receiver is not None:
                 receiver.open_step(step - ch.step_lag, expected=step - ch.step_lag >= first_step)
                 inbound[ch.in_port] = receiver

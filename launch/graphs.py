@@ -15,6 +15,9 @@ from launch.config import RunConfig
 def grpo_graph(cfg: RunConfig) -> Graph:
     """generator -> reward -> trainer, and the trainer's weights back to the generator (lag 1)."""
     stream = cfg.schedule == "periodic"
+    if cfg.trainer.mini_batches * cfg.trainer.dp > cfg.data.prompts_per_step:
+        raise ValueError(f"trainer.mini_batches ({cfg.trainer.mini_batches}) x trainer.dp ({cfg.trainer.dp}) "
+                         f"exceeds data.prompts_per_step ({cfg.data.prompts_per_step}): a mini-batch would be empty")
     algo_config = cfg.algo_config
     if "max_response_tokens" in type(algo_config).model_fields and \
             "max_response_tokens" not in algo_config.model_fields_set:

@@ -93,3 +93,17 @@ def test_timeline_of_a_user_graph_is_merged_and_drawn(tmp_path):
     events = [line for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
     assert len(events) == 3  # one controller "step" span per rank
     assert (tmp_path / "timeline.png").stat().st_size > 1000
+
+
+def _fan_out_graph():
+    # one output port, two channels of different kinds to two executors
+    return Graph([Producer(items_per_step=5), Relay(name="a", units=2, forward=False),
+                  Relay(name="b", forward=False)],
+                 [Channel("to_a", "producer", "a", Kind.SCATTER, Item, src_port="items", dst_port="items"),
+                  Channel("to_b", "producer", "b", Kind.BROADCAST, Item, src_port="items", dst_port="items")])
+
+
+def test_one_output_port_fans_out_to_several_channels(tmp_path):
+    results = spawn(_run, 4, _fan_out_graph, 1, tmp_path)
+    a0, a1, b = (sorted(it.index for _, it, _ in r[name]) for r, name in zip(results[1:], ("a", "a", "b")))
+    assert a0 == [0, 2, 4] and a1 == [1, 3] and b == [0, 1, 2, 3, 4]

@@ -44,6 +44,7 @@ def test_dry_run_prints_placement_and_channels():
     (["--set", "algorithm.nope=1"], "algorithm.nope: unknown key"),
     (["--set", "novalue"], "--set 'novalue': expected KEY=VALUE"),
     (["--steps", "0"], "steps: Input should be greater than or equal to 1 (got 0)"),
+    (["--set", "trainer.mini_batches=20"], "trainer.mini_batches (20) x trainer.dp (1) exceeds data.prompts_per_step"),
 ])
 def test_config_errors_name_the_field(args, message):
     proc = _launch("--algo", "grpo", "--dry-run", *args)

@@ -125,3 +125,14 @@ def test_every_algorithm_runs_end_to_end(tmp_path, algo, extra):
     assert len(rows) == 2 and all(REQUIRED <= r.keys() for r in rows)
     assert all(r["grad_norm"] == r["grad_norm"] for r in rows)  # finite, not NaN
     assert json.loads((tmp_path / "config.json").read_text())["algo"] == algo
+
+
+def test_several_optimizer_steps_per_batch_keep_schedules_identical(tmp_path):
+    """PPO-style passes (2 mini-batches x 2 epochs) on 2 trainer ranks: periodic still equals sync."""
+    opts = ["--set", "trainer.dp=2", "--set", "trainer.mini_batches=2", "--set", "trainer.epochs=2"]
+    for schedule in ("sync", "periodic"):
+        proc = launch(tmp_path / schedule, "--schedule", schedule, *opts, nproc=4, steps=2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    _same_run(tmp_path / "sync", tmp_path / "periodic")
+    rows = metrics(tmp_path / "periodic")
+    assert all(r["optimizer_steps"] == 4 and r["clip_frac"] > 0 for r in rows)

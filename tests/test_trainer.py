@@ -196,3 +196,48 @@ def test_dynamic_sampling_is_refused_until_supported():
 
     with pytest.raises(ValueError, match="dynamic sampling .* --set algorithm.dynamic_sampling=false"):
         _trainer_for(get_algorithm("dapo"), DAPOConfig())
+
+
+def test_several_optimizer_steps_use_the_old_policy_snapshot(groups):
+    """mini_batches=2, epochs=2: four optimizer steps on one batch. Each step's gradient equals plain
+    GRPO on that mini-batch's groups at the weights of that moment, with the ratio taken against the
+    generation weights (the snapshot), so clipping is active after the first step."""
+    trainer = Trainer(config=TrainerConfig(lr=5e-2, micro_batch_size=3, grad_clip=100.0, mini_batches=2, epochs=2),
+                      model_path=None, dtype=torch.float32, algorithm=get_algorithm("grpo"),
+                      algo_config=GRPOConfig(clip_low=0.1, clip_high=0.1), temperature=0.9, stream=True,
+                      total_steps=4)
+    trainer.init(ExecutorEnv(name="trainer", ranks=(0,), units=((0,),), rank=0, group=None,
+                             device=torch.device("cpu"), seed=0, output_dir=Path("/nonexistent")))
+    names = {id(p): n for n, p in trainer.policy.named_parameters()}
+    steps = []  # (weights before the step, gradient) per optimizer step
+    trainer.opt.register_step_pre_hook(lambda opt, *_: steps.append((
+        {names[id(p)]: p.detach().clone() for g in opt.param_groups for p in g["params"]},
+        {names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]})))
+    metrics, _ = _step(trainer, list(reversed(groups)))
+    assert len(steps) == 4 and metrics["optimizer_steps"] == 4
+    old = load_model(None, seed=0)
+    clipped_somewhere = False
+    for k, (weights, grads) in enumerate(steps):
+        mb_groups = [g for g in groups if g.index % 2 == k % 2]  # mini-batch of step k: index % 2
+        policy = load_model(None, seed=0)
+        policy.load_state_dict(weights, strict=False)
+        terms = []
+        for g in mb_groups:
+            r = g.rewards.double()
+            adv = ((r - r.mean()) / (r.std(unbiased=False) + 1e-6)).float()
+            for i, resp in enumerate(g.responses):
+                ids, P = torch.cat([g.prompt_ids, resp])[None], g.prompt_ids.numel()
+
+                def logp(model):
+                    logits = model(input_ids=ids).logits[0, P - 1: -1].float() / 0.9
+                    return torch.log_softmax(logits, -1).gather(-1, resp[:, None])[:, 0]
+
+                with torch.no_grad():
+                    old_lp = logp(old)
+                ratio = torch.exp(logp(policy) - old_lp)
+                clipped_somewhere |= bool(((ratio - 1).abs() > 0.1).any())
+                terms.append(-torch.minimum(ratio * adv[i], ratio.clamp(0.9, 1.1) * adv[i]).mean())
+        torch.stack(terms).mean().backward()
+        worst = max((grads[n] - p.grad).abs().max().item() for n, p in policy.named_parameters())
+        assert worst < 1e-6, (k, worst)
+    assert clipped_somewhere  # later steps really ran off-policy enough for clipping to matter

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from algorithms.base import Algorithm, AlgoConfig, LossInputs
-from algorithms.batch_scope import batch_mean_scale, batch_normalise_at_barrier, linear_passes, score_moments
+from algorithms.batch_scope import (batch_mean_scale, batch_normalise, batch_normalise_at_barrier, linear_passes,
+                                    score_moments)
 from algorithms.kl import kl_in_loss, kl_in_reward, kl_penalised_rewards
 from channels.payloads import ScoredGroup, WeightsUpdate
 from executors.base import Executor, ExecutorEnv, StepContext
@@ -28,9 +29,10 @@ from executors.hf import load_model, load_tokenizer, save_hf
 from executors.trainer.batching import split_group
 
 
-# per-step sums, all-reduced over dp at the barrier
-_SUMS = ("loss_score", "loss_one", "loss_zero", "denom", "kl_sum", "clip_sum", "tokens", "reward_sum", "reward_sq_sum", "samples",
-         "len_sum", "groups", "reward_failures")
+# per optimizer step: loss passes and their denominators, all-reduced over dp at each barrier
+_SUMS = ("loss_score", "loss_one", "loss_zero", "denom", "kl_sum", "clip_sum", "mismatch")
+# per step, once per group: what was sampled and scored, and the tokens one pass trains on
+_RECORD = ("reward_sum", "reward_sq_sum", "samples", "len_sum", "groups", "reward_failures", "tokens")
 
 
 class TrainerConfig(BaseModel):
@@ -44,6 +46,9 @@ class TrainerConfig(BaseModel):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
     grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
     micro_batch_size: int = Field(8, ge=1, description="sequences per micro-batch (a group splits by sample index)")
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch over the batch; group i "
+                              "is in mini-batch (i // dp) % mini_batches")
+    epochs: int = Field(1, ge=1, description="passes over the batch (PPO-style); >1 uses the old-policy snapshot")
     fp64_grad_accumulation: bool = Field(True, description="accumulate grads in float64 so arrival order "
                                          "cannot change a bit; off saves memory on big models")
 
@@ -92,6 +97,8 @@ class Trainer(Executor):
         self.reference = None
         if self.uses_reference:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        # a real old-policy snapshot only when several optimizer steps share one batch
+        self.old = copy.deepcopy(self.policy).eval().requires_grad_(False) if self.passes > 1 else None
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=self.cfg.lr, betas=self.cfg.betas,
                                      weight_decay=self.cfg.weight_decay)
@@ -104,68 +111,111 @@ class Trainer(Executor):
 
     # ---- one step -------------------------------------------------------------------------
     def step(self, ctx: StepContext):
-        sums = torch.zeros(len(_SUMS), dtype=torch.float64)
-        mismatch = torch.zeros((), dtype=torch.float64)  # max |trainer logp - sampling logp|
-        digests: dict[int, str] = {}
-        self.moments: dict[int, torch.Tensor] = {}  # batch-scope advantages: score moments per group
+        """First pass: groups of mini-batch 0 train as they arrive (ratio 1: the policy still holds
+        the generation weights); later mini-batches and epochs run once all groups are in, in
+        index order, against the old-policy snapshot. One optimizer step per mini-batch."""
+        if self.old is not None:
+            _copy_params(self.old, self.policy)  # the weights that generated this step's samples
+        record = torch.zeros(len(_RECORD), dtype=torch.float64)
+        digests, held, self.moments = {}, [], {}
+        self.totals = dict.fromkeys(("loss", "denom", "kl", "clip", "grad_norm", "mismatch"), 0.0)
+        step_sums = torch.zeros(len(_SUMS), dtype=torch.float64)
         train_s, first_train_t = 0.0, None
         groups = ctx.inbound["scored"] if self.stream else list(ctx.inbound["scored"])
         for group in groups:
             t0 = time.perf_counter()
             first_train_t = first_train_t or time.time()
-            with ctx.timeline.span("train", index=group.index):
-                group_sums, group_mismatch = self._train_group(group)
-            sums += group_sums
-            mismatch = torch.maximum(mismatch, group_mismatch)
+            record += _record(group)
             digests[group.index] = _group_digest(group)
+            if self.batch_scope:
+                self.moments[group.index] = score_moments(self._scores(group))
+            if self.passes > 1:
+                held.append(group)
+            if self._mini_batch(group.index) == 0:
+                with ctx.timeline.span("train", index=group.index):
+                    step_sums = _merge(step_sums, self._train_group(group, first_pass=True))
             train_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         with ctx.timeline.span("barrier"):
-            sums, mismatch, digest, grad_norm = self._barrier(sums, mismatch, digests)
+            record, digests = self._gather(record, digests)
+            self._optimizer_step(step_sums, first_pass=True)
+            for epoch in range(self.cfg.epochs):  # later passes: all groups are in
+                for mb in range(self.cfg.mini_batches):
+                    if (epoch, mb) == (0, 0):
+                        continue
+                    step_sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+                    for g in sorted(held, key=lambda g: g.index):
+                        if self._mini_batch(g.index) == mb:
+                            step_sums = _merge(step_sums, self._train_group(g, first_pass=False))
+                    self._optimizer_step(step_sums, first_pass=False)
+            self.lr_used = self.opt.param_groups[0]["lr"]
+            self.sched.step()
         train_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         with ctx.timeline.span("push"):
             ctx.outbound["weights"].push(self.policy.named_parameters())
             ctx.outbound["weights"].flush()
         push_s = time.perf_counter() - t0
-        metrics = {k: v for k, v in zip(_SUMS, sums.tolist())}
-        return {**self._metrics(metrics, mismatch.item(), digest, grad_norm, train_s=train_s, push_s=push_s),
+        digest = hashlib.sha256("".join(digests[i] for i in sorted(digests)).encode()).hexdigest()[:16]
+        return {**self._metrics(dict(zip(_RECORD, record.tolist())), digest, train_s=train_s, push_s=push_s),
                 "first_train_t": first_train_t, "push_end_t": time.time()}
 
-    def _rewards(self, group: ScoredGroup, mbs, refs) -> torch.Tensor:
-        """The group's rewards after the algorithm's shaping and, if asked, the KL-in-reward penalty."""
+    @property
+    def passes(self) -> int:
+        return self.cfg.epochs * self.cfg.mini_batches
+
+    def _mini_batch(self, index: int) -> int:
+        # groups i and i + dp land on different dp ranks; stepping over dp keeps mini-batches balanced
+        return (index // self.units) % self.cfg.mini_batches
+
+    def _scores(self, group: ScoredGroup, mbs=None, refs=None) -> torch.Tensor:
+        """The algorithm's advantages (batch scope: the scores, normalised later) of one group."""
         lengths_G = torch.tensor([r.numel() for r in group.responses])
         rewards_G = self.algo.shape_rewards(group.rewards, lengths_G, self.algo_cfg)
         if kl_in_reward(self.algo_cfg):
+            mbs = mbs or self._micro_batches(group)
+            refs = refs or self._ref_logprobs(mbs)
+            rewards_G = rewards_G.clone().to(torch.float64)
             for mb, ref_NT in zip(mbs, refs):
                 idx = list(mb.samples)
-                sampled_NT = _sampled_logprobs(group, idx, like=ref_NT)
-                rewards_G = rewards_G.clone().to(torch.float64)
-                rewards_G[idx] = kl_penalised_rewards(rewards_N=rewards_G[idx], logp_NT=sampled_NT,
-                                                      ref_logp_NT=ref_NT, mask_NT=mb.mask_NT, cfg=self.algo_cfg)
-        return rewards_G
+                rewards_G[idx] = kl_penalised_rewards(
+                    rewards_N=rewards_G[idx], logp_NT=_sampled_logprobs(group, idx, like=ref_NT),
+                    ref_logp_NT=ref_NT, mask_NT=mb.mask_NT, cfg=self.algo_cfg)
+        return self.algo.advantages(rewards_G, self.algo_cfg)
 
-    def _train_group(self, group: ScoredGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        mbs = split_group(group.prompt_ids, group.responses, micro_batch_size=self.cfg.micro_batch_size,
-                          pad_id=self.tokenizer.pad_token_id, device=self.env.device)
-        refs = [None] * len(mbs)
-        if self.reference is not None:  # frozen: no graph, computed once for the KL (loss or reward)
-            with torch.no_grad():
-                refs = [mb.logprobs(self.reference, temperature=self.temperature) for mb in mbs]
-        score_G = self.algo.advantages(self._rewards(group, mbs, refs), self.algo_cfg)
-        if self.batch_scope:
-            self.moments[group.index] = score_moments(score_G)
+    def _micro_batches(self, group: ScoredGroup):
+        return split_group(group.prompt_ids, group.responses, micro_batch_size=self.cfg.micro_batch_size,
+                           pad_id=self.tokenizer.pad_token_id, device=self.env.device)
+
+    def _ref_logprobs(self, mbs) -> list:
+        if self.reference is None:
+            return [None] * len(mbs)
+        with torch.no_grad():  # frozen: no graph; the same micro-batch feeds all three models
+            return [mb.logprobs(self.reference, temperature=self.temperature) for mb in mbs]
+
+    def _train_group(self, group: ScoredGroup, *, first_pass: bool) -> torch.Tensor:
+        """Forward/backward of one group's micro-batches; gradients go to the accumulators."""
+        mbs = self._micro_batches(group)
+        refs = self._ref_logprobs(mbs)
+        score_G = self._scores(group, mbs, refs)
+        linear = self.batch_scope and first_pass
+        if self.batch_scope and not first_pass:  # mean and std of the batch are known by now
+            score_G = batch_normalise(score_G, mu=self.mu_scale[0], scale=self.mu_scale[1])
         sums = dict.fromkeys(_SUMS, 0.0)
-        mismatch = torch.zeros((), dtype=torch.float64)
         for mb, ref_NT in zip(mbs, refs):
             logp_NT = mb.logprobs(self.policy, temperature=self.temperature)
+            if first_pass:
+                old_NT = logp_NT.detach()  # the policy IS the old policy until the first optimizer step
+            else:
+                with torch.no_grad():
+                    old_NT = mb.logprobs(self.old, temperature=self.temperature)
             idx = list(mb.samples)
             score_N = score_G[idx].to(logp_NT)
             # group scope: one pass at the advantages; batch scope: the loss at s, 1 (and 0), combined
             # exactly at the barrier once the batch's mean and std are known (algorithms/batch_scope.py)
-            passes = linear_passes(score_N, self.algo_cfg) if self.batch_scope else {"score": score_N}
+            passes = linear_passes(score_N, self.algo_cfg) if linear else {"score": score_N}
             for k, (name, adv_N) in enumerate(passes.items()):
-                out = self.algo.loss(LossInputs(logp_NT=logp_NT, old_logp_NT=logp_NT.detach(), ref_logp_NT=ref_NT,
+                out = self.algo.loss(LossInputs(logp_NT=logp_NT, old_logp_NT=old_NT, ref_logp_NT=ref_NT,
                                                 adv_N=adv_N, mask_NT=mb.mask_NT), self.algo_cfg)
                 out.loss_sum.backward(retain_graph=k < len(passes) - 1)
                 for acc, p in zip(self.acc[name], self.params):
@@ -177,65 +227,72 @@ class Trainer(Executor):
                     sums["denom"] += out.denom
                     sums["kl_sum"] += out.stats.get("kl_sum", 0.0)
                     sums["clip_sum"] += out.stats.get("clip_sum", 0.0)
-            sampled_NT = _sampled_logprobs(group, idx, like=logp_NT)
-            mismatch = torch.maximum(mismatch, ((logp_NT.detach() - sampled_NT).abs() * mb.mask_NT).max().double())
-            sums["tokens"] += mb.tokens
-        rewards = group.rewards.double()
-        sums["reward_sum"] = rewards.sum().item()
-        sums["reward_sq_sum"] = (rewards ** 2).sum().item()
-        sums["samples"] = len(group.responses)
-        sums["len_sum"] = float(sum(r.numel() for r in group.responses))
-        sums["groups"] = 1.0
-        sums["reward_failures"] = float(group.reward_failures)
-        return torch.tensor([sums[k] for k in _SUMS], dtype=torch.float64), mismatch
+            if first_pass:  # on-policy check: the trainer recomputes what the generator sampled
+                sampled_NT = _sampled_logprobs(group, idx, like=logp_NT)
+                gap = ((logp_NT.detach() - sampled_NT).abs() * mb.mask_NT).max().item()
+                sums["mismatch"] = max(sums["mismatch"], gap)
+        return torch.tensor([sums[k] for k in _SUMS], dtype=torch.float64)
 
-    def _barrier(self, sums: torch.Tensor, mismatch: torch.Tensor, digests: dict[int, str]):
-        """All groups consumed: reduce over dp, normalise once, clip, step; the push follows."""
+    def _gather(self, record: torch.Tensor, digests: dict[int, str]):
+        """Once per step, all groups in: per-group records, digests and score moments over dp."""
         if self.units > 1:
-            group = self.env.group
-            dist.all_reduce(sums, group=group)
-            dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=group)
-            for accs in self.acc.values():
-                for acc in accs:
-                    dist.all_reduce(acc, group=group)
+            dist.all_reduce(record, group=self.env.group)
             gathered = [None] * self.units
-            dist.all_gather_object(gathered, (digests, self.moments), group=group)
+            dist.all_gather_object(gathered, (digests, self.moments), group=self.env.group)
             digests = {k: v for d, _ in gathered for k, v in d.items()}
             self.moments = {k: v for _, m in gathered for k, v in m.items()}
-        grads = self.acc["score"]
         if self.batch_scope:
-            mu, scale = batch_mean_scale(self.moments, eps=self.algo_cfg.eps)
+            self.mu_scale = batch_mean_scale(self.moments, eps=self.algo_cfg.eps)
+        return record, digests
+
+    def _optimizer_step(self, sums: torch.Tensor, *, first_pass: bool) -> None:
+        """Reduce over dp, normalise once by the batch denominator, clip, step."""
+        mismatch = sums[_SUMS.index("mismatch")].clone()
+        if self.units > 1:
+            dist.all_reduce(sums, group=self.env.group)
+            dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=self.env.group)
+            for name in self._live_passes(first_pass):
+                for acc in self.acc[name]:
+                    dist.all_reduce(acc, group=self.env.group)
+        m = dict(zip(_SUMS, sums.tolist()))
+        grads, loss = self.acc["score"], m["loss_score"]
+        if self.batch_scope and first_pass:
+            mu, scale = self.mu_scale
             zeros = self.acc.get("zero", [None] * len(self.params))
             grads = [batch_normalise_at_barrier(at_score=s, at_one=o, at_zero=z, mu=mu, scale=scale)
                      for s, o, z in zip(self.acc["score"], self.acc["one"], zeros)]
-            i = {k: _SUMS.index(f"loss_{k}") for k in ("score", "one", "zero")}
-            sums[i["score"]] = batch_normalise_at_barrier(
-                at_score=sums[i["score"]].item(), at_one=sums[i["one"]].item(),
-                at_zero=sums[i["zero"]].item() if "zero" in self.acc else None, mu=mu, scale=scale)
-        denom = sums[_SUMS.index("denom")].item()
-        assert denom > 0, "barrier reached with an empty batch"
+            loss = batch_normalise_at_barrier(at_score=m["loss_score"], at_one=m["loss_one"],
+                                              at_zero=m["loss_zero"] if "zero" in self.acc else None,
+                                              mu=mu, scale=scale)
+        assert m["denom"] > 0, "optimizer step with an empty mini-batch"
         for grad, p in zip(grads, self.params):
-            p.grad = (grad / denom).to(p.dtype)
+            p.grad = (grad / m["denom"]).to(p.dtype)
         for accs in self.acc.values():
             for acc in accs:
                 acc.zero_()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip).item()
-        self.lr_used = self.opt.param_groups[0]["lr"]
         self.opt.step()
-        self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        digest = hashlib.sha256("".join(digests[i] for i in sorted(digests)).encode()).hexdigest()[:16]
-        return sums, mismatch, digest, grad_norm
+        t = self.totals
+        t["loss"] += loss
+        t["denom"] += m["denom"]
+        t["kl"] += m["kl_sum"]
+        t["clip"] += m["clip_sum"]
+        t["grad_norm"] += grad_norm / self.passes
+        t["mismatch"] = max(t["mismatch"], mismatch.item())
 
-    def _metrics(self, m: dict, mismatch: float, digest: str, grad_norm: float, *, train_s, push_s):
-        n, denom = m["samples"], m["denom"]
-        mean = m["reward_sum"] / n
-        return {"reward_mean": mean, "reward_std": math.sqrt(max(0.0, m["reward_sq_sum"] / n - mean * mean)),
-                "response_len_mean": m["len_sum"] / n, "loss": m["loss_score"] / denom,
-                "kl": m["kl_sum"] / denom, "clip_frac": m["clip_sum"] / denom, "grad_norm": grad_norm,
-                "lr": self.lr_used, "logp_mismatch_max": mismatch,
-                "groups": int(m["groups"]), "reward_failures": int(m["reward_failures"]),
-                "tokens": int(m["tokens"]), "train_s": train_s, "push_s": push_s, "rollout_digest": digest}
+    def _live_passes(self, first_pass: bool) -> list[str]:
+        return list(self.acc) if first_pass else ["score"]
+
+    def _metrics(self, r: dict, digest: str, *, train_s, push_s):
+        n, t = r["samples"], self.totals
+        mean = r["reward_sum"] / n
+        return {"reward_mean": mean, "reward_std": math.sqrt(max(0.0, r["reward_sq_sum"] / n - mean * mean)),
+                "response_len_mean": r["len_sum"] / n, "loss": t["loss"] / t["denom"],
+                "kl": t["kl"] / t["denom"], "clip_frac": t["clip"] / t["denom"], "grad_norm": t["grad_norm"],
+                "lr": self.lr_used, "logp_mismatch_max": t["mismatch"], "groups": int(r["groups"]),
+                "reward_failures": int(r["reward_failures"]), "tokens": int(r["tokens"]),
+                "optimizer_steps": self.passes, "train_s": train_s, "push_s": push_s, "rollout_digest": digest}
 
     # ---- outputs ----------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
@@ -247,6 +304,28 @@ class Trainer(Executor):
     def finalize(self, output_dir: Path) -> None:
         if self.env.is_leader:
             save_hf(self.policy, self.tokenizer, output_dir / "final")
+
+
+def _record(group: ScoredGroup) -> torch.Tensor:
+    rewards = group.rewards.double()
+    responses = float(sum(r.numel() for r in group.responses))
+    tokens = len(group.responses) * group.prompt_ids.numel() + responses  # unpacked: the prompt per sample
+    return torch.tensor([rewards.sum().item(), (rewards ** 2).sum().item(), len(group.responses), responses,
+                         1.0, float(group.reward_failures), tokens], dtype=torch.float64)
+
+
+def _merge(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """Sums add; the log-prob mismatch is a max."""
+    i = _SUMS.index("mismatch")
+    out = total + part
+    out[i] = max(total[i].item(), part[i].item())
+    return out
+
+
+def _copy_params(dst, src) -> None:
+    with torch.no_grad():
+        for d, s in zip(dst.parameters(), src.parameters()):
+            d.copy_(s)
 
 
 def _sampled_logprobs(group: ScoredGroup, idx: list[int], *, like: torch.Tensor) -> torch.Tensor:
