@@ -32,6 +32,9 @@ class Channel:
     src_port: str | None = None  # defaults to the channel name
     dst_port: str | None = None
     lag: int | None = None  # 0: consumed in the step it is produced; 1: in the next step (WEIGHTS)
+    # a same-step channel that closes a cycle: its consumer reads it only after producing, so the
+    # cycle makes progress (e.g. reward -> generator verdicts for dynamic sampling)
+    feedback: bool = False
 
     @property
     def out_port(self) -> str:

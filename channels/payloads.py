@@ -31,3 +31,11 @@ class ScoredGroup(RolloutGroup):
 @dataclass
 class WeightsUpdate:
     """Marker type of the WEIGHTS channel: the payload is the model's parameters themselves."""
+
+
+@dataclass
+class GroupVerdict:
+    """Whether a scored group was kept for training (dynamic sampling: reward -> generator)."""
+
+    index: int
+    kept: bool

@@ -75,7 +75,7 @@ def _check_cycles(graph: Graph) -> None:
     """
     edges: dict[str, list[str]] = {e.name: [] for e in graph.executors}
     for ch in graph.channels:
-        if ch.step_lag == 0:
+        if ch.step_lag == 0 and not ch.feedback:
             edges[ch.src].append(ch.dst)
     state: dict[str, int] = {}  # 1 visiting, 2 done
 
@@ -85,7 +85,8 @@ def _check_cycles(graph: Graph) -> None:
             if state.get(nxt) == 1:
                 cycle = path[path.index(nxt):] + [nxt]
                 raise ValueError("graph: cycle " + " -> ".join(cycle) + " cannot make progress within a "
-                                 "step; make one of its channels lagged (lag=1, e.g. WEIGHTS)")
+                                 "step; make one of its channels lagged (lag=1, e.g. WEIGHTS) or a feedback channel "
+                                 "read only after producing (feedback=True)")
             if state.get(nxt) is None:
                 visit(nxt, path + [nxt])
         state[node] = 2

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from channels.channel import Channel
 from channels.kinds import Kind
-from channels.payloads import RolloutGroup, ScoredGroup, WeightsUpdate
+from channels.payloads import GroupVerdict, RolloutGroup, ScoredGroup, WeightsUpdate
 from algorithms.registry import get_algorithm
 from controller.graph import Graph
 from executors.generator.executor import Generator
@@ -24,11 +24,17 @@ def grpo_graph(cfg: RunConfig) -> Graph:
         # a length normaliser (Dr.GRPO, DAPO) must match what the generator may produce
         algo_config = algo_config.model_copy(update={"max_response_tokens": cfg.generator.max_new_tokens})
     functions = cfg.reward.functions or (["math_verify"] if cfg.data.path else ["embedded"])
+    algorithm = get_algorithm(cfg.algo)
+    dynamic = bool(getattr(algo_config, "dynamic_sampling", False))
+    if dynamic and cfg.trainer.mini_batches > 1:
+        raise ValueError("algorithm.dynamic_sampling with trainer.mini_batches > 1 is not supported yet "
+                         "(kept prompt indices are not contiguous, so a mini-batch could be empty)")
+    keep = (lambda rewards_G: algorithm.keeps_group(rewards_G, algo_config)) if dynamic else None
     executors = [
-        Generator(config=cfg.generator, model=cfg.model, data=cfg.data, stream=stream),
-        Reward(config=cfg.reward, functions=functions, tokenizer_path=cfg.model.path),
+        Generator(config=cfg.generator, model=cfg.model, data=cfg.data, stream=stream, dynamic_sampling=dynamic),
+        Reward(config=cfg.reward, functions=functions, tokenizer_path=cfg.model.path, keep=keep),
         Trainer(config=cfg.trainer, model_path=cfg.model.path, dtype=cfg.model.torch_dtype,
-                algorithm=get_algorithm(cfg.algo), algo_config=algo_config,
+                algorithm=algorithm, algo_config=algo_config,
                 temperature=cfg.generator.temperature, stream=stream, total_steps=cfg.steps),
     ]
     channels = [
@@ -36,6 +42,8 @@ def grpo_graph(cfg: RunConfig) -> Graph:
         Channel("scored", "reward", "trainer", Kind.SCATTER, ScoredGroup),
         Channel("weights", "trainer", "generator", Kind.WEIGHTS, WeightsUpdate),
     ]
+    if dynamic:  # verdicts close a same-step cycle: the generator reads them only after each round
+        channels.append(Channel("verdicts", "reward", "generator", Kind.BROADCAST, GroupVerdict, feedback=True))
     return Graph(executors, channels)
 
 

@@ -136,3 +136,16 @@ def test_several_optimizer_steps_per_batch_keep_schedules_identical(tmp_path):
     _same_run(tmp_path / "sync", tmp_path / "periodic")
     rows = metrics(tmp_path / "periodic")
     assert all(r["optimizer_steps"] == 4 and r["clip_frac"] > 0 for r in rows)
+
+
+def test_dynamic_sampling_tops_up_to_full_batches(tmp_path):
+    """DAPO drops groups whose rewards are all equal and the generator samples more prompts with the
+    same weights until B groups are kept: never a partial batch, and still sync == periodic."""
+    for schedule in ("sync", "periodic"):
+        proc = launch(tmp_path / schedule, "--schedule", schedule, steps=2, algo="dapo")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    _same_run(tmp_path / "sync", tmp_path / "periodic")
+    rows = metrics(tmp_path / "periodic")
+    assert all(r["groups"] == 4 for r in rows)  # data.prompts_per_step
+    assert any(r["prompts_generated"] > 4 for r in rows)  # the untrained model does give flat groups
+    assert all(r["reward_std"] > 0 for r in rows)

@@ -71,3 +71,9 @@ def test_scatter_needs_an_index_field():
 
     with pytest.raises(ValueError, match="SCATTER routes by `index`, which NoIndex lacks"):
         Graph([Out(name="out"), In(name="in")], [Channel("o", "out", "in", Kind.SCATTER, NoIndex)])
+
+
+def test_feedback_channel_may_close_a_same_step_cycle():
+    Graph([Relay(name="a"), Relay(name="b")],
+          [Channel("ab", "a", "b", Kind.GATHER, Item, src_port="back", dst_port="items"),
+           Channel("ba", "b", "a", Kind.GATHER, Item, src_port="back", dst_port="items", feedback=True)])

@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from channels.payloads import RolloutGroup, WeightsUpdate
+from channels.payloads import GroupVerdict, RolloutGroup, WeightsUpdate
 from executors.base import Executor, ExecutorEnv, StepContext
 from executors.embedded.task import embedded_prompts
 from executors.generator.data import PromptRow, PromptSet, load_prompts
@@ -50,9 +50,14 @@ class Generator(Executor):
     outputs = {"rollouts": RolloutGroup}
 
     def __init__(self, *, name: str = "generator", config: GeneratorConfig, model: ModelConfig,
-                 data: DataConfig, stream: bool):
+                 data: DataConfig, stream: bool, dynamic_sampling: bool = False, max_rounds: int = 16):
+        """`dynamic_sampling`: after each round, wait for the reward's verdicts and sample
+        B - kept more prompts (indices B, B+1, ...) with the same weights, until B groups are kept."""
         super().__init__(name=name, units=config.replicas)
         self.cfg, self.model_cfg, self.data_cfg, self.stream = config, model, data, stream
+        self.dynamic, self.max_rounds = dynamic_sampling, max_rounds
+        if dynamic_sampling:
+            self.inputs = {**self.inputs, "verdicts": GroupVerdict}
 
     def describe(self):
         return {"replicas": self.cfg.replicas, "G": self.cfg.samples_per_prompt,
@@ -81,29 +86,47 @@ class Generator(Executor):
         with ctx.timeline.span("weights_recv"):
             update = ctx.inbound["weights"].receive(self.engine.model.named_parameters())
             self.engine.update_weights(update)
-        t0 = time.perf_counter()
-        batch = self.prompts.batch(ctx.step, batch_size=self.data_cfg.prompts_per_step, seed=self.env.seed)
-        mine = [(i, row, ids) for i, row, ids in batch if i % self.units == self.env.unit_index]
-        rows = {i: row for i, row, _ in mine}
-        requests = [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in mine]
-        out, tokens = ctx.outbound["rollouts"], 0
-        held = []  # sync schedule: nothing leaves before the whole batch is generated
-        start_t = time.time()
+        t0, start_t = time.perf_counter(), time.time()
+        B = self.data_cfg.prompts_per_step
+        indices, kept, next_index, rounds, tokens = list(range(B)), 0, B, 0, 0
+        verdicts = iter(ctx.inbound["verdicts"]) if self.dynamic else None
         with ctx.timeline.span("generate"):
-            for done in self.engine.generate(requests, self.params, step=ctx.step):
-                group = RolloutGroup(step=ctx.step, index=done.index, prompt=rows[done.index].prompt,
-                                     extras=rows[done.index].extras, prompt_ids=done.prompt_ids_P,
-                                     responses=done.response_ids, logprobs=done.logprobs,
-                                     finished=done.finished_G)
-                tokens += sum(r.numel() for r in done.response_ids)
-                ctx.timeline.mark("generated", index=done.index)
-                if self.stream:
-                    out.send(group)
-                else:
-                    held.append(group)
+            while True:
+                tokens += self._generate(ctx, indices)
+                if not self.dynamic:
+                    break
+                # dynamic sampling: every replica hears every verdict, so all agree on the top-up
+                kept += sum(next(verdicts).kept for _ in indices)
+                if kept == B:
+                    break
+                rounds += 1
+                if rounds > self.max_rounds:
+                    raise ValueError(f"dynamic sampling: after {rounds} rounds only {kept} of {B} groups of "
+                                     f"step {ctx.step} have reward variance; the batch cannot be filled")
+                indices = list(range(next_index, next_index + B - kept))
+                next_index += B - kept
         end_t = time.time()
-        for group in sorted(held, key=lambda g: g.index):
-            out.send(group)
         gen_s = time.perf_counter() - t0
         return {"gen_s": gen_s, "gen_tokens_per_s": tokens / max(gen_s, 1e-9), "gen_start_t": start_t,
-                "gen_end_t": end_t}
+                "gen_end_t": end_t, "prompts_generated": next_index, "sampling_rounds": rounds + 1}
+
+    def _generate(self, ctx: StepContext, indices: list[int]) -> int:
+        """Sample this replica's share of `indices` and send each group (now, or sorted at the end)."""
+        batch = self.prompts.batch(ctx.step, batch_size=indices[-1] + 1, seed=self.env.seed)
+        mine = [batch[i] for i in indices if i % self.units == self.env.unit_index]
+        rows = {i: row for i, row, _ in mine}
+        requests = [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in mine]
+        out, tokens, held = ctx.outbound["rollouts"], 0, []
+        for done in self.engine.generate(requests, self.params, step=ctx.step):
+            group = RolloutGroup(step=ctx.step, index=done.index, prompt=rows[done.index].prompt,
+                                 extras=rows[done.index].extras, prompt_ids=done.prompt_ids_P,
+                                 responses=done.response_ids, logprobs=done.logprobs, finished=done.finished_G)
+            tokens += sum(r.numel() for r in done.response_ids)
+            ctx.timeline.mark("generated", index=done.index)
+            if self.stream:
+                out.send(group)
+            else:  # sync schedule: nothing leaves before the whole round is generated
+                held.append(group)
+        for group in sorted(held, key=lambda g: g.index):
+            out.send(group)
+        return tokens

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from channels.payloads import RolloutGroup, ScoredGroup
+from channels.payloads import GroupVerdict, RolloutGroup, ScoredGroup
 from executors.base import Executor, ExecutorEnv, StepContext
 from executors.hf import load_tokenizer
 from executors.reward.functions import resolve_reward, score_group
@@ -35,9 +35,13 @@ class Reward(Executor):
     outputs = {"scored": ScoredGroup}
 
     def __init__(self, *, name: str = "reward", config: RewardConfig, functions: list[str],
-                 tokenizer_path: str | None):
+                 tokenizer_path: str | None, keep: Callable[[torch.Tensor], bool] | None = None):
+        """`keep`: dynamic sampling's group filter; dropped groups never reach the trainer and each
+        group's verdict goes back to the generator, which tops the batch up."""
         super().__init__(name=name, units=config.replicas)
-        self.cfg, self.specs, self.tokenizer_path = config, functions, tokenizer_path
+        self.cfg, self.specs, self.tokenizer_path, self.keep = config, functions, tokenizer_path, keep
+        if keep is not None:
+            self.outputs = {**self.outputs, "verdicts": GroupVerdict}
         self.fns = [resolve_reward(spec) for spec in functions]  # fail at build time, before any rank blocks
 
     def describe(self):
@@ -64,7 +68,13 @@ class Reward(Executor):
                     group_failures += failed
                 scored = ScoredGroup(**vars(group), rewards=total_G, reward_failures=group_failures)
             failures += group_failures
-            ctx.outbound["scored"].send(scored)
+            if self.keep is None:
+                ctx.outbound["scored"].send(scored)
+            else:
+                kept = self.keep(total_G)
+                if kept:
+                    ctx.outbound["scored"].send(scored)
+                ctx.outbound["verdicts"].send(GroupVerdict(index=group.index, kept=kept))
             busy += time.perf_counter() - t0
             groups += 1
         return {"score_s": busy}  # failures are counted batch-wide by the trainer

@@ -73,10 +73,6 @@ class Trainer(Executor):
         self.cfg, self.model_path, self.dtype = config, model_path, dtype
         self.algo, self.algo_cfg, self.temperature = algorithm, algo_config, temperature
         self.stream, self.total_steps = stream, total_steps
-        if getattr(algo_config, "dynamic_sampling", False):
-            raise ValueError(f"algorithm {algorithm.name!r}: dynamic sampling (dropping groups with equal "
-                             "rewards and topping the batch up) is not supported by this trainer yet; "
-                             "run with --set algorithm.dynamic_sampling=false")
 
     def describe(self):
         return {"dp": self.cfg.dp, "algo": self.algo.name, "stream": self.stream,
