@@ -191,13 +191,6 @@ def test_kl_in_reward_penalises_rewards_before_advantages():
     assert max((g_kl[n] - g_plain[n]).abs().max().item() for n in g_kl) < 1e-5
 
 
-def test_dynamic_sampling_is_refused_until_supported():
-    from algorithms.dapo import DAPOConfig
-
-    with pytest.raises(ValueError, match="dynamic sampling .* --set algorithm.dynamic_sampling=false"):
-        _trainer_for(get_algorithm("dapo"), DAPOConfig())
-
-
 def test_several_optimizer_steps_use_the_old_policy_snapshot(groups):
     """mini_batches=2, epochs=2: four optimizer steps on one batch. Each step's gradient equals plain
     GRPO on that mini-batch's groups at the weights of that moment, with the ratio taken against the
