@@ -11,8 +11,10 @@ dim) in a parameter's full tensor:
 A piece is the intersection of one trainer box and one generator box: (name, slice on the trainer
 side, source rank, destination rank, slice on the generator side). Pieces are cut no larger than a
 bucket, so no rank ever holds more than its own shards plus a few buckets: no one materialises the
-model. Among the trainer ranks that own a piece (the dp replicas, or tp ranks for replicated
-parameters) the least loaded sends it, which spreads the sending work.
+model. Small pieces are packed into buckets (one message each); a big piece that is one contiguous
+run on both sides (whole rows) goes from the source tensor into the destination tensor as is.
+Among the trainer ranks that own a piece (the dp replicas, or tp ranks for replicated parameters)
+the least loaded sends it, which spreads the sending work.
 
 Generator replicas past the trainer's full copies (dp without FSDP, 1 with FSDP) are fed by a peer:
 replica k forwards every bucket it receives to replica k + copies, the moment it lands (a
@@ -23,7 +25,7 @@ Execution (`WeightPush`): per (sender, receiver) stream, buckets go in rounds; e
 bucket buffers, allocated on the first push and reused: a sender packs bucket r while bucket r - 1
 is on the wire, a receiver has bucket r + 1 flowing in while it unpacks bucket r. A round posts
 the next round's receives, packs and sends this round's buckets, then unpacks (and first forwards)
-what arrived.
+what arrived. Zero-copy pieces take their turn in the same sequence, without buffers.
 Messages between two ranks are posted in the same order on both sides, so p2p matching needs no
 tags (nccl has none). The stream graph is acyclic (trainer -> replica -> replica), so no deadlock.
 """
@@ -131,11 +133,12 @@ class GeneratorLayout:
 @dataclass(frozen=True)
 class Piece:
     name: str
-    src: int  # trainer rank that packs it
+    src: int  # trainer rank that sends it
     dst: int  # generator rank it is cut for (the head of a relay chain)
     src_slice: Box  # in the source's local shard
     dst_slice: Box  # in the destination's local shard (trainer naming, see channels/names.py)
     dtype: torch.dtype  # as sent: the generator's dtype
+    zero_copy: bool = False  # one contiguous run on both sides, same dtype: sent as is, no bucket
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -152,8 +155,11 @@ class Piece:
 
 @dataclass(frozen=True)
 class Bucket:
+    """One message: pieces packed at byte offsets, or a single zero-copy piece (offset 0)."""
+
     entries: tuple[tuple[int, int], ...]  # (piece index, byte offset)
     nbytes: int
+    zero_copy: bool = False
 
 
 @dataclass(frozen=True)
@@ -216,13 +222,19 @@ def _cut(box: Box, max_numel: int) -> Iterator[Box]:
 
 
 def build_plan(*, specs: Mapping[str, ParamSpec], trainer: TrainerLayout, generator: GeneratorLayout,
-               bucket_bytes: int = 32 << 20, relay: bool = True) -> PushPlan:
-    """The push plan for these layouts: which rank sends which slice to whom, bucketed."""
+               bucket_bytes: int = 16 << 20, relay: bool = True, zero_copy_min_bytes: int | None = 1 << 16) -> PushPlan:
+    """The push plan for these layouts: which rank sends which slice to whom, bucketed.
+
+    zero_copy_min_bytes: a piece at least this big that is one contiguous run in both the source
+    shard and the destination shard (a block of whole rows, typically), with no dtype cast, goes
+    from the source tensor straight into the destination tensor: no packing, no unpacking, no
+    buffer. Smaller pieces share buckets so they cost one message. None: bucket everything.
+    """
     if set(trainer.ranks) & set(generator.ranks):
         raise ValueError(f"trainer ranks {trainer.ranks} and generator ranks {generator.ranks} overlap")
     if bucket_bytes < 1024:
         raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least 1024)")
-    direct = min(generator.replicas, trainer.copies) if relay else generator.replicas
+    fed = min(generator.replicas, trainer.copies) if relay else generator.replicas  # by the trainer
     load = {r: 0 for r in trainer.ranks}
     order = {r: i for i, r in enumerate(trainer.ranks)}
     pieces: list[Piece] = []
@@ -235,7 +247,7 @@ def build_plan(*, specs: Mapping[str, ParamSpec], trainer: TrainerLayout, genera
         for d in range(trainer.dp):
             for t in range(trainer.tp):
                 owners[trainer.box(spec, d=d, t=t)].append(trainer.rank(d, t))
-        for k in range(direct):
+        for k in range(fed):
             for t in range(generator.tp):
                 gbox = generator.box(spec, t=t)
                 for tbox, ranks in owners.items():
@@ -244,14 +256,25 @@ def build_plan(*, specs: Mapping[str, ParamSpec], trainer: TrainerLayout, genera
                         continue
                     for sub in _cut(both, max_numel):
                         src = min(ranks, key=lambda r: (load[r], order[r]))
-                        piece = Piece(name, src, generator.rank(k, t), _shift(sub, tbox), _shift(sub, gbox), dtype)
+                        src_slice, dst_slice = _shift(sub, tbox), _shift(sub, gbox)
+                        zero_copy = (zero_copy_min_bytes is not None and dtype == spec.dtype
+                                     and math.prod(b - a for a, b in sub) * dtype.itemsize >= zero_copy_min_bytes
+                                     and _contiguous(src_slice, tbox) and _contiguous(dst_slice, gbox))
+                        piece = Piece(name, src, generator.rank(k, t), src_slice, dst_slice, dtype, zero_copy)
                         load[src] += piece.nbytes
                         pieces.append(piece)
-    streams = _streams(pieces, generator, direct=direct, bucket_bytes=bucket_bytes)
+    streams = _streams(pieces, generator, fed=fed, bucket_bytes=bucket_bytes)
     return PushPlan(trainer, generator, dict(specs), tuple(pieces), streams, bucket_bytes)
 
 
-def _streams(pieces: list[Piece], generator: GeneratorLayout, *, direct: int, bucket_bytes: int) -> tuple[Stream, ...]:
+def _contiguous(box: Box, within: Box) -> bool:
+    """Is `box` one contiguous run of a row-major tensor shaped like `within`?"""
+    extents = [(b - a, hi - lo) for (a, b), (lo, hi) in zip(box, within)]
+    first = next((i for i, (e, _) in enumerate(extents) if e > 1), len(extents))
+    return all(e == n for e, n in extents[first + 1:])
+
+
+def _streams(pieces: list[Piece], generator: GeneratorLayout, *, fed: int, bucket_bytes: int) -> tuple[Stream, ...]:
     by_pair: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, p in enumerate(pieces):
         by_pair[(p.src, p.dst)].append(i)
@@ -260,19 +283,23 @@ def _streams(pieces: list[Piece], generator: GeneratorLayout, *, direct: int, bu
         buckets, entries, offset = [], [], 0
         for i in indices:
             nbytes = pieces[i].nbytes
+            if pieces[i].zero_copy:
+                buckets.append(Bucket(((i, 0),), nbytes, zero_copy=True))
+                continue
             if entries and offset + nbytes > bucket_bytes:
                 buckets.append(Bucket(tuple(entries), offset))
                 entries, offset = [], 0
             entries.append((i, offset))
             offset += -(-nbytes // _ALIGN) * _ALIGN
-        buckets.append(Bucket(tuple(entries), offset))
+        if entries:
+            buckets.append(Bucket(tuple(entries), offset))
         streams.append(Stream(origin=src, head=dst, sender=src, receiver=dst, buckets=tuple(buckets)))
-    # replica k >= direct: its rank at tp position t gets everything replica k - direct's rank got
+    # replica k >= fed: its rank at tp position t gets everything replica k - fed's rank got
     heads = list(streams)
-    for k in range(direct, generator.replicas):
+    for k in range(fed, generator.replicas):
         for t in range(generator.tp):
-            upstream, me = generator.rank(k - direct, t), generator.rank(k, t)
-            head = generator.rank(k % direct, t)
+            upstream, me = generator.rank(k - fed, t), generator.rank(k, t)
+            head = generator.rank(k % fed, t)
             for s in heads:
                 if s.receiver == head:
                     streams.append(Stream(origin=s.origin, head=head, sender=upstream, receiver=me,
@@ -305,10 +332,15 @@ class WeightPush:
         self._buffers: dict[tuple, torch.Tensor] = {}  # (stream, slot) -> bytes
         self.rounds = max((len(s.buckets) for s in self.outgoing + self.incoming), default=0)
 
+    def _dst_view(self, tensors, p: Piece) -> torch.Tensor:
+        where = self.slots[p.name]
+        box = ((p.dst_slice[0][0] + where.row_offset, p.dst_slice[0][1] + where.row_offset), *p.dst_slice[1:])
+        return tensors[where.name][_view(box)]
+
     def _buffer(self, stream: Stream, slot: int) -> torch.Tensor:
         key = _key(stream, slot)
         if key not in self._buffers:
-            size = max(b.nbytes for b in stream.buckets)
+            size = max(b.nbytes for b in stream.buckets if not b.zero_copy)
             self._buffers[key] = torch.empty(size, dtype=torch.uint8, device=self.device)
         return self._buffers[key]
 
@@ -332,9 +364,13 @@ class WeightPush:
             slot, posted = r % 2, []
             for s in self.incoming:
                 if r < len(s.buckets):
-                    _wait(pending.pop(_key(s, slot), []))  # this buffer's forwards of round r - 2
-                    buf = self._buffer(s, slot)
-                    posted.append((s, buf, dist.irecv(buf[:s.buckets[r].nbytes], s.sender, group=self.group)))
+                    bucket = s.buckets[r]
+                    if bucket.zero_copy:  # straight into the destination tensor
+                        buf = _contiguous_view(self._dst_view(tensors, pieces[bucket.entries[0][0]]))
+                    else:
+                        _wait(pending.pop(_key(s, slot), []))  # this buffer's forwards of round r - 2
+                        buf = self._buffer(s, slot)[:bucket.nbytes]
+                    posted.append((s, buf, dist.irecv(buf, s.sender, group=self.group)))
             recvs[r] = posted
 
         try:
@@ -346,9 +382,14 @@ class WeightPush:
                     post_receives(r + 1)
                 for s in self.outgoing:
                     if r < len(s.buckets):
+                        bucket = s.buckets[r]
+                        if bucket.zero_copy:
+                            p = pieces[bucket.entries[0][0]]
+                            view = _contiguous_view(tensors[p.name][_view(p.src_slice)])
+                            pending["zero_copy"].append(dist.isend(view, s.receiver, group=self.group))
+                            continue
                         buf = self._buffer(s, slot)
                         _wait(pending.pop(_key(s, slot), []))  # its send of round r - 2
-                        bucket = s.buckets[r]
                         for i, offset in bucket.entries:
                             p = pieces[i]
                             _typed(buf, offset, p).copy_(tensors[p.name][_view(p.src_slice)])
@@ -357,15 +398,13 @@ class WeightPush:
                 for s, buf, work in recvs.pop(r):
                     work.wait()
                     bucket = s.buckets[r]
+                    key = "zero_copy" if bucket.zero_copy else _key(s, slot)
                     for f in self.forwards[s.origin]:  # relay first: the next replica waits on it
-                        pending[_key(s, slot)].append(
-                            dist.isend(buf[:bucket.nbytes], f.receiver, group=self.group))
-                    for i, offset in bucket.entries:
-                        p = pieces[i]
-                        where = self.slots[p.name]
-                        box = ((p.dst_slice[0][0] + where.row_offset, p.dst_slice[0][1] + where.row_offset),
-                               *p.dst_slice[1:])
-                        tensors[where.name][_view(box)].copy_(_typed(buf, offset, p))
+                        pending[key].append(dist.isend(buf, f.receiver, group=self.group))
+                    if not bucket.zero_copy:
+                        for i, offset in bucket.entries:
+                            p = pieces[i]
+                            self._dst_view(tensors, p).copy_(_typed(buf, offset, p))
         finally:
             for works in pending.values():
                 _wait(works)
@@ -373,6 +412,13 @@ class WeightPush:
 
 def _key(stream: Stream, slot: int) -> tuple:
     return stream.origin, stream.sender, stream.receiver, slot
+
+
+def _contiguous_view(t: torch.Tensor) -> torch.Tensor:
+    # the plan only marks pieces that are contiguous in shards laid out row-major
+    if not t.is_contiguous():
+        raise ValueError("a zero-copy piece is not contiguous: pass row-major local shards (e.g. to_local())")
+    return t
 
 
 def _typed(buf: torch.Tensor, offset: int, piece: Piece) -> torch.Tensor:

@@ -1,0 +1,103 @@
+"""Trainer parallelism: a ("dp", "tp") mesh over the executor's ranks, DTensor tensor parallel,
+FSDP2, and the small helpers a training loop needs around them.
+
+    mesh = build_mesh(ranks=env.ranks, tp=cfg.tp, device_type=env.device.type, parent=env.group)
+    policy = parallelize(policy, mesh=mesh, tp=cfg.tp > 1, fsdp=cfg.fsdp)
+    reference = parallelize(reference, mesh=mesh, tp=cfg.tp > 1, fsdp=cfg.fsdp, forward_only=True)
+
+Order matters: tp first (DTensors on mesh["tp"]), then FSDP2 over mesh["dp"], which shards the tp
+shards once more along dim 0 (FSDP2 turns them into 2-D DTensors on the whole mesh).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from executors.parallel.fsdp import apply_fsdp
+from executors.parallel.mesh import build_mesh, mesh_ranks
+from executors.parallel.tp import apply_tp, check_divisible, param_specs, tp_plan
+
+__all__ = ["apply_fsdp", "apply_tp", "build_mesh", "check_divisible", "clip_grad_norm_", "copy_params_",
+           "dp_all_reduce_", "local", "mesh_ranks", "param_specs", "parallelize", "tp_plan"]
+
+
+def parallelize(model: nn.Module, *, mesh: DeviceMesh, tp: bool, fsdp: bool, forward_only: bool = False) -> nn.Module:
+    """Apply tensor parallel over mesh["tp"] and/or FSDP2 over mesh["dp"], in place.
+
+    forward_only: the model never runs backward (old policy, reference); with fsdp its root
+    reshards after every forward too (see fsdp.py).
+    Without fsdp, dp is plain replication: the caller all-reduces gradients over mesh["dp"]
+    (`dp_all_reduce_`).
+    """
+    if tp:
+        apply_tp(model, mesh=mesh["tp"])
+    if fsdp:
+        apply_fsdp(model, mesh=mesh["dp"], forward_only=forward_only)
+    return model
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly DTensor) tensor, aliasing its storage."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def copy_params_(dst: nn.Module, src: nn.Module) -> None:
+    """Copy `src`'s parameters into `dst` (same architecture and layout), shard by shard.
+
+    Through `to_local()`: `_foreach_copy_` rejects lists that mix DTensors and tensors, and a
+    DTensor copy would check placements we already know to be equal.
+    """
+    dst_params, src_params = dict(dst.named_parameters()), dict(src.named_parameters())
+    assert dst_params.keys() == src_params.keys(), "copy_params_ needs the same architecture"
+    for name, p in dst_params.items():
+        local(p).copy_(local(src_params[name]))
+
+
+@torch.no_grad()
+def dp_all_reduce_(tensors, *, mesh: DeviceMesh) -> None:
+    """Sum `tensors` (e.g. gradient accumulators) over the replicated dp dimension, in place.
+
+    Not for fsdp models: FSDP2 already reduce-scatters their gradients over dp.
+    """
+    group = mesh.get_group("dp")
+    if dist.get_world_size(group) == 1:
+        return
+    for t in tensors:
+        dist.all_reduce(local(t), group=group)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, *, mesh: DeviceMesh) -> float:
+    """Clip the global gradient norm of parameters sharded in any mix of layouts over `mesh`.
+
+    Each rank sums the squares of its local shard, weighted so that an element held by k ranks
+    counts once; all-reducing over each mesh dimension gives the global sum (no extra group is
+    needed). Returns the norm before clipping.
+    """
+    world = mesh.size()
+    sq = torch.zeros((), dtype=torch.float64)
+    grads = [p.grad for p in params if p.grad is not None]
+    for g in grads:
+        copies = world  # a plain tensor is replicated on every rank of the mesh
+        if isinstance(g, DTensor):
+            assert not any(pl.is_partial() for pl in g.placements), "reduce partial gradients first"
+            sharded = 1
+            for dim, pl in enumerate(g.placements):
+                if not pl.is_replicate():  # Shard, or FSDP2's _StridedShard (its is_shard() is False)
+                    sharded *= g.device_mesh.size(dim)
+            copies = world // sharded
+        sq += local(g).double().pow(2).sum() / copies
+    for dim in range(mesh.ndim):  # a sum over the grid: over each dimension in turn
+        if mesh.size(dim) > 1:
+            dist.all_reduce(sq, group=mesh.get_group(dim))
+    norm = sq.sqrt().item()
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            local(g).mul_(coef)
+    return norm
+
