@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from algorithms.base import Algorithm, AlgoConfig, LossInputs
 from algorithms.batch_scope import (batch_mean_scale, batch_normalise, batch_normalise_at_barrier, linear_passes,
@@ -26,7 +26,8 @@ from algorithms.kl import kl_in_loss, kl_in_reward, kl_penalised_rewards
 from channels.payloads import ScoredGroup, WeightsUpdate
 from executors.base import Executor, ExecutorEnv, StepContext
 from executors.hf import load_model, load_tokenizer, save_hf
-from executors.trainer.batching import split_group
+from executors.trainer.packed_attention import install as install_packed_attention
+from executors.trainer.packing import auto_shared_prompt, make_micro_batches
 
 
 # per optimizer step: loss passes and their denominators, all-reduced over dp at each barrier
@@ -45,7 +46,18 @@ class TrainerConfig(BaseModel):
     lr_schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
     grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
-    micro_batch_size: int = Field(8, ge=1, description="sequences per micro-batch (a group splits by sample index)")
+    shared_prompt: Literal["on", "off", "auto", "padded"] = Field(
+        "auto", description="on: a group is one packed row [prompt, r_1..r_G] (prompt trained once); off: "
+        "varlen packing, no padding; auto: on when sharing saves >= 5% of the tokens; padded: the unpacked "
+        "reference ([prompt, r_i] rows padded, micro_batch_size rows per micro-batch)")
+    @field_validator("shared_prompt", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value):
+        # YAML 1.1 reads bare on/off as booleans (in config files and --set alike)
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    token_budget: int = Field(4096, ge=1, description="tokens per packed micro-batch (a group splits by sample index)")
+    micro_batch_size: int = Field(8, ge=1, description="sequences per micro-batch with shared_prompt=padded")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch over the batch; group i "
                               "is in mini-batch (i // dp) % mini_batches")
     epochs: int = Field(1, ge=1, description="passes over the batch (PPO-style); >1 uses the old-policy snapshot")
@@ -90,6 +102,8 @@ class Trainer(Executor):
         super().init(env)
         self.tokenizer = load_tokenizer(self.model_path)
         self.policy = load_model(self.model_path, dtype=self.dtype, seed=env.seed).to(env.device).train()
+        if self.cfg.shared_prompt != "padded":  # packed rows need the block-mask attention (copies inherit it)
+            install_packed_attention(self.policy)
         self.reference = None
         if self.uses_reference:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
@@ -121,7 +135,7 @@ class Trainer(Executor):
         for group in groups:
             t0 = time.perf_counter()
             first_train_t = first_train_t or time.time()
-            record += _record(group)
+            record += _record(group, shared=self._shares_prompt(group))
             digests[group.index] = _group_digest(group)
             if self.batch_scope:
                 self.moments[group.index] = score_moments(self._scores(group))
@@ -156,6 +170,11 @@ class Trainer(Executor):
         return {**self._metrics(dict(zip(_RECORD, record.tolist())), digest, train_s=train_s, push_s=push_s),
                 "first_train_t": first_train_t, "push_end_t": time.time()}
 
+    def _shares_prompt(self, group: ScoredGroup) -> bool:
+        mode = self.cfg.shared_prompt
+        return mode == "on" or (mode == "auto" and auto_shared_prompt(
+            group.prompt_ids.numel(), [r.numel() for r in group.responses]))
+
     @property
     def passes(self) -> int:
         return self.cfg.epochs * self.cfg.mini_batches
@@ -180,8 +199,10 @@ class Trainer(Executor):
         return self.algo.advantages(rewards_G, self.algo_cfg)
 
     def _micro_batches(self, group: ScoredGroup):
-        return split_group(group.prompt_ids, group.responses, micro_batch_size=self.cfg.micro_batch_size,
-                           pad_id=self.tokenizer.pad_token_id, device=self.env.device)
+        # fixed by the group alone (sample index order), never by arrival: determinism rule 2
+        return make_micro_batches(group.prompt_ids, group.responses, mode=self.cfg.shared_prompt,
+                                  token_budget=self.cfg.token_budget, micro_batch_size=self.cfg.micro_batch_size,
+                                  pad_id=self.tokenizer.pad_token_id, device=self.env.device)
 
     def _ref_logprobs(self, mbs) -> list:
         if self.reference is None:
@@ -302,10 +323,11 @@ class Trainer(Executor):
             save_hf(self.policy, self.tokenizer, output_dir / "final")
 
 
-def _record(group: ScoredGroup) -> torch.Tensor:
+def _record(group: ScoredGroup, *, shared: bool) -> torch.Tensor:
     rewards = group.rewards.double()
     responses = float(sum(r.numel() for r in group.responses))
-    tokens = len(group.responses) * group.prompt_ids.numel() + responses  # unpacked: the prompt per sample
+    # tokens one pass trains on: a shared prompt once per group, else once per sample
+    tokens = (1 if shared else len(group.responses)) * group.prompt_ids.numel() + responses
     return torch.tensor([rewards.sum().item(), (rewards ** 2).sum().item(), len(group.responses), responses,
                          1.0, float(group.reward_failures), tokens], dtype=torch.float64)
 

@@ -2,8 +2,9 @@
 
 One description, `PackMask.mask_mod(b, h, q_idx, kv_idx)` over per-token segment ids, is the mask;
 each backend turns it into what its kernel wants:
-  blocks: exact block-sparse SDPA (the prompt once, causal; each response over [prompt, itself]),
-          so attention costs ~P² + Σ R_i (P + R_i) instead of L²; the default off Ascend
+  blocks: exact block-sparse SDPA, the default off Ascend: the prompt once, causal; each response
+          over [prompt keys, its own keys] (in query tiles, or for a short prompt is_causal over
+          [prompt, response]), so attention costs ~P² + Σ R_i (P + R_i) instead of L²
   dense:  a boolean [L, L] mask for SDPA (CPU and CUDA), the reference the others are tested against
   flex:   a flex-attention BlockMask (CUDA only: flex has no CPU backward), opt-in
   npu:    torch_npu.npu_fusion_attention (atten_mask True = masked), the default on Ascend
@@ -39,16 +40,22 @@ class PackMask:
     spans: tuple[tuple[int, int], ...]  # [start, end) of each non-empty segment
     shared: bool  # segment 0 (spans[0]) is a prompt that every later segment sees whole
     backend: Backend = "auto"
-    _cache: dict = field(default_factory=dict, repr=False)
+    _cache: dict = field(default_factory=dict, init=False, repr=False)  # masks built once per row
 
-    def mask_mod(self, b, h, q_idx, kv_idx):
-        """True where query q_idx may attend key kv_idx (flex signature; also works on broadcast index grids)."""
-        seg = self.seg_L
-        mine = seg[q_idx] == seg[kv_idx]
-        if self.shared:
-            # prompt keys precede every response token, so `kv <= q` keeps prompt rows causal only
-            mine = mine | (seg[kv_idx] == 0)
-        return (kv_idx <= q_idx) & mine
+    @property
+    def mask_mod(self):
+        """(b, h, q_idx, kv_idx) -> True where the query may attend the key: flex's signature (a plain
+        function of 4 arguments: flex counts them), and it broadcasts over index grids for the dense mask."""
+        seg, shared = self.seg_L, self.shared
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            mine = seg[q_idx] == seg[kv_idx]
+            if shared:
+                # prompt keys precede every response token, so `kv <= q` keeps prompt rows causal only
+                mine = mine | (seg[kv_idx] == 0)
+            return (kv_idx <= q_idx) & mine
+
+        return mask_mod
 
     def dense_LL(self, device: torch.device) -> torch.Tensor:
         key = ("dense", str(device))
@@ -80,6 +87,7 @@ def _mask(*args, **kwargs):
     pack = _ACTIVE.get()
     if pack is None:
         return sdpa_mask(*args, **kwargs)
+    assert kwargs["q_length"] == kwargs["kv_length"] == pack.seg_L.numel(), "a packed forward has no cache"
     # Handed to every layer as `attention_mask`; also what activation checkpointing replays.
     return pack
 
@@ -97,25 +105,42 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     return out_1HLD.transpose(1, 2).contiguous(), None
 
 
+# Query tile of the blocks kernel: each tile computes ~TILE²/2 masked scores for nothing; 128 and
+# 256 measured alike on CPU (bench/shared_prompt.py, P=100 R=1000 and P=1000 R=100).
+TILE = 128
+
+
 def _blocks(q, k, v, groups, pack, *, scaling, dropout):
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    outs = []
-    spans = pack.spans
-    if pack.shared:
-        P = spans[0][1]
-        assert spans[0] == (0, P)
-        outs.append(F.scaled_dot_product_attention(q[:, :, :P], k[:, :, :P], v[:, :, :P], dropout_p=dropout,
-                                                   scale=scaling, is_causal=True))
-        for s, e in spans[1:]:
-            # Exact: the keys a response may not see are simply absent rather than masked.
-            kk = torch.cat([k[:, :, :P], k[:, :, s:e]], dim=2)
-            vv = torch.cat([v[:, :, :P], v[:, :, s:e]], dim=2)
-            outs.append(F.scaled_dot_product_attention(q[:, :, s:e], kk, vv, attn_mask=_prefix_causal(pack, P, e - s, q.device),
-                                                       dropout_p=dropout, scale=scaling))
-    else:
-        for s, e in spans:
-            outs.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout_p=dropout,
-                                                       scale=scaling, is_causal=True))
+    # split, not slicing: backward then writes each segment's gradient once (one cat), where every
+    # slice would zero-fill and add a full-row gradient (a few per cent of a step in the profile).
+    sizes = [e - s for s, e in pack.spans]
+    assert sum(sizes) == q.shape[2], "spans cover the row"
+    qs, ks, vs = (x.split(sizes, dim=2) for x in (q, k, v))
+
+    def sdpa(q_, k_, v_, **kw):
+        return F.scaled_dot_product_attention(q_, k_, v_, dropout_p=dropout, scale=scaling, **kw)
+
+    if not pack.shared:
+        return torch.cat([sdpa(*qkv, is_causal=True) for qkv in zip(qs, ks, vs)], dim=2)
+    P = sizes[0]
+    assert pack.spans[0] == (0, P)
+    outs = [sdpa(qs[0], ks[0], vs[0], is_causal=True)]
+    for q_R, k_R, v_R in zip(qs[1:], ks[1:], vs[1:]):
+        # Exact: the keys a response may not see are absent rather than masked.
+        kk, vv = torch.cat([ks[0], k_R], dim=2), torch.cat([vs[0], v_R], dim=2)
+        R = q_R.shape[2]
+        if P * P < R * TILE:
+            # Short prompt: is_causal over [prompt, response], dropping the recomputed prompt rows,
+            # costs (P+R)²/2 scores: fewer than the tiles' PR + R²/2 + R·TILE/2 once P² < R·TILE.
+            outs.append(sdpa(torch.cat([qs[0], q_R], dim=2), kk, vv, is_causal=True).split([P, R], dim=2)[1])
+            continue
+        # An explicit mask makes SDPA compute every masked score too (only is_causal skips them),
+        # so the response goes in query tiles that each see only the keys up to their own end.
+        for a, q_t in zip(range(0, R, TILE), q_R.split(TILE, dim=2)):
+            b = a + q_t.shape[2]
+            outs.append(sdpa(q_t, kk[:, :, :P + b], vv[:, :, :P + b],
+                             attn_mask=_prefix_causal(pack, P + a, b - a, q.device)))
     return torch.cat(outs, dim=2)
 
 
@@ -137,7 +162,7 @@ def _dense(q, k, v, groups, pack, *, scaling, dropout):
 def _flex(q, k, v, groups, pack, *, scaling, dropout):
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError as e:  # pragma: no cover - depends on the torch build
+    except ImportError as e:
         raise ValueError("backend 'flex' needs torch.nn.attention.flex_attention") from e
     if dropout:
         raise ValueError("backend 'flex' does not support attention dropout")
@@ -145,23 +170,24 @@ def _flex(q, k, v, groups, pack, *, scaling, dropout):
     if key not in pack._cache:
         L = q.shape[2]
         pack._cache[key] = create_block_mask(pack.mask_mod, B=None, H=None, Q_LEN=L, KV_LEN=L, device=q.device)
-    if "flex_fn" not in _COMPILED:
+    fn = flex_attention
+    if q.device.type == "cuda":
         # Uncompiled flex materialises the scores; compiled it skips masked blocks.
-        _COMPILED["flex_fn"] = torch.compile(flex_attention, dynamic=True)
-    fn = _COMPILED["flex_fn"] if q.device.type == "cuda" else flex_attention
+        fn = _COMPILED.setdefault("flex", torch.compile(flex_attention, dynamic=True))
     return fn(q, k, v, block_mask=pack._cache[key], scale=scaling, enable_gqa=groups > 1)
 
 
 def _npu(q, k, v, groups, pack, *, scaling, dropout):
+    # Ascend only, so untested here.
     try:
         import torch_npu
-    except ImportError as e:  # pragma: no cover - Ascend only
+    except ImportError as e:
         raise ValueError("backend 'npu' needs torch_npu") from e
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # pragma: no cover - Ascend only
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
     # npu_fusion_attention's atten_mask is True where attention is *forbidden*.
     return torch_npu.npu_fusion_attention(q, k, v, q.shape[1], input_layout="BNSD",
                                           atten_mask=~pack.dense_LL(q.device), scale=scaling,
-                                          keep_prob=1.0 - dropout)[0]  # pragma: no cover
+                                          keep_prob=1.0 - dropout)[0]
 
 
 _KERNELS = {"blocks": _blocks, "dense": _dense, "flex": _flex, "npu": _npu}

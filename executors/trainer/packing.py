@@ -22,8 +22,9 @@ Mode = Literal["on", "off", "auto", "padded"]
 MODES = ("on", "off", "auto", "padded")
 
 # auto: share the prompt once it saves at least this fraction of the tokens a varlen row would carry.
-# Measured by bench/shared_prompt.py (see the module docstring there).
-AUTO_MIN_SAVED = 0.25
+# `bench/shared_prompt.py --auto` (G=8, R=500, CPU), varlen time / shared time in four runs: 0.86-0.97
+# at 0.017 saved, 0.99-1.10 at 0.042, 0.97-1.24 at 0.08, 1.07-1.10 at 0.15, 1.13-1.18 at 0.25.
+AUTO_MIN_SAVED = 0.05
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class PackedMicroBatch:
         with packed_forward(self.pack):
             # logits_to_keep: only the K rows that predict response tokens go through the LM head.
             logits_1KV = model(input_ids=self.input_ids_1L, position_ids=self.position_ids_1L,
-                               logits_to_keep=self.rows_K).logits
+                               logits_to_keep=self.rows_K, use_cache=False).logits
         logits_KV = logits_1KV[0].float() / temperature
         logp_K = torch.log_softmax(logits_KV, dim=-1).gather(-1, self.targets_NT[self.mask_NT][:, None])[:, 0]
         return torch.zeros(self.mask_NT.shape, dtype=torch.float32, device=logp_K.device).masked_scatter(
@@ -85,7 +86,8 @@ def _row(prompt_ids_P, responses, samples, *, shared, backend, device) -> Packed
     for n, (i, R) in enumerate(zip(samples, lens)):
         if shared:
             # the first response token is predicted by the last prompt token, the rest by their own past
-            rows.append(torch.cat([torch.tensor([P - 1]), torch.arange(start, start + R - 1)])[:R])
+            rows.append(torch.arange(start - 1, start + R - 1))
+            rows[-1][:1] = P - 1
             ids.append(responses[i])
             pos.append(torch.arange(P, P + R))
             seg.append(torch.full((R,), n + 1, dtype=torch.long))
@@ -129,17 +131,19 @@ def pack_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, tok
         raise ValueError(f"unknown packed attention backend {backend!r}; choose one of {BACKENDS}")
     lens = [r.numel() for r in responses]
     if shared_prompt:
-        groups = _chunks(lens, fixed=P, token_budget=token_budget)
+        rows = _chunks(lens, fixed=P, token_budget=token_budget)
     else:
-        groups = _chunks([P + R for R in lens], fixed=0, token_budget=token_budget)
-    return [_row(prompt_ids_P, responses, g, shared=shared_prompt, backend=backend, device=device) for g in groups]
+        rows = _chunks([P + R for R in lens], fixed=0, token_budget=token_budget)
+    return [_row(prompt_ids_P, responses, samples, shared=shared_prompt, backend=backend, device=device)
+            for samples in rows]
 
 
 def auto_shared_prompt(prompt_len: int, response_lens: list[int]) -> bool:
     """On when sharing saves >= AUTO_MIN_SAVED of the varlen tokens: (G-1)·P / (G·P + ΣR).
 
-    Sharing always does less arithmetic; below the threshold the saving is within the cost of the
-    extra per-response kernel calls and the prompt copies of K/V (bench/shared_prompt.py).
+    Sharing always runs fewer tokens through the linear layers; below the threshold that saving is
+    smaller than what the blocks kernel spends on each response (copies of the prompt's K/V, extra
+    calls, recomputed or tiled scores).
     """
     G = len(response_lens)
     if G < 2:
