@@ -19,7 +19,7 @@ from executors.trainer.executor import TrainerConfig
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     seed: int = 0
-    steps: int = Field(30, ge=1, description="optimizer steps")
+    steps: int = Field(200, ge=1, description="optimizer steps")
     schedule: Literal["periodic", "sync"] = Field(
         "periodic", description="periodic: train groups as they finish; sync: generate all, then train")
     output_dir: str | None = Field(None, description="default runs/<timestamp>")

@@ -17,3 +17,8 @@ def boom(prompt: str, response: str, sample: dict) -> float:
 
 def nan_sometimes(prompt: str, response: str, sample: dict) -> float:
     return float("nan") if len(response) % 2 else 1.0
+
+
+def length_parity(prompt: str, response: str, sample: dict) -> float:
+    """A dense test reward: 1 for responses of odd text length. Almost every group has variance."""
+    return float(len(response) % 2)

@@ -88,8 +88,8 @@ def test_embedded_prompts_are_deterministic():
 
 
 @pytest.mark.parametrize("response,reward", [
-    ("", 0.0), (" none", 0.0), (" 7", 1.0), ("7<junk>", 1.0), (" 4", 0.5), (" x 7 4", 1.0),
-    (" 4 7", 0.5), ("²", 0.0), ("seven", 0.0),
+    ("", 0.0), (" none", 0.0), (" 7", 1.0), ("7<junk>", 1.0), (" 4", 0.0), (" x 7 4", 1.0),
+    (" 4 7", 0.5), ("4447", 0.5), ("²", 0.0), ("seven", 0.0), ("77", 1.0),
 ])
 def test_embedded_reward(response, reward):
     sample = {"prompt": "eli sees 7 keys . how many ? answer:", "answer": "7"}

@@ -1,9 +1,12 @@
 """The embedded task: find the one digit hidden in a short sentence and answer with it.
 
-It exists so that a random-init tiny model can show learning within minutes on a laptop CPU:
-copying a token that the prompt marks by its kind (the only digit) needs one attention head,
-and tied embeddings make copying the natural first thing to learn. The reward gives half credit
-for answering with any digit, so the first groups already have non-zero reward variance.
+It exists so that a random-init tiny model shows learning within minutes on a laptop CPU: copying
+the one digit needs a single attention head (supervised, the embedded model learns it in under 10
+steps). The reward's half credit is what makes RL find it. Measured: a prompt-independent "format"
+credit (0.5 for any digit) let GRPO collapse the policy onto one fixed digit for 1 seed in 3, and
+the copy was never found; here half credit is only earned by emitting *this* prompt's digit, so no
+fixed output can farm it, yet a random 8-token sample earns it about 1 time in 60, enough for about
+a quarter of groups of 16 to have reward variance at the start.
 """
 from __future__ import annotations
 
@@ -38,9 +41,9 @@ def embedded_prompts(n: int, *, seed: int) -> list[dict]:
 
 
 def embedded_reward(prompt: str, response: str, sample: dict) -> float:
-    """0.5 if the response contains a digit, plus 0.5 if its first digit is the answer."""
+    """1 if the first digit of the response is the answer, 0.5 if the answer is a later digit, else 0."""
     del prompt  # the answer travels in `sample`; the prompt is part of the reward signature only
     digits = [c for c in response if c in "0123456789"]  # ASCII only: str.isdigit accepts "²"
-    if not digits:
-        return 0.0
-    return 0.5 + (0.5 if digits[0] == sample["answer"] else 0.0)
+    if digits and digits[0] == sample["answer"]:
+        return 1.0
+    return 0.5 if sample["answer"] in digits else 0.0

@@ -28,7 +28,7 @@ class ModelConfig(BaseModel):
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str | None = Field(None, description="JSONL or Parquet with a `prompt` column; None = embedded task")
-    prompts_per_step: int = Field(16, ge=1, description="B: prompt groups per optimizer step")
+    prompts_per_step: int = Field(8, ge=1, description="B: prompt groups per optimizer step")
     max_prompt_tokens: int = Field(256, ge=1, description="longer prompts are dropped (counted), never cut")
     chat_template: bool = Field(False, description="apply the tokenizer's chat template to each prompt")
     embedded_prompts: int = Field(4096, ge=1, description="size of the generated embedded prompt set")
@@ -37,10 +37,10 @@ class DataConfig(BaseModel):
 class GeneratorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     replicas: int = Field(1, ge=1, description="generator data-parallel replicas (one rank each)")
-    samples_per_prompt: int = Field(8, ge=1, description="G: responses sampled per prompt")
+    samples_per_prompt: int = Field(16, ge=1, description="G: responses sampled per prompt")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(4, ge=1)
+    max_new_tokens: int = Field(8, ge=1)
     max_batch_prompts: int = Field(16, ge=1, description="prompts decoded together in one inference chunk")
     engine: Literal["native"] = "native"
 

@@ -39,9 +39,9 @@ _RECORD = ("reward_sum", "reward_sq_sum", "samples", "len_sum", "groups", "rewar
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     dp: int = Field(1, ge=1, description="data-parallel trainer ranks; group i trains on rank i % dp")
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = Field(0, ge=0, description="linear warm-up from lr/(warmup+1)")
     lr_schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
