@@ -22,3 +22,9 @@ def nan_sometimes(prompt: str, response: str, sample: dict) -> float:
 def length_parity(prompt: str, response: str, sample: dict) -> float:
     """A dense test reward: 1 for responses of odd text length. Almost every group has variance."""
     return float(len(response) % 2)
+
+
+def flat_for_half_the_prompts(prompt: str, response: str, sample: dict) -> float:
+    """0 for every response to half of the prompts (flat groups for dynamic sampling to drop),
+    `length_parity` for the others (groups with variance to keep)."""
+    return 0.0 if sum(map(ord, prompt)) % 2 == 0 else length_parity(prompt, response, sample)

@@ -129,7 +129,8 @@ def test_every_algorithm_runs_end_to_end(tmp_path, algo, extra):
 
 def test_several_optimizer_steps_per_batch_keep_schedules_identical(tmp_path):
     """PPO-style passes (2 mini-batches x 2 epochs) on 2 trainer ranks: periodic still equals sync."""
-    opts = ["--set", "trainer.dp=2", "--set", "trainer.mini_batches=2", "--set", "trainer.epochs=2"]
+    opts = ["--set", "trainer.dp=2", "--set", "trainer.mini_batches=2", "--set", "trainer.epochs=2",
+            "--set", "reward.functions=[tests.rewards:length_parity]"]  # dense: every pass has a signal
     for schedule in ("sync", "periodic"):
         proc = launch(tmp_path / schedule, "--schedule", schedule, *opts, nproc=4, steps=2)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -142,9 +143,9 @@ def test_dynamic_sampling_tops_up_to_full_batches(tmp_path):
     """DAPO drops groups whose rewards are all equal and the generator samples more prompts with the
     same weights until B groups are kept: never a partial batch, and still sync == periodic."""
     for schedule in ("sync", "periodic"):
-        # the embedded reward is sparse for an untrained model: a dense one keeps top-up rounds few
+        # flat groups for half the prompts (dropped), dense rewards for the rest (kept)
         proc = launch(tmp_path / schedule, "--schedule", schedule, "--set",
-                      "reward.functions=[tests.rewards:length_parity]", steps=2, algo="dapo")
+                      "reward.functions=[tests.rewards:flat_for_half_the_prompts]", steps=2, algo="dapo")
         assert proc.returncode == 0, proc.stderr[-3000:]
     _same_run(tmp_path / "sync", tmp_path / "periodic")
     rows = metrics(tmp_path / "periodic")
