@@ -93,18 +93,16 @@ class World:
 
     def endpoints(self, step: int, *, first_step: int, last_step: int):
         """Open this rank's inbound/outbound endpoints for `step`, keyed by port."""
-        inbound, outbound = {}, {}
+        inbound, senders = {}, {}
         for ch, (sender, receiver) in zip(self.graph.channels, self._endpoints):
             if sender is not None:
                 sender.open_step(step, deliverable=step + ch.step_lag <= last_step)
-                if ch.out_port in outbound:  # fan-out: one port, several channels
-                    outbound[ch.out_port] = FanOut([*getattr(outbound[ch.out_port], "senders",
-                                                             [outbound[ch.out_port]]), sender])
-                else:
-                    outbound[ch.out_port] = sender
+                senders.setdefault(ch.out_port, []).append(sender)
             if receiver is not None:
                 receiver.open_step(step - ch.step_lag, expected=step - ch.step_lag >= first_step)
                 inbound[ch.in_port] = receiver
+        # one output port may feed several channels (fan-out)
+        outbound = {port: group[0] if len(group) == 1 else FanOut(group) for port, group in senders.items()}
         return inbound, outbound
 
     def bind_channels(self) -> None:

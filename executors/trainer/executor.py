@@ -26,6 +26,7 @@ from algorithms.kl import kl_in_loss, kl_in_reward, kl_penalised_rewards
 from channels.payloads import ScoredGroup, WeightsUpdate
 from executors.base import Executor, ExecutorEnv, StepContext
 from executors.hf import load_model, load_tokenizer, save_hf
+from executors.parallel import copy_params_
 from executors.trainer.packed_attention import install as install_packed_attention
 from executors.trainer.packing import auto_shared_prompt, make_micro_batches
 
@@ -125,9 +126,9 @@ class Trainer(Executor):
         the generation weights); later mini-batches and epochs run once all groups are in, in
         index order, against the old-policy snapshot. One optimizer step per mini-batch."""
         if self.old is not None:
-            _copy_params(self.old, self.policy)  # the weights that generated this step's samples
+            copy_params_(self.old, self.policy)  # the weights that generated this step's samples
         record = torch.zeros(len(_RECORD), dtype=torch.float64)
-        digests, held, self.moments = {}, [], {}
+        digests, held, self.moments, self.scores = {}, [], {}, {}
         self.totals = dict.fromkeys(("loss", "denom", "kl", "clip", "grad_norm", "mismatch"), 0.0)
         step_sums = torch.zeros(len(_SUMS), dtype=torch.float64)
         train_s, first_train_t = 0.0, None
@@ -137,8 +138,8 @@ class Trainer(Executor):
             first_train_t = first_train_t or time.time()
             record += _record(group, shared=self._shares_prompt(group))
             digests[group.index] = _group_digest(group)
-            if self.batch_scope:
-                self.moments[group.index] = score_moments(self._scores(group))
+            if self.batch_scope:  # every group's scores are needed at the barrier, trained now or later
+                self.moments[group.index] = score_moments(self._group_scores(group))
             if self.passes > 1:
                 held.append(group)
             if self._mini_batch(group.index) == 0:
@@ -183,6 +184,12 @@ class Trainer(Executor):
         # groups i and i + dp land on different dp ranks; stepping over dp keeps mini-batches balanced
         return (index // self.units) % self.cfg.mini_batches
 
+    def _group_scores(self, group: ScoredGroup, mbs=None, refs=None) -> torch.Tensor:
+        """`_scores` once per group and step (it may run reference forwards for a KL in the reward)."""
+        if group.index not in self.scores:
+            self.scores[group.index] = self._scores(group, mbs, refs)
+        return self.scores[group.index]
+
     def _scores(self, group: ScoredGroup, mbs=None, refs=None) -> torch.Tensor:
         """The algorithm's advantages (batch scope: the scores, normalised later) of one group."""
         lengths_G = torch.tensor([r.numel() for r in group.responses])
@@ -214,7 +221,7 @@ class Trainer(Executor):
         """Forward/backward of one group's micro-batches; gradients go to the accumulators."""
         mbs = self._micro_batches(group)
         refs = self._ref_logprobs(mbs)
-        score_G = self._scores(group, mbs, refs)
+        score_G = self._group_scores(group, mbs, refs)
         linear = self.batch_scope and first_pass
         if self.batch_scope and not first_pass:  # mean and std of the batch are known by now
             score_G = batch_normalise(score_G, mu=self.mu_scale[0], scale=self.mu_scale[1])
@@ -338,12 +345,6 @@ def _merge(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     out = total + part
     out[i] = max(total[i].item(), part[i].item())
     return out
-
-
-def _copy_params(dst, src) -> None:
-    with torch.no_grad():
-        for d, s in zip(dst.parameters(), src.parameters()):
-            d.copy_(s)
 
 
 def _sampled_logprobs(group: ScoredGroup, idx: list[int], *, like: torch.Tensor) -> torch.Tensor:
