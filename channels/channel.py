@@ -56,6 +56,7 @@ class Route:
     channel_id: int
     src_units: tuple[tuple[int, ...], ...]
     dst_units: tuple[tuple[int, ...], ...]
+    src_sharded: bool = False  # the source's units hold shards of one model copy (FSDP), not replicas
 
     def destinations(self, kind: Kind, item) -> tuple[int, ...]:
         if kind is Kind.BROADCAST:

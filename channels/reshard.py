@@ -320,8 +320,10 @@ class WeightPush:
     """
 
     def __init__(self, plan: PushPlan, *, rank: int, device: torch.device | str = "cpu",
-                 slots: Mapping | None = None, group: dist.ProcessGroup | None = None):
-        self.plan, self.rank, self.device, self.group = plan, rank, torch.device(device), group
+                 slots: Mapping | None = None, group: dist.ProcessGroup | None = None, tag: int = 0):
+        """`tag`: keeps these messages apart from other p2p traffic between the same ranks (gloo
+        matches by tag; nccl has none and relies on the same posting order on both sides)."""
+        self.plan, self.rank, self.device, self.group, self.tag = plan, rank, torch.device(device), group, tag
         self.outgoing = [s for s in plan.sent_by(rank) if s.origin == rank]  # packed here
         self.incoming = sorted(plan.received_by(rank), key=lambda s: (s.origin, s.sender))
         self.forwards = {s.origin: [f for f in plan.sent_by(rank) if f.origin == s.origin]
@@ -370,7 +372,7 @@ class WeightPush:
                     else:
                         _wait(pending.pop(_key(s, slot), []))  # this buffer's forwards of round r - 2
                         buf = self._buffer(s, slot)[:bucket.nbytes]
-                    posted.append((s, buf, dist.irecv(buf, s.sender, group=self.group)))
+                    posted.append((s, buf, dist.irecv(buf, s.sender, group=self.group, tag=self.tag)))
             recvs[r] = posted
 
         try:
@@ -386,7 +388,7 @@ class WeightPush:
                         if bucket.zero_copy:
                             p = pieces[bucket.entries[0][0]]
                             view = _contiguous_view(tensors[p.name][_view(p.src_slice)])
-                            pending["zero_copy"].append(dist.isend(view, s.receiver, group=self.group))
+                            pending["zero_copy"].append(dist.isend(view, s.receiver, group=self.group, tag=self.tag))
                             continue
                         buf = self._buffer(s, slot)
                         _wait(pending.pop(_key(s, slot), []))  # its send of round r - 2
@@ -394,13 +396,13 @@ class WeightPush:
                             p = pieces[i]
                             _typed(buf, offset, p).copy_(tensors[p.name][_view(p.src_slice)])
                         pending[_key(s, slot)].append(
-                            dist.isend(buf[:bucket.nbytes], s.receiver, group=self.group))
+                            dist.isend(buf[:bucket.nbytes], s.receiver, group=self.group, tag=self.tag))
                 for s, buf, work in recvs.pop(r):
                     work.wait()
                     bucket = s.buckets[r]
                     key = "zero_copy" if bucket.zero_copy else _key(s, slot)
                     for f in self.forwards[s.origin]:  # relay first: the next replica waits on it
-                        pending[key].append(dist.isend(buf, f.receiver, group=self.group))
+                        pending[key].append(dist.isend(buf, f.receiver, group=self.group, tag=self.tag))
                     if not bucket.zero_copy:
                         for i, offset in bucket.entries:
                             p = pieces[i]

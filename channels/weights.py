@@ -1,108 +1,100 @@
-"""The WEIGHTS channel: trainer ranks push parameters straight to the generator ranks that need them.
+"""The WEIGHTS channel: trainer shards go straight to the generator shards that need them.
 
-The plan is fixed at bind time: generator unit u is fed by trainer unit u % n_trainer_units, and
-every rank of that trainer unit holds the full (replicated) parameters, so no rank ever gathers the
-model to relay it. Parameters are packed into one persistent flat buffer per dtype on each side,
-allocated once and reused every step; one p2p message per dtype.
+Both endpoints build the same `PushPlan` (channels/reshard.py) on their first use, from the two
+layouts (the executors' units: trainer dp x tp, generator replicas x tp, and whether the trainer
+shards one copy over dp with FSDP) and the parameter specs the executors pass in. No rank gathers
+the model; bucket buffers are allocated on the first push and reused every step.
 Consumed one step later (lag 1): the generator receives at the start of step k+1 what the trainer
 pushed at the end of step k, so generation never starts with stale weights.
+
+The two sides must describe the same model: the trainer leader publishes its specs in the store
+and each generator rank compares them with its own before its first receive, so a mismatch is a
+named error instead of weights landing in the wrong places.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Iterable
+import json
+from typing import Mapping
 
 import torch
-import torch.distributed as dist
 
 from channels.channel import Channel, Route
+from channels.reshard import GeneratorLayout, ParamSpec, PushPlan, TrainerLayout, WeightPush, build_plan
 
 
-def _layout(named: Iterable[tuple[str, torch.Tensor]]) -> dict[torch.dtype, list[tuple[str, torch.Size]]]:
-    by_dtype = defaultdict(list)
-    for name, t in named:
-        by_dtype[t.dtype].append((name, t.shape))
-    return dict(sorted(by_dtype.items(), key=lambda kv: str(kv[0])))
+def _layouts(route: Route) -> tuple[TrainerLayout, GeneratorLayout]:
+    trainer = TrainerLayout(ranks=tuple(r for u in route.src_units for r in u), tp=len(route.src_units[0]),
+                            fsdp=route.src_sharded)
+    generator = GeneratorLayout(ranks=tuple(r for u in route.dst_units for r in u), tp=len(route.dst_units[0]))
+    return trainer, generator
 
 
-class WeightsSender:
+def _describe(specs: Mapping[str, ParamSpec]) -> dict:
+    return {name: [list(s.shape), str(s.dtype), s.tp_dim] for name, s in specs.items()}
+
+
+def _specs_key(route: Route) -> str:
+    return f"ch{route.channel_id}/specs"
+
+
+class _Endpoint:
     def __init__(self, *, channel: Channel, route: Route, store, rank: int, device: torch.device):
-        self.channel, self.route, self.rank, self.device = channel, route, rank, device
-        n_src = len(route.src_units)
-        my_unit = next(i for i, u in enumerate(route.src_units) if rank in u)
-        # trainer unit i feeds generator units i, i + n_src, ...; inside a trainer unit its ranks
-        # split those generator ranks between them
-        targets = [r for u_idx, unit in enumerate(route.dst_units) if u_idx % n_src == my_unit for r in unit]
-        mine = route.src_units[my_unit]
-        self.targets = targets[mine.index(rank)::len(mine)]
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
-        self._pending: list[dist.Work] = []
-        self.deliverable = True
+        self.channel, self.route, self.store, self.rank, self.device = channel, route, store, rank, device
+        self.plan: PushPlan | None = None
+        self._push: WeightPush | None = None
         self.bytes_sent = 0
 
+    def _run(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> None:
+        if self._push is None:
+            trainer, generator = _layouts(self.route)
+            self.plan = build_plan(specs=specs, trainer=trainer, generator=generator)
+            self._push = WeightPush(self.plan, rank=self.rank, device=self.device, tag=self.route.channel_id)
+            self.bytes_sent = self.plan.bytes_sent().get(self.rank, 0)
+        self._push.run(shards)
+
+    def close_step(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass  # a push returns complete: the generator is waiting for it at the start of its next step
+
+
+class WeightsSender(_Endpoint):
     def open_step(self, step: int, *, deliverable: bool = True) -> None:
         self.step, self.deliverable = step, deliverable
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Pack and isend; returns without waiting (the controller's flush waits)."""
-        if not (self.deliverable and self.targets):
+    def push(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> None:
+        """Send this rank's pieces of `shards` ({name: local shard}); returns when they are sent."""
+        if not self.deliverable:
             return
-        named = [(n, t.detach()) for n, t in named_tensors]
-        for dtype, entries in _layout(named).items():
-            tensors = [t for n, t in named if t.dtype == dtype]
-            numel = sum(t.numel() for t in tensors)
-            buf = self._buffers.get(dtype)
-            if buf is None or buf.numel() != numel:
-                buf = self._buffers[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
-            torch.cat([t.reshape(-1) for t in tensors], out=buf)
-            for dst in self.targets:
-                self._pending.append(dist.isend(buf, dst, tag=self.route.channel_id))
-                self.bytes_sent += buf.numel() * buf.element_size()
-
-    def close_step(self) -> None:
-        pass
-
-    def flush(self) -> None:
-        for work in self._pending:
-            work.wait()
-        self._pending.clear()
+        if self._push is None and self.rank == self.route.src_units[0][0]:
+            self.store.set(_specs_key(self.route), json.dumps(_describe(specs)))
+        self._run(shards, specs)
 
 
-class WeightsReceiver:
-    def __init__(self, *, channel: Channel, route: Route, store, rank: int, device: torch.device):
-        self.channel, self.route, self.rank, self.device = channel, route, rank, device
-        n_src = len(route.src_units)
-        my_unit = next(i for i, u in enumerate(route.dst_units) if rank in u)
-        src_unit = route.src_units[my_unit % n_src]
-        targets = [r for u_idx, unit in enumerate(route.dst_units) if u_idx % n_src == my_unit % n_src
-                   for r in unit]
-        self.source = src_unit[targets.index(rank) % len(src_unit)]  # mirrors WeightsSender.targets
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
-        self.expected = False
-
+class WeightsReceiver(_Endpoint):
     def open_step(self, step: int, *, expected: bool = True) -> None:
         self.step, self.expected = step, expected
 
-    def receive(self, like: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """Receive this step's weights, shaped like `like` (name, tensor); [] when none are due."""
+    def receive_into(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> bool:
+        """Receive this step's weights into `shards` ({name: local shard}, in place); False when
+        none are due (the first step)."""
         if not self.expected:
-            return []
-        like = list(like)
-        out = []
-        for dtype, entries in _layout(like).items():
-            numel = sum(shape.numel() for _, shape in entries)
-            buf = self._buffers.get(dtype)
-            if buf is None or buf.numel() != numel:
-                buf = self._buffers[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
-            dist.recv(buf, self.source, tag=self.route.channel_id)
-            offset = 0
-            for name, shape in entries:
-                out.append((name, buf[offset: offset + shape.numel()].view(shape)))
-                offset += shape.numel()
-        return out
+            return False
+        if self._push is None:
+            _check_same_model(json.loads(self.store.get(_specs_key(self.route))), _describe(specs),
+                              channel=self.channel.name)
+        self._run(shards, specs)
+        return True
 
-    def close_step(self) -> None:
-        pass
 
-    def flush(self) -> None:
-        pass
+def _check_same_model(theirs: dict, mine: dict, *, channel: str) -> None:
+    if theirs == mine:
+        return
+    missing, extra = sorted(theirs.keys() - mine.keys()), sorted(mine.keys() - theirs.keys())
+    if missing or extra:
+        raise ValueError(f"weights channel {channel!r}: the trainer and generator models differ in parameter "
+                         f"names (trainer only: {missing[:3]}, generator only: {extra[:3]})")
+    name = next(n for n in theirs if theirs[n] != mine[n])
+    raise ValueError(f"weights channel {channel!r}: parameter {name!r} is [shape, dtype, tp dim] {theirs[name]} "
+                     f"on the trainer but {mine[name]} on the generator (model.path / model.dtype must match)")

@@ -108,7 +108,8 @@ class World:
     def bind_channels(self) -> None:
         self._endpoints = []
         for cid, ch in enumerate(self.graph.channels):
-            route = Route(channel_id=cid + 1, src_units=self.units[ch.src], dst_units=self.units[ch.dst])
+            route = Route(channel_id=cid + 1, src_units=self.units[ch.src], dst_units=self.units[ch.dst],
+                          src_sharded=self.graph.executor(ch.src).shards_over_units)
             send_cls, recv_cls = ENDPOINTS[ch.kind]
             common = dict(channel=ch, route=route, store=self.store, rank=self.rank, device=self.env.device)
             sender = send_cls(**common) if ch.src == self.local_name else None

@@ -50,6 +50,9 @@ class StepContext:
 class Executor(ABC):
     inputs: ClassVar[Mapping[str, type]] = {}
     outputs: ClassVar[Mapping[str, type]] = {}
+    # True when the units hold disjoint shards of one model (FSDP) rather than full replicas; the
+    # WEIGHTS channel then plans each piece from the one unit that holds it
+    shards_over_units: bool = False
 
     def __init__(self, *, name: str, units: int = 1, ranks_per_unit: int = 1):
         if units < 1 or ranks_per_unit < 1:

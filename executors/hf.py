@@ -64,6 +64,14 @@ def load_model(path: str | None, *, dtype: torch.dtype = torch.float32, seed: in
     return model.to(dtype)
 
 
+def load_config(path: str | None) -> transformers.PretrainedConfig:
+    """The model's config alone (no weights): what placement checks need."""
+    if path is not None:
+        return transformers.AutoConfig.from_pretrained(_check_dir(path), local_files_only=True)
+    tok = load_tokenizer(None)
+    return embedded_config(vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+
+
 def load_tokenizer(path: str | None) -> PreTrainedTokenizerFast:
     """A fast tokenizer from a local directory, or the embedded 512-token byte-level BPE."""
     if path is not None:
@@ -75,18 +83,24 @@ def load_tokenizer(path: str | None) -> PreTrainedTokenizerFast:
     )
 
 
-def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> None:
-    """Write a directory that `load_model(out_dir)` / `AutoModelForCausalLM.from_pretrained` read back."""
+def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir: str | Path, *,
+            state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write a directory that `load_model(out_dir)` / `AutoModelForCausalLM.from_pretrained` read back.
+
+    state: full tensors to write instead of `model`'s own (a sharded model gathers them first,
+    executors/parallel `full_state_dict`), tied tensors already stored once.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Not model.save_pretrained: under torch.distributed, transformers writes only on global rank 0,
     # and the trainer is rarely rank 0. Tied tensors are stored once under their first name in
     # state_dict order (as HF does), so the file is byte-identical for identical weights.
     model.config.save_pretrained(out)
-    state, seen = {}, set()
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            state[name] = tensor.detach().contiguous().cpu()
+    if state is None:
+        state, seen = {}, set()
+        for name, tensor in model.state_dict().items():
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                state[name] = tensor.detach().contiguous().cpu()
     safetensors.torch.save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out)

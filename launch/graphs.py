@@ -7,6 +7,8 @@ from channels.payloads import GroupVerdict, RolloutGroup, ScoredGroup, WeightsUp
 from algorithms.registry import get_algorithm
 from controller.graph import Graph
 from executors.generator.executor import Generator
+from executors.hf import load_config
+from executors.parallel.tp import PLANS, check_divisible
 from executors.reward.executor import Reward
 from executors.trainer.executor import Trainer
 from launch.config import RunConfig
@@ -18,6 +20,7 @@ def grpo_graph(cfg: RunConfig) -> Graph:
     if cfg.trainer.mini_batches * cfg.trainer.dp > cfg.data.prompts_per_step:
         raise ValueError(f"trainer.mini_batches ({cfg.trainer.mini_batches}) x trainer.dp ({cfg.trainer.dp}) "
                          f"exceeds data.prompts_per_step ({cfg.data.prompts_per_step}): a mini-batch would be empty")
+    _check_placement(cfg)
     algo_config = cfg.algo_config
     if "max_response_tokens" in type(algo_config).model_fields and \
             "max_response_tokens" not in algo_config.model_fields_set:
@@ -26,6 +29,9 @@ def grpo_graph(cfg: RunConfig) -> Graph:
     functions = cfg.reward.functions or (["math_verify"] if cfg.data.path else ["embedded"])
     algorithm = get_algorithm(cfg.algo)
     dynamic = bool(getattr(algo_config, "dynamic_sampling", False))
+    if dynamic and cfg.trainer.fsdp and cfg.trainer.dp > 1:
+        raise ValueError("algorithm.dynamic_sampling with trainer.fsdp and trainer.dp > 1 is not supported: FSDP "
+                         "ranks train in rounds of one group each, which needs every prompt index of the batch")
     if dynamic and cfg.trainer.mini_batches > 1:
         raise ValueError("algorithm.dynamic_sampling with trainer.mini_batches > 1 is not supported yet "
                          "(kept prompt indices are not contiguous, so a mini-batch could be empty)")
@@ -45,6 +51,24 @@ def grpo_graph(cfg: RunConfig) -> Graph:
     if dynamic:  # verdicts close a same-step cycle: the generator reads them only after each round
         channels.append(Channel("verdicts", "reward", "generator", Kind.BROADCAST, GroupVerdict, feedback=True))
     return Graph(executors, channels)
+
+
+def _check_placement(cfg: RunConfig) -> None:
+    """tp sizes against the model, before any rank starts (the world size is checked at launch)."""
+    sizes = {"trainer.tp": cfg.trainer.tp, "generator.tp": cfg.generator.tp}
+    if all(tp == 1 for tp in sizes.values()):
+        return
+    config = load_config(cfg.model.path)
+    for field, tp in sizes.items():
+        if tp == 1:
+            continue
+        if config.model_type not in PLANS:
+            raise ValueError(f"{field}={tp}: no tensor-parallel plan for model_type={config.model_type!r} "
+                             f"(known: {sorted(PLANS)})")
+        try:
+            check_divisible(config, tp=tp)
+        except ValueError as exc:
+            raise ValueError(f"{field}={tp} does not fit the model: {exc}") from None
 
 
 def build_graph(cfg: RunConfig) -> Graph:

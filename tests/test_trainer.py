@@ -23,8 +23,9 @@ class _Pushed:
     def __init__(self):
         self.named = None
 
-    def push(self, named):
-        self.named = {n: t.detach().clone() for n, t in named}
+    def push(self, shards, specs):
+        assert shards.keys() == specs.keys()
+        self.named = {n: t.detach().clone() for n, t in shards.items()}
 
     def flush(self):
         pass

@@ -13,6 +13,7 @@ from executors.embedded.task import embedded_prompts
 from executors.generator.data import PromptRow, PromptSet, load_prompts
 from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams
 from executors.hf import load_model, load_tokenizer
+from executors.parallel import apply_tp, build_mesh, local_shards, param_specs
 
 
 class ModelConfig(BaseModel):
@@ -36,7 +37,8 @@ class DataConfig(BaseModel):
 
 class GeneratorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    replicas: int = Field(1, ge=1, description="generator data-parallel replicas (one rank each)")
+    replicas: int = Field(1, ge=1, description="generator data-parallel replicas")
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks per replica (independent of trainer.tp)")
     samples_per_prompt: int = Field(16, ge=1, description="G: responses sampled per prompt")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -53,14 +55,14 @@ class Generator(Executor):
                  data: DataConfig, stream: bool, dynamic_sampling: bool = False, max_rounds: int = 16):
         """`dynamic_sampling`: after each round, wait for the reward's verdicts and sample
         B - kept more prompts (indices B, B+1, ...) with the same weights, until B groups are kept."""
-        super().__init__(name=name, units=config.replicas)
+        super().__init__(name=name, units=config.replicas, ranks_per_unit=config.tp)
         self.cfg, self.model_cfg, self.data_cfg, self.stream = config, model, data, stream
         self.dynamic, self.max_rounds = dynamic_sampling, max_rounds
         if dynamic_sampling:
             self.inputs = {**self.inputs, "verdicts": GroupVerdict}
 
     def describe(self):
-        return {"replicas": self.cfg.replicas, "G": self.cfg.samples_per_prompt,
+        return {"replicas": self.cfg.replicas, "tp": self.cfg.tp, "G": self.cfg.samples_per_prompt,
                 "engine": self.cfg.engine, "stream": self.stream}
 
     def init(self, env: ExecutorEnv) -> None:
@@ -68,6 +70,12 @@ class Generator(Executor):
         self.tokenizer = load_tokenizer(self.model_cfg.path)
         # same seed as the trainer's init, so step 0 samples with exactly the trainer's weights
         model = load_model(self.model_cfg.path, dtype=self.model_cfg.torch_dtype, seed=env.seed).to(env.device)
+        if self.cfg.tp > 1:
+            # a replica's tp ranks decode in lockstep: the lm_head all-gathers the logits, so each
+            # samples the same tokens from the same per-sample seeds; its first rank sends the groups
+            mesh = build_mesh(ranks=env.ranks, tp=self.cfg.tp, device_type=env.device.type, parent=env.group)
+            apply_tp(model, mesh=mesh["tp"])
+        self.specs, self.shards = param_specs(model), local_shards(model)  # the WEIGHTS channel's view
         self.engine = NativeEngine(model, eos_token_id=self.tokenizer.eos_token_id,
                                    pad_token_id=self.tokenizer.pad_token_id,
                                    max_batch_prompts=self.cfg.max_batch_prompts)
@@ -84,8 +92,7 @@ class Generator(Executor):
 
     def step(self, ctx: StepContext):
         with ctx.timeline.span("weights_recv"):
-            update = ctx.inbound["weights"].receive(self.engine.model.named_parameters())
-            self.engine.update_weights(update)
+            ctx.inbound["weights"].receive_into(self.shards, self.specs)  # in place, shard by shard
         t0, start_t = time.perf_counter(), time.time()
         B = self.data_cfg.prompts_per_step
         indices, kept, next_index, rounds, tokens = list(range(B)), 0, B, 0, 0

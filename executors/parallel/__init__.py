@@ -21,7 +21,8 @@ from executors.parallel.mesh import build_mesh, mesh_ranks
 from executors.parallel.tp import apply_tp, check_divisible, param_specs, tp_plan
 
 __all__ = ["apply_fsdp", "apply_tp", "build_mesh", "check_divisible", "clip_grad_norm_", "copy_params_",
-           "dp_all_reduce_", "local", "mesh_ranks", "param_specs", "parallelize", "tp_plan"]
+           "dp_all_reduce_", "full_state_dict", "local", "local_shards", "mesh_ranks", "param_specs", "parallelize",
+           "tp_plan"]
 
 
 def parallelize(model: nn.Module, *, mesh: DeviceMesh, tp: bool, fsdp: bool, forward_only: bool = False) -> nn.Module:
@@ -42,6 +43,32 @@ def parallelize(model: nn.Module, *, mesh: DeviceMesh, tp: bool, fsdp: bool, for
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a (possibly DTensor) tensor, aliasing its storage."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{name: this rank's shard} of every parameter, aliasing the parameters' storage."""
+    return {name: local(p.detach()) for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict on CPU, tied tensors once under their first name.
+
+    Every rank of the model's mesh must call it (a DTensor's full_tensor() is a collective); ranks
+    with keep=False take part but keep nothing, so only the writer ever holds the whole model, one
+    tensor at a time on the others.
+    """
+    # named_parameters lists a tied parameter once, under its first name: the same decision on every
+    # rank (a data_ptr test would not be: an empty FSDP shard has no storage), so collectives pair up
+    first = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    out = {}
+    for name, t in model.state_dict().items():
+        if name not in first:
+            continue
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            out[name] = full.detach().contiguous().cpu()
+    return out
 
 
 @torch.no_grad()
@@ -71,14 +98,14 @@ def dp_all_reduce_(tensors, *, mesh: DeviceMesh) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, *, mesh: DeviceMesh) -> float:
+def clip_grad_norm_(params, max_norm: float, *, mesh: DeviceMesh | None) -> float:
     """Clip the global gradient norm of parameters sharded in any mix of layouts over `mesh`.
 
     Each rank sums the squares of its local shard, weighted so that an element held by k ranks
     counts once; all-reducing over each mesh dimension gives the global sum (no extra group is
-    needed). Returns the norm before clipping.
+    needed). mesh None: one process, plain tensors. Returns the norm before clipping.
     """
-    world = mesh.size()
+    world = mesh.size() if mesh is not None else 1
     sq = torch.zeros((), dtype=torch.float64)
     grads = [p.grad for p in params if p.grad is not None]
     for g in grads:
@@ -91,7 +118,7 @@ def clip_grad_norm_(params, max_norm: float, *, mesh: DeviceMesh) -> float:
                     sharded *= g.device_mesh.size(dim)
             copies = world // sharded
         sq += local(g).double().pow(2).sum() / copies
-    for dim in range(mesh.ndim):  # a sum over the grid: over each dimension in turn
+    for dim in range(mesh.ndim if mesh is not None else 0):  # a sum over the grid: each dimension in turn
         if mesh.size(dim) > 1:
             dist.all_reduce(sq, group=mesh.get_group(dim))
     norm = sq.sqrt().item()

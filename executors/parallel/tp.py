@@ -142,7 +142,8 @@ def param_specs(model: nn.Module) -> dict[str, ParamSpec]:
     an unsharded generator model of the same architecture give the same specs (a push plan must be
     built identically on both sides).
     """
-    plan = tp_plan(model)
+    # a family without a plan cannot run tp > 1 (apply_tp refuses it), so everything is replicated
+    plan = PLANS.get(getattr(model.config, "model_type", None), {})
     modules = dict(model.named_modules())
     out = {}
     for name, p in model.named_parameters():
