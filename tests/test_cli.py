@@ -37,6 +37,17 @@ def test_dry_run_prints_placement_and_channels():
     assert "trainer.weights -> generator.weights" in out and "next step" in lines["weights"]
 
 
+def test_dry_run_places_tensor_parallel_units():
+    proc = _launch("--algo", "grpo", "--dry-run", "--set", "trainer.dp=2", "--set", "trainer.tp=2",
+                   "--set", "trainer.fsdp=true", "--set", "generator.tp=2")
+    assert proc.returncode == 0, proc.stderr
+    assert "world size 7" in proc.stdout
+    lines = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()}
+    assert lines["generator"][2:4] == ["0-1", "0-1"]  # one replica of 2 tp ranks
+    assert lines["trainer"][2:5] == ["3-6", "3-4", "5-6"]  # dp units of 2 tp ranks each
+    assert "fsdp=True" in " ".join(lines["trainer"])
+
+
 @pytest.mark.parametrize("args,message", [
     (["--set", "trainer.lr=abc"], "invalid config (command line): trainer.lr: Input should be a valid number"),
     (["--set", "trainer.lrr=1"], "trainer.lrr: unknown key"),
@@ -45,6 +56,10 @@ def test_dry_run_prints_placement_and_channels():
     (["--set", "novalue"], "--set 'novalue': expected KEY=VALUE"),
     (["--steps", "0"], "steps: Input should be greater than or equal to 1 (got 0)"),
     (["--set", "trainer.mini_batches=20"], "trainer.mini_batches (20) x trainer.dp (1) exceeds data.prompts_per_step"),
+    (["--set", "trainer.tp=3"], "trainer.tp=3 does not fit the model: tp=3 must divide num_attention_heads=4, "
+                                "num_key_value_heads=2, vocab_size=512"),
+    (["--set", "generator.tp=4"], "generator.tp=4 does not fit the model: tp=4 must divide num_key_value_heads=2"),
+    (["--set", "trainer.tp=0"], "trainer.tp: Input should be greater than or equal to 1"),
 ])
 def test_config_errors_name_the_field(args, message):
     proc = _launch("--algo", "grpo", "--dry-run", *args)
@@ -70,3 +85,10 @@ def test_config_file_errors_name_the_file(tmp_path):
     assert proc.returncode == 0 and "world size 5" in proc.stdout
     proc = _launch("--algo", "grpo", "--dry-run", "--config", str(tmp_path / "missing.yaml"))
     assert proc.returncode == 2 and "missing.yaml does not exist" in proc.stderr
+
+
+def test_fsdp_refuses_dynamic_sampling():
+    proc = _launch("--algo", "dapo", "--dry-run", "--set", "trainer.fsdp=true", "--set", "trainer.dp=2",
+                   "--set", "algorithm.dynamic_sampling=true")
+    assert proc.returncode == 2
+    assert "algorithm.dynamic_sampling with trainer.fsdp and trainer.dp > 1 is not supported" in proc.stderr

@@ -9,25 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from tests.dist import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--set", "data.prompts_per_step=4", "--set", "generator.samples_per_prompt=4",
-         "--set", "generator.max_new_tokens=4", "--set", "generator.max_batch_prompts=2"]  # 2 inference chunks
-REQUIRED = {"step", "reward_mean", "reward_std", "response_len_mean", "loss", "kl", "grad_norm", "gen_s",
-            "train_s", "push_s", "step_s", "tokens", "tpspd", "rollout_digest"}
-
-
-def launch(out: Path, *args: str, nproc: int = 3, steps: int = 3, timeout: float = 240,
-           algo: str = "grpo") -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           "launch.py", "--algo", algo, "--steps", str(steps), "--output-dir", str(out), *SMALL, *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
+from tests.e2e import ROOT, launch, metrics
 
 @pytest.fixture(scope="module")
 def periodic_run(tmp_path_factory):

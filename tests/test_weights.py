@@ -2,36 +2,69 @@
 bit for bit, and no generation of the next step started before it."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from executors.hf import load_model
 from launch.graphs import build_graph
 from launch.job import run_job
 from tests.dist import spawn
+from channels.reshard import chunk
+from channels.weights import _check_same_model
+from executors.parallel import local_shards
 from tests.fixtures import small_config
 
 
-def _run(tmp, dp: int, replicas: int):
-    cfg = small_config(trainer={"dp": dp}, generator={"replicas": replicas})
+def _run(tmp, trainer: dict, generator: dict):
+    cfg = small_config(trainer=trainer, generator=generator)
     graph = build_graph(cfg)
     run_job(graph, steps=2, seed=0, output_dir=tmp, checkpoint_every=1, timeout_s=120)
     local = next(ex for ex in graph.executors if ex.env is not None)
-    if local.name == "generator":
-        return {n: p.detach().clone() for n, p in local.engine.model.named_parameters()}
+    if local.name == "generator":  # this rank's shards, and which tp slice they should be
+        env = local.env
+        t = env.units[env.unit_index].index(env.rank)
+        return {"shards": {n: s.clone() for n, s in local.shards.items()}, "tp": cfg.generator.tp, "t": t,
+                "specs": local.specs}
     if local.name == "trainer":
-        return {n: p.detach().clone() for n, p in local.policy.named_parameters()}
+        return {"shards": {n: s.clone() for n, s in local_shards(local.policy).items()}}
     return None
 
 
-def test_push_reaches_every_generator_replica_bit_identically(tmp_path):
-    # ranks: generator 0-1, reward 2, trainer 3-4 (trainer unit i feeds generator unit i)
-    results = spawn(_run, 5, tmp_path, 2, 2, timeout_s=240)
+def _slice(full: torch.Tensor, spec, *, tp: int, t: int) -> torch.Tensor:
+    if spec.tp_dim is None:
+        return full
+    start, stop = chunk(full.shape[spec.tp_dim], tp, t)
+    return full.narrow(spec.tp_dim, start, stop - start)
+
+
+# 5 ranks: generator 0-1, reward 2, trainer 3-4
+LAYOUTS = {
+    "dp2->2 replicas": ({"dp": 2}, {"replicas": 2}),  # each trainer replica feeds one generator replica
+    "fsdp2->tp2": ({"dp": 2, "fsdp": True}, {"tp": 2}),  # FSDP row halves into tp column/row shards
+    "tp2->2 replicas": ({"tp": 2}, {"replicas": 2}),  # replica 1 fed by replica 0 (relay)
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_push_reaches_every_generator_rank_bit_identically(tmp_path, layout):
+    results = spawn(_run, 5, tmp_path, *LAYOUTS[layout], timeout_s=240)
     # the trainer's step-0 checkpoint, loaded back as an HF model directory
     step0 = dict(load_model(str(tmp_path / "checkpoints/step_000000")).named_parameters())
-    gens, trainers = results[0:2], results[3:5]
-    for gen in gens:  # generation of step 1 ran on the weights pushed at the end of step 0
-        assert gen.keys() == step0.keys()
+    for gen in results[0:2]:  # generation of step 1 ran on the weights pushed at the end of step 0
+        assert gen["shards"].keys() == step0.keys()
         for name, tensor in step0.items():
-            assert torch.equal(gen[name], tensor), name
-    assert all(torch.equal(trainers[0][n], trainers[1][n]) for n in trainers[0])  # dp replicas agree
-    assert any(not torch.equal(trainers[0][n], step0[n]) for n in step0)  # step 1 moved on (not pushed)
+            want = _slice(tensor.detach(), gen["specs"][name], tp=gen["tp"], t=gen["t"])
+            assert torch.equal(gen["shards"][name], want), name
+    trainers = [r["shards"] for r in results[3:5]]
+    if layout == "dp2->2 replicas":
+        assert all(torch.equal(trainers[0][n], trainers[1][n]) for n in trainers[0])  # dp replicas agree
+        assert any(not torch.equal(trainers[0][n], step0[n]) for n in step0)  # step 1 moved on (not pushed)
+
+def test_a_different_generator_model_is_named_before_any_byte_moves():
+    trainer = {"model.norm.weight": [[128], "torch.float32", None], "lm_head.weight": [[512, 128], "torch.float32", 0]}
+    _check_same_model(trainer, dict(trainer), channel="weights")  # the same model passes
+    other = {**trainer, "model.norm.weight": [[64], "torch.float32", None]}
+    with pytest.raises(ValueError, match=r"parameter 'model.norm.weight' is .*\[\[128\].* on the trainer but .*\[\[64\]"):
+        _check_same_model(trainer, other, channel="weights")
+    with pytest.raises(ValueError, match="differ in parameter names .*generator only: \\['extra'\\]"):
+        _check_same_model(trainer, {**trainer, "extra": [[1], "torch.float32", None]}, channel="weights")
