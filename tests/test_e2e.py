@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
 
-from tests.e2e import ROOT, launch, metrics
+from tests.e2e import REQUIRED, launch, metrics
+
 
 @pytest.fixture(scope="module")
 def periodic_run(tmp_path_factory):

@@ -20,11 +20,9 @@ import itertools
 import math
 import time
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch.distributed.tensor import DTensor
 
 from algorithms.base import Algorithm, AlgoConfig, LossInputs
@@ -36,57 +34,13 @@ from executors.base import Executor, ExecutorEnv, StepContext
 from executors.hf import load_model, load_tokenizer, save_hf
 from executors.parallel import (build_mesh, clip_grad_norm_, copy_params_, full_state_dict, local, local_shards,
                                 param_specs, parallelize)
+from executors.trainer import stats
+from executors.trainer.config import TrainerConfig, lr_factor
 from executors.trainer.order import in_index_order, round_length
 from executors.trainer.packed_attention import install as install_packed_attention
 from executors.trainer.packing import auto_shared_prompt, make_micro_batches
 
-
-# per optimizer step: loss passes and their denominators, all-reduced over dp at each barrier
-_SUMS = ("loss_score", "loss_one", "loss_zero", "denom", "kl_sum", "clip_sum", "mismatch")
-# per step, once per group: what was sampled and scored, and the tokens one pass trains on
-_RECORD = ("reward_sum", "reward_sq_sum", "samples", "len_sum", "groups", "reward_failures", "tokens")
-
-
-class TrainerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    dp: int = Field(1, ge=1, description="data-parallel trainer units; group i trains on unit i % dp")
-    tp: int = Field(1, ge=1, description="tensor-parallel ranks per unit (must divide heads, kv heads, "
-                    "intermediate size and vocabulary)")
-    fsdp: bool = Field(False, description="shard policy, old and reference over dp with FSDP2 (else dp replicates)")
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = Field(1e-8, gt=0, description="AdamW eps")
-    warmup_steps: int = Field(0, ge=0, description="linear warm-up from lr/(warmup+1)")
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
-    grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
-    shared_prompt: Literal["on", "off", "auto", "padded"] = Field(
-        "auto", description="on: a group is one packed row [prompt, r_1..r_G] (prompt trained once); off: "
-        "varlen packing, no padding; auto: on when sharing saves >= 5% of the tokens; padded: the unpacked "
-        "reference ([prompt, r_i] rows padded, micro_batch_size rows per micro-batch)")
-    @field_validator("shared_prompt", mode="before")
-    @classmethod
-    def _yaml_on_off(cls, value):
-        # YAML 1.1 reads bare on/off as booleans (in config files and --set alike)
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
-
-    token_budget: int = Field(4096, ge=1, description="tokens per packed micro-batch (a group splits by sample index)")
-    micro_batch_size: int = Field(8, ge=1, description="sequences per micro-batch with shared_prompt=padded")
-    mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch over the batch; group i "
-                              "is in mini-batch (i // dp) % mini_batches")
-    epochs: int = Field(1, ge=1, description="passes over the batch (PPO-style); >1 uses the old-policy snapshot")
-    fp64_grad_accumulation: bool = Field(True, description="accumulate grads in float64 so arrival order "
-                                         "cannot change a bit; off saves memory on big models")
-
-
-def lr_factor(step: int, *, warmup: int, schedule: str, total: int, floor: float) -> float:
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup) / max(1, total - warmup)
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+__all__ = ["Trainer", "TrainerConfig"]
 
 
 class Trainer(Executor):
@@ -155,10 +109,10 @@ class Trainer(Executor):
         index order, against the old-policy snapshot. One optimizer step per mini-batch."""
         if self.old is not None:
             copy_params_(self.old, self.policy)  # the weights that generated this step's samples
-        record = torch.zeros(len(_RECORD), dtype=torch.float64)
+        record = torch.zeros(len(stats.RECORD), dtype=torch.float64)
         digests, held, self.moments, self.scores = {}, [], {}, {}
         self.totals = dict.fromkeys(("loss", "denom", "kl", "clip", "grad_norm", "mismatch"), 0.0)
-        step_sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        step_sums = torch.zeros(len(stats.SUMS), dtype=torch.float64)
         train_s, first_train_t = 0.0, None
         groups = ctx.inbound["scored"] if self.stream else list(ctx.inbound["scored"])
         if self.ordered:
@@ -167,8 +121,8 @@ class Trainer(Executor):
             t0 = time.perf_counter()
             if group is not None:
                 first_train_t = first_train_t or time.time()
-                record += _record(group, shared=self._shares_prompt(group))
-                digests[group.index] = _group_digest(group)
+                record += stats.record(group, shared=self._shares_prompt(group))
+                digests[group.index] = stats.group_digest(group)
                 if self.passes > 1:
                     held.append(group)
             train = mini_batch == 0
@@ -179,7 +133,7 @@ class Trainer(Executor):
                 self.moments[group.index] = score_moments(self._group_scores(group, mbs, refs))
             if train:
                 with ctx.timeline.span("train", index=group.index if group is not None else -1):
-                    step_sums = _merge(step_sums, self._train_group(group, mbs, refs, steps, first_pass=True))
+                    step_sums = stats.merge(step_sums, self._train_group(group, mbs, refs, steps, first_pass=True))
             train_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         with ctx.timeline.span("barrier"):
@@ -189,11 +143,11 @@ class Trainer(Executor):
                 for mb in range(self.cfg.mini_batches):
                     if (epoch, mb) == (0, 0):
                         continue
-                    step_sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+                    step_sums = torch.zeros(len(stats.SUMS), dtype=torch.float64)
                     mine = sorted((g for g in held if self._mini_batch(g.index) == mb), key=lambda g: g.index)
                     for _, g, mbs, steps in self._schedule(mine):
                         refs = self._ref_logprobs(mbs, pad_to=steps)
-                        step_sums = _merge(step_sums, self._train_group(g, mbs, refs, steps, first_pass=False))
+                        step_sums = stats.merge(step_sums, self._train_group(g, mbs, refs, steps, first_pass=False))
                     self._optimizer_step(step_sums, first_pass=False)
             self.lr_used = self.opt.param_groups[0]["lr"]
             self.sched.step()
@@ -204,7 +158,7 @@ class Trainer(Executor):
             ctx.outbound["weights"].flush()
         push_s = time.perf_counter() - t0
         digest = hashlib.sha256("".join(digests[i] for i in sorted(digests)).encode()).hexdigest()[:16]
-        return {**self._metrics(dict(zip(_RECORD, record.tolist())), digest, train_s=train_s, push_s=push_s),
+        return {**self._metrics(dict(zip(stats.RECORD, record.tolist())), digest, train_s=train_s, push_s=push_s),
                 "first_train_t": first_train_t, "push_end_t": time.time()}
 
     def _schedule(self, groups):
@@ -252,7 +206,7 @@ class Trainer(Executor):
             for mb, ref_NT in zip(mbs, refs):
                 idx = list(mb.samples)
                 rewards_G[idx] = kl_penalised_rewards(
-                    rewards_N=rewards_G[idx], logp_NT=_sampled_logprobs(group, idx, like=ref_NT),
+                    rewards_N=rewards_G[idx], logp_NT=stats.sampled_logprobs(group, idx, like=ref_NT),
                     ref_logp_NT=ref_NT, mask_NT=mb.mask_NT, cfg=self.algo_cfg)
         return self.algo.advantages(rewards_G, self.algo_cfg)
 
@@ -283,7 +237,7 @@ class Trainer(Executor):
         """Forward/backward of one group's micro-batches (then dummies up to `steps`); gradients go
         to the accumulators."""
         linear = self.batch_scope and first_pass
-        sums = dict.fromkeys(_SUMS, 0.0)
+        sums = dict.fromkeys(stats.SUMS, 0.0)
         if group is not None:
             score_G = self._group_scores(group, mbs, refs)
             if self.batch_scope and not first_pass:  # mean and std of the batch are known by now
@@ -295,10 +249,10 @@ class Trainer(Executor):
             mb, idx = mbs[k], list(mbs[k].samples)
             logp_NT = self._micro_step(mb, refs[k], score_G[idx], first_pass=first_pass, linear=linear, sums=sums)
             if first_pass:  # on-policy check: the trainer recomputes what the generator sampled
-                sampled_NT = _sampled_logprobs(group, idx, like=logp_NT)
+                sampled_NT = stats.sampled_logprobs(group, idx, like=logp_NT)
                 gap = ((logp_NT.detach() - sampled_NT).abs() * mb.mask_NT).max().item()
                 sums["mismatch"] = max(sums["mismatch"], gap)
-        return torch.tensor([sums[k] for k in _SUMS], dtype=torch.float64)
+        return torch.tensor([sums[k] for k in stats.SUMS], dtype=torch.float64)
 
     def _micro_step(self, mb, ref_NT, score_N, *, first_pass: bool, linear: bool, sums=None) -> torch.Tensor:
         """One micro-batch through policy (and old) forward and the loss passes' backwards.
@@ -352,7 +306,7 @@ class Trainer(Executor):
 
     def _optimizer_step(self, sums: torch.Tensor, *, first_pass: bool) -> None:
         """Reduce over dp, normalise once by the batch denominator, clip, step."""
-        mismatch = sums[_SUMS.index("mismatch")].clone()
+        mismatch = sums[stats.SUMS.index("mismatch")].clone()
         if self.units > 1:
             dist.all_reduce(sums, group=self.dp_group)
             dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=self.dp_group)
@@ -360,7 +314,7 @@ class Trainer(Executor):
                 for name in self._live_passes(first_pass):
                     for acc in self.acc[name]:
                         dist.all_reduce(acc, group=self.dp_group)
-        m = dict(zip(_SUMS, sums.tolist()))
+        m = dict(zip(stats.SUMS, sums.tolist()))
         grads, loss = self.acc["score"], m["loss_score"]
         if self.batch_scope and first_pass:
             mu, scale = self.mu_scale
@@ -411,7 +365,7 @@ class Trainer(Executor):
         if sharded or self.env.is_leader:
             name = f"trainer_state.rank{self.env.ranks.index(self.env.rank)}.pt" if sharded else "trainer_state.pt"
             path.mkdir(parents=True, exist_ok=True)
-            torch.save({"optimizer": _local_tensors(self.opt.state_dict()), "scheduler": self.sched.state_dict()},
+            torch.save({"optimizer": stats.local_tensors(self.opt.state_dict()), "scheduler": self.sched.state_dict()},
                        path / name)
 
     def finalize(self, output_dir: Path) -> None:
@@ -421,44 +375,3 @@ class Trainer(Executor):
         state = full_state_dict(self.policy, keep=self.env.is_leader)
         if self.env.is_leader:
             save_hf(self.policy, self.tokenizer, path, state=state)
-
-
-def _record(group: ScoredGroup, *, shared: bool) -> torch.Tensor:
-    rewards = group.rewards.double()
-    responses = float(sum(r.numel() for r in group.responses))
-    # tokens one pass trains on: a shared prompt once per group, else once per sample
-    tokens = (1 if shared else len(group.responses)) * group.prompt_ids.numel() + responses
-    return torch.tensor([rewards.sum().item(), (rewards ** 2).sum().item(), len(group.responses), responses,
-                         1.0, float(group.reward_failures), tokens], dtype=torch.float64)
-
-
-def _local_tensors(tree):
-    """Optimizer state with this rank's shards in place of DTensors (a DTensor pickles its mesh)."""
-    if isinstance(tree, dict):
-        return {k: _local_tensors(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_local_tensors(v) for v in tree]
-    return local(tree) if isinstance(tree, torch.Tensor) else tree
-
-
-def _merge(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-    """Sums add; the log-prob mismatch is a max."""
-    i = _SUMS.index("mismatch")
-    out = total + part
-    out[i] = max(total[i].item(), part[i].item())
-    return out
-
-
-def _sampled_logprobs(group: ScoredGroup, idx: list[int], *, like: torch.Tensor) -> torch.Tensor:
-    """The generator's sampling log-probs of samples `idx`, padded like a micro-batch's [N, T]."""
-    out_NT = torch.zeros_like(like)
-    for n, i in enumerate(idx):
-        out_NT[n, : group.logprobs[i].numel()] = group.logprobs[i]
-    return out_NT
-
-
-def _group_digest(group: ScoredGroup) -> str:
-    h = hashlib.sha256(f"{group.index}:{group.prompt_ids.tolist()}".encode())
-    for r in group.responses:
-        h.update(r.to(torch.int64).numpy().tobytes() + b"|")
-    return h.hexdigest()
