@@ -82,7 +82,12 @@ class WeightsReceiver(_Endpoint):
         if not self.expected:
             return False
         if self._push is None:
-            _check_same_model(json.loads(self.store.get(_specs_key(self.route))), _describe(specs),
+            # wait() first: measured here, a bare get() on a client that has done blocking queue
+            # pops (the dynamic-sampling verdicts) returned b"" before the key existed
+            key = _specs_key(self.route)
+            self.store.wait([key])
+            raw = self.store.get(key)
+            _check_same_model(json.loads(raw), _describe(specs),
                               channel=self.channel.name)
         self._run(shards, specs)
         return True
