@@ -11,8 +11,9 @@ dim) in a parameter's full tensor:
 A piece is the intersection of one trainer box and one generator box: (name, slice on the trainer
 side, source rank, destination rank, slice on the generator side). Pieces are cut no larger than a
 bucket, so no rank ever holds more than its own shards plus a few buckets: no one materialises the
-model. Small pieces are packed into buckets (one message each); a big piece that is one contiguous
-run on both sides (whole rows) goes from the source tensor into the destination tensor as is.
+model. Small pieces are packed into buckets (one message each); a big piece is a message of its
+own, sent from the source tensor if it is one contiguous run there (whole rows), received into
+the destination tensor if it is one there, packed or unpacked through a buffer otherwise.
 Among the trainer ranks that own a piece (the dp replicas, or tp ranks for replicated parameters)
 the least loaded sends it, which spreads the sending work.
 
@@ -21,11 +22,11 @@ replica k forwards every bucket it receives to replica k + copies, the moment it
 pipelined chain, so each link carries the model once). `relay=False` feeds every replica from
 the trainer instead.
 
-Execution (`WeightPush`): per (sender, receiver) stream, buckets go in rounds; each stream has two
-bucket buffers, allocated on the first push and reused: a sender packs bucket r while bucket r - 1
-is on the wire, a receiver has bucket r + 1 flowing in while it unpacks bucket r. A round posts
-the next round's receives, packs and sends this round's buckets, then unpacks (and first forwards)
-what arrived. Zero-copy pieces take their turn in the same sequence, without buffers.
+Execution (`WeightPush`): buckets received straight into their destination go first, every
+receive posted at once (they need no buffer), so the link never waits for the receiver to turn
+around. The buffered buckets follow in rounds; each stream has two bucket buffers, allocated on
+the first push and reused: a sender packs bucket r while bucket r - 1 is on the wire, a receiver
+has bucket r + 1 flowing in while it unpacks bucket r. A relay forwards each bucket as it lands.
 Messages between two ranks are posted in the same order on both sides, so p2p matching needs no
 tags (nccl has none). The stream graph is acyclic (trainer -> replica -> replica), so no deadlock.
 """
@@ -138,7 +139,15 @@ class Piece:
     src_slice: Box  # in the source's local shard
     dst_slice: Box  # in the destination's local shard (trainer naming, see channels/names.py)
     dtype: torch.dtype  # as sent: the generator's dtype
-    zero_copy: bool = False  # one contiguous run on both sides, same dtype: sent as is, no bucket
+    # a big piece that is one contiguous run in the source shard (and needs no cast) is sent from
+    # the tensor itself; one contiguous in the destination shard is received straight into it
+    src_direct: bool = False
+    dst_direct: bool = False
+
+    @property
+    def zero_copy(self) -> bool:
+        """No copy on either side."""
+        return self.src_direct and self.dst_direct
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -155,11 +164,13 @@ class Piece:
 
 @dataclass(frozen=True)
 class Bucket:
-    """One message: pieces packed at byte offsets, or a single zero-copy piece (offset 0)."""
+    """One message: pieces packed at byte offsets, or a single piece (offset 0) sent from its
+    source tensor and/or received into its destination tensor."""
 
     entries: tuple[tuple[int, int], ...]  # (piece index, byte offset)
     nbytes: int
-    zero_copy: bool = False
+    src_direct: bool = False
+    dst_direct: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,10 +236,12 @@ def build_plan(*, specs: Mapping[str, ParamSpec], trainer: TrainerLayout, genera
                bucket_bytes: int = 16 << 20, relay: bool = True, zero_copy_min_bytes: int | None = 1 << 16) -> PushPlan:
     """The push plan for these layouts: which rank sends which slice to whom, bucketed.
 
-    zero_copy_min_bytes: a piece at least this big that is one contiguous run in both the source
-    shard and the destination shard (a block of whole rows, typically), with no dtype cast, goes
-    from the source tensor straight into the destination tensor: no packing, no unpacking, no
-    buffer. Smaller pieces share buckets so they cost one message. None: bucket everything.
+    zero_copy_min_bytes: a piece at least this big that is one contiguous run in the source shard
+    (a block of whole rows, typically; and no dtype cast) is sent from the source tensor without
+    packing; one that is a contiguous run in the destination shard is received into the destination
+    tensor without unpacking. Both: no copy and no buffer at all. (FSDP row halves into tp column
+    halves are contiguous on the generator side only.) Smaller pieces share buckets so they cost
+    one message. None: bucket everything.
     """
     if set(trainer.ranks) & set(generator.ranks):
         raise ValueError(f"trainer ranks {trainer.ranks} and generator ranks {generator.ranks} overlap")
@@ -257,10 +270,11 @@ def build_plan(*, specs: Mapping[str, ParamSpec], trainer: TrainerLayout, genera
                     for sub in _cut(both, max_numel):
                         src = min(ranks, key=lambda r: (load[r], order[r]))
                         src_slice, dst_slice = _shift(sub, tbox), _shift(sub, gbox)
-                        zero_copy = (zero_copy_min_bytes is not None and dtype == spec.dtype
-                                     and math.prod(b - a for a, b in sub) * dtype.itemsize >= zero_copy_min_bytes
-                                     and _contiguous(src_slice, tbox) and _contiguous(dst_slice, gbox))
-                        piece = Piece(name, src, generator.rank(k, t), src_slice, dst_slice, dtype, zero_copy)
+                        big = (zero_copy_min_bytes is not None
+                               and math.prod(b - a for a, b in sub) * dtype.itemsize >= zero_copy_min_bytes)
+                        piece = Piece(name, src, generator.rank(k, t), src_slice, dst_slice, dtype,
+                                      src_direct=big and dtype == spec.dtype and _contiguous(src_slice, tbox),
+                                      dst_direct=big and _contiguous(dst_slice, gbox))
                         load[src] += piece.nbytes
                         pieces.append(piece)
     streams = _streams(pieces, generator, fed=fed, bucket_bytes=bucket_bytes)
@@ -283,8 +297,9 @@ def _streams(pieces: list[Piece], generator: GeneratorLayout, *, fed: int, bucke
         buckets, entries, offset = [], [], 0
         for i in indices:
             nbytes = pieces[i].nbytes
-            if pieces[i].zero_copy:
-                buckets.append(Bucket(((i, 0),), nbytes, zero_copy=True))
+            if pieces[i].src_direct or pieces[i].dst_direct:  # a message of its own
+                buckets.append(Bucket(((i, 0),), nbytes, src_direct=pieces[i].src_direct,
+                                      dst_direct=pieces[i].dst_direct))
                 continue
             if entries and offset + nbytes > bucket_bytes:
                 buckets.append(Bucket(tuple(entries), offset))
@@ -332,7 +347,6 @@ class WeightPush:
             slots = {name: Slot(name, 0) for name in plan.specs}
         self.slots = slots
         self._buffers: dict[tuple, torch.Tensor] = {}  # (stream, slot) -> bytes
-        self.rounds = max((len(s.buckets) for s in self.outgoing + self.incoming), default=0)
 
     def _dst_view(self, tensors, p: Piece) -> torch.Tensor:
         where = self.slots[p.name]
@@ -342,7 +356,7 @@ class WeightPush:
     def _buffer(self, stream: Stream, slot: int) -> torch.Tensor:
         key = _key(stream, slot)
         if key not in self._buffers:
-            size = max(b.nbytes for b in stream.buckets if not b.zero_copy)
+            size = max(b.nbytes for b in stream.buckets if not (b.src_direct and b.dst_direct))  # either end
             self._buffers[key] = torch.empty(size, dtype=torch.uint8, device=self.device)
         return self._buffers[key]
 
@@ -357,59 +371,80 @@ class WeightPush:
 
     @torch.no_grad()
     def run(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """One push: returns when this rank's sends and receives are complete."""
-        pieces = self.plan.pieces
+        """One push: returns when this rank's sends and receives are complete.
+
+        Two phases, in the same order on both ends of every link: first the buckets received
+        straight into their destination (every receive posted at once: they need no buffer),
+        then the buffered ones in rounds (two buffers per stream)."""
         pending: dict[tuple, list[dist.Work]] = defaultdict(list)  # sends out of a buffer
-        recvs: dict[int, list] = {}
-
-        def post_receives(r: int) -> None:
-            slot, posted = r % 2, []
-            for s in self.incoming:
-                if r < len(s.buckets):
-                    bucket = s.buckets[r]
-                    if bucket.zero_copy:  # straight into the destination tensor
-                        buf = _contiguous_view(self._dst_view(tensors, pieces[bucket.entries[0][0]]))
-                    else:
-                        _wait(pending.pop(_key(s, slot), []))  # this buffer's forwards of round r - 2
-                        buf = self._buffer(s, slot)[:bucket.nbytes]
-                    posted.append((s, buf, dist.irecv(buf, s.sender, group=self.group, tag=self.tag)))
-            recvs[r] = posted
-
         try:
-            if self.rounds:
-                post_receives(0)
-            for r in range(self.rounds):
-                slot = r % 2
-                if r + 1 < self.rounds:  # the next bucket flows in while this one is unpacked
-                    post_receives(r + 1)
-                for s in self.outgoing:
-                    if r < len(s.buckets):
-                        bucket = s.buckets[r]
-                        if bucket.zero_copy:
-                            p = pieces[bucket.entries[0][0]]
-                            view = _contiguous_view(tensors[p.name][_view(p.src_slice)])
-                            pending["zero_copy"].append(dist.isend(view, s.receiver, group=self.group, tag=self.tag))
-                            continue
-                        buf = self._buffer(s, slot)
-                        _wait(pending.pop(_key(s, slot), []))  # its send of round r - 2
-                        for i, offset in bucket.entries:
-                            p = pieces[i]
-                            _typed(buf, offset, p).copy_(tensors[p.name][_view(p.src_slice)])
-                        pending[_key(s, slot)].append(
-                            dist.isend(buf[:bucket.nbytes], s.receiver, group=self.group, tag=self.tag))
-                for s, buf, work in recvs.pop(r):
-                    work.wait()
-                    bucket = s.buckets[r]
-                    key = "zero_copy" if bucket.zero_copy else _key(s, slot)
-                    for f in self.forwards[s.origin]:  # relay first: the next replica waits on it
-                        pending[key].append(dist.isend(buf, f.receiver, group=self.group, tag=self.tag))
-                    if not bucket.zero_copy:
-                        for i, offset in bucket.entries:
-                            p = pieces[i]
-                            self._dst_view(tensors, p).copy_(_typed(buf, offset, p))
+            direct = [(s, [b for b in s.buckets if b.dst_direct]) for s in self.incoming]
+            posted = [(s, b, self._irecv(s, self._dst_buffer(tensors, b)))
+                      for s, buckets in direct for b in buckets]
+            for s in self.outgoing:
+                for r, bucket in enumerate(b for b in s.buckets if b.dst_direct):
+                    self._send(tensors, s, bucket, slot=r % 2, pending=pending)
+            for s, bucket, (buf, work) in posted:
+                self._received(tensors, s, bucket, buf, work, key="direct", pending=pending)
+            self._buffered_rounds(tensors, pending)
         finally:
             for works in pending.values():
                 _wait(works)
+
+    def _buffered_rounds(self, tensors, pending) -> None:
+        incoming = [(s, [b for b in s.buckets if not b.dst_direct]) for s in self.incoming]
+        outgoing = [(s, [b for b in s.buckets if not b.dst_direct]) for s in self.outgoing]
+        rounds = max((len(b) for _, b in incoming + outgoing), default=0)
+        recvs: dict[int, list] = {}
+
+        def post_receives(r: int) -> None:
+            slot, recvs[r] = r % 2, []
+            for s, buckets in incoming:
+                if r < len(buckets):
+                    _wait(pending.pop(_key(s, slot), []))  # this buffer's forwards of round r - 2
+                    recvs[r].append((s, buckets[r], self._irecv(s, self._buffer(s, slot)[:buckets[r].nbytes])))
+
+        if rounds:
+            post_receives(0)
+        for r in range(rounds):
+            if r + 1 < rounds:  # the next bucket flows in while this one is unpacked
+                post_receives(r + 1)
+            for s, buckets in outgoing:
+                if r < len(buckets):
+                    self._send(tensors, s, buckets[r], slot=r % 2, pending=pending)
+            for s, bucket, (buf, work) in recvs.pop(r):
+                self._received(tensors, s, bucket, buf, work, key=_key(s, r % 2), pending=pending)
+
+    def _irecv(self, s: Stream, buf: torch.Tensor):
+        return buf, dist.irecv(buf, s.sender, group=self.group, tag=self.tag)
+
+    def _dst_buffer(self, tensors, bucket: Bucket) -> torch.Tensor:
+        return _contiguous_view(self._dst_view(tensors, self.plan.pieces[bucket.entries[0][0]]))
+
+    def _send(self, tensors, s: Stream, bucket: Bucket, *, slot: int, pending) -> None:
+        """isend one bucket: from the source tensor itself, or packed into buffer `slot`."""
+        pieces = self.plan.pieces
+        if bucket.src_direct:
+            p = pieces[bucket.entries[0][0]]
+            view = _contiguous_view(tensors[p.name][_view(p.src_slice)])
+            pending["direct"].append(dist.isend(view, s.receiver, group=self.group, tag=self.tag))
+            return
+        buf = self._buffer(s, slot)
+        _wait(pending.pop(_key(s, slot), []))  # this buffer's send of two buckets ago
+        for i, offset in bucket.entries:
+            p = pieces[i]
+            _typed(buf, offset, p).copy_(tensors[p.name][_view(p.src_slice)])
+        pending[_key(s, slot)].append(dist.isend(buf[:bucket.nbytes], s.receiver, group=self.group, tag=self.tag))
+
+    def _received(self, tensors, s: Stream, bucket: Bucket, buf, work, *, key, pending) -> None:
+        """Wait for one bucket; forward it down the relay chain first, then unpack it."""
+        work.wait()
+        for f in self.forwards[s.origin]:  # relay first: the next replica waits on it
+            pending[key].append(dist.isend(buf, f.receiver, group=self.group, tag=self.tag))
+        if not bucket.dst_direct:
+            for i, offset in bucket.entries:
+                p = self.plan.pieces[i]
+                self._dst_view(tensors, p).copy_(_typed(buf, offset, p))
 
 
 def _key(stream: Stream, slot: int) -> tuple:
@@ -419,7 +454,7 @@ def _key(stream: Stream, slot: int) -> tuple:
 def _contiguous_view(t: torch.Tensor) -> torch.Tensor:
     # the plan only marks pieces that are contiguous in shards laid out row-major
     if not t.is_contiguous():
-        raise ValueError("a zero-copy piece is not contiguous: pass row-major local shards (e.g. to_local())")
+        raise ValueError("a direct piece is not contiguous: pass row-major local shards (e.g. to_local())")
     return t
 
 
