@@ -42,14 +42,12 @@ class _Endpoint:
         self.channel, self.route, self.store, self.rank, self.device = channel, route, store, rank, device
         self.plan: PushPlan | None = None
         self._push: WeightPush | None = None
-        self.bytes_sent = 0
 
     def _run(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> None:
         if self._push is None:
             trainer, generator = _layouts(self.route)
             self.plan = build_plan(specs=specs, trainer=trainer, generator=generator)
             self._push = WeightPush(self.plan, rank=self.rank, device=self.device, tag=self.route.channel_id)
-            self.bytes_sent = self.plan.bytes_sent().get(self.rank, 0)
         self._push.run(shards)
 
     def close_step(self) -> None:
