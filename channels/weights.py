@@ -19,7 +19,7 @@ from typing import Mapping
 import torch
 
 from channels.channel import Channel, Route
-from channels.reshard import GeneratorLayout, ParamSpec, PushPlan, TrainerLayout, WeightPush, build_plan
+from channels.reshard import GeneratorLayout, ParamSpec, TrainerLayout, WeightPush, build_plan
 
 
 def _layouts(route: Route) -> tuple[TrainerLayout, GeneratorLayout]:
@@ -40,14 +40,13 @@ def _specs_key(route: Route) -> str:
 class _Endpoint:
     def __init__(self, *, channel: Channel, route: Route, store, rank: int, device: torch.device):
         self.channel, self.route, self.store, self.rank, self.device = channel, route, store, rank, device
-        self.plan: PushPlan | None = None
         self._push: WeightPush | None = None
 
     def _run(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> None:
         if self._push is None:
             trainer, generator = _layouts(self.route)
-            self.plan = build_plan(specs=specs, trainer=trainer, generator=generator)
-            self._push = WeightPush(self.plan, rank=self.rank, device=self.device, tag=self.route.channel_id)
+            plan = build_plan(specs=specs, trainer=trainer, generator=generator)
+            self._push = WeightPush(plan, rank=self.rank, device=self.device, tag=self.route.channel_id)
         self._push.run(shards)
 
     def close_step(self) -> None:
@@ -86,8 +85,7 @@ class WeightsReceiver(_Endpoint):
             key = _specs_key(self.route)
             self.store.wait([key])
             raw = self.store.get(key)
-            _check_same_model(json.loads(raw), _describe(specs),
-                              channel=self.channel.name)
+            _check_same_model(json.loads(raw), _describe(specs), channel=self.channel.name)
         self._run(shards, specs)
         return True
 

@@ -87,9 +87,11 @@ def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir:
             state: dict[str, torch.Tensor] | None = None) -> None:
     """Write a directory that `load_model(out_dir)` / `AutoModelForCausalLM.from_pretrained` read back.
 
-    state: full tensors to write instead of `model`'s own (a sharded model gathers them first,
-    executors/parallel `full_state_dict`), tied tensors already stored once.
+    state: the full tensors to write, tied ones once (`executors.parallel.full_state_dict`, which
+    a sharded model's ranks call together); default: the model's own.
     """
+    from executors.parallel import full_state_dict  # torch.distributed.tensor: only when saving
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Not model.save_pretrained: under torch.distributed, transformers writes only on global rank 0,
@@ -97,10 +99,6 @@ def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir:
     # state_dict order (as HF does), so the file is byte-identical for identical weights.
     model.config.save_pretrained(out)
     if state is None:
-        state, seen = {}, set()
-        for name, tensor in model.state_dict().items():
-            if tensor.data_ptr() not in seen:
-                seen.add(tensor.data_ptr())
-                state[name] = tensor.detach().contiguous().cpu()
+        state = full_state_dict(model, keep=True)
     safetensors.torch.save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out)

@@ -8,7 +8,7 @@ from algorithms.registry import get_algorithm
 from controller.graph import Graph
 from executors.generator.executor import Generator
 from executors.hf import load_config
-from executors.parallel.tp import PLANS, check_divisible
+from executors.parallel.tp import check_tp
 from executors.reward.executor import Reward
 from executors.trainer.executor import Trainer
 from launch.config import RunConfig
@@ -60,13 +60,8 @@ def _check_placement(cfg: RunConfig) -> None:
         return
     config = load_config(cfg.model.path)
     for field, tp in sizes.items():
-        if tp == 1:
-            continue
-        if config.model_type not in PLANS:
-            raise ValueError(f"{field}={tp}: no tensor-parallel plan for model_type={config.model_type!r} "
-                             f"(known: {sorted(PLANS)})")
         try:
-            check_divisible(config, tp=tp)
+            check_tp(config, tp=tp)
         except ValueError as exc:
             raise ValueError(f"{field}={tp} does not fit the model: {exc}") from None
 

@@ -98,10 +98,21 @@ PLANS: dict[str, dict[str, ParallelStyle]] = {
 
 
 def tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
-    family = getattr(model.config, "model_type", None)
+    return _family_plan(model.config)
+
+
+def _family_plan(config) -> dict[str, ParallelStyle]:
+    family = getattr(config, "model_type", None)
     if family not in PLANS:
         raise ValueError(f"no tensor-parallel plan for model_type={family!r}; known: {sorted(PLANS)}")
     return dict(PLANS[family])
+
+
+def check_tp(config, *, tp: int) -> None:
+    """Can a model with this config run tensor parallel over `tp` ranks? A ValueError says why not."""
+    if tp > 1:
+        _family_plan(config)
+        check_divisible(config, tp=tp)
 
 
 def check_divisible(config, *, tp: int) -> None:

@@ -15,6 +15,7 @@ executors/trainer/order.py says in which order a rank takes its groups under eac
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import itertools
 import math
@@ -52,9 +53,9 @@ class Trainer(Executor):
                  temperature: float, stream: bool, total_steps: int):
         super().__init__(name=name, units=config.dp, ranks_per_unit=config.tp)
         self.cfg, self.model_path, self.dtype = config, model_path, dtype
+        # FSDP over several dp units: they also train in lockstep rounds (order.py)
         self.shards_over_units = config.fsdp and config.dp > 1
         self.ordered = config.tp > 1 or self.shards_over_units  # order.py
-        self.lockstep = self.shards_over_units
         self.algo, self.algo_cfg, self.temperature = algorithm, algo_config, temperature
         self.stream, self.total_steps = stream, total_steps
 
@@ -169,10 +170,10 @@ class Trainer(Executor):
         groups = iter(groups)
         for k in itertools.count():
             group = next(groups, None)
-            if group is None and not self.lockstep:
+            if group is None and not self.shards_over_units:
                 return
             mbs = self._micro_batches(group) if group is not None else []
-            steps = round_length(len(mbs), group=self.dp_group) if self.lockstep else len(mbs)
+            steps = round_length(len(mbs), group=self.dp_group) if self.shards_over_units else len(mbs)
             if steps == 0:
                 return
             # in lockstep round k holds groups k*dp .. k*dp + dp - 1, all of one mini-batch
@@ -214,6 +215,7 @@ class Trainer(Executor):
         # fixed by the group alone (sample index order), never by arrival: determinism rule 2
         return self._micro_batches_of(group.prompt_ids, group.responses)
 
+    @functools.cached_property
     def _dummy(self):
         """A one-token micro-batch for lockstep padding: it runs every collective a real one does."""
         pad = torch.tensor([self.tokenizer.pad_token_id])
@@ -230,7 +232,7 @@ class Trainer(Executor):
         with torch.no_grad():  # frozen: no graph; the same micro-batch feeds all three models
             refs = [mb.logprobs(self.reference, temperature=self.temperature) for mb in mbs]
             for _ in range(pad_to - len(mbs)):
-                self._dummy().logprobs(self.reference, temperature=self.temperature)
+                self._dummy.logprobs(self.reference, temperature=self.temperature)
         return refs
 
     def _train_group(self, group: ScoredGroup | None, mbs, refs, steps: int, *, first_pass: bool) -> torch.Tensor:
@@ -244,7 +246,7 @@ class Trainer(Executor):
                 score_G = batch_normalise(score_G, mu=self.mu_scale[0], scale=self.mu_scale[1])
         for k in range(steps):
             if k >= len(mbs):  # lockstep padding: weight 0, same forwards and backwards
-                self._micro_step(self._dummy(), None, None, first_pass=first_pass, linear=linear)
+                self._micro_step(self._dummy, None, None, first_pass=first_pass, linear=linear)
                 continue
             mb, idx = mbs[k], list(mbs[k].samples)
             logp_NT = self._micro_step(mb, refs[k], score_G[idx], first_pass=first_pass, linear=linear, sums=sums)
@@ -265,9 +267,10 @@ class Trainer(Executor):
                 old_NT = mb.logprobs(self.old, temperature=self.temperature)
         # group scope: one pass at the advantages; batch scope: the loss at s, 1 (and 0), combined
         # exactly at the barrier once the batch's mean and std are known (algorithms/batch_scope.py)
-        names = list(self.acc) if linear else ["score"]
-        passes = (linear_passes(score_N, self.algo_cfg) if linear else {"score": score_N}) if score_N is not None \
-            else dict.fromkeys(names)
+        if score_N is None:  # a dummy: the same passes, no advantages
+            passes = dict.fromkeys(self.acc if linear else ["score"])
+        else:
+            passes = linear_passes(score_N, self.algo_cfg) if linear else {"score": score_N}
         # FSDP frees the gathered weights after each backward, so a second backward over the same
         # graph would read freed storage: recompute the forward per pass instead of retain_graph
         recompute = self.cfg.fsdp
