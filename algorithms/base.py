@@ -34,9 +34,27 @@ AdvantageScope = Literal["group", "batch"]
 
 
 class AlgoConfig(BaseModel):
-    """Base for per-algorithm hyper-parameters (the `algorithm:` section of a run config)."""
+    """Base for per-algorithm hyper-parameters (the `algorithm:` section of a run config).
+
+    What an algorithm needs from the rest of the run is declared here and overridden where it
+    differs; the trainer and the recipes read these, they never probe a config for field names.
+    """
 
     model_config = ConfigDict(extra="forbid")
+
+    @property
+    def needs_reference(self) -> bool:
+        """The trainer keeps the frozen reference model and runs its forward (a KL term)."""
+        return False
+
+    @property
+    def filters_groups(self) -> bool:
+        """The reward executor may drop groups and the generator then tops the batch up (DAPO)."""
+        return False
+
+    def fit_generation(self, *, max_new_tokens: int) -> "AlgoConfig":
+        """This config, told what the generator may produce (e.g. a length normaliser); default: as is."""
+        return self
 
 
 @dataclass(frozen=True)
@@ -85,6 +103,7 @@ class Algorithm:
     advantage_scope: AdvantageScope = "group"
     shape_rewards: RewardShapeFn = unshaped
     keeps_group: GroupFilterFn = keep_every_group
+    recipe: str = "grpo"  # the graph and step phases it runs in (recipes/): a name, so algorithms stay pure
 
     def __post_init__(self) -> None:
         if self.normaliser not in get_args(Normaliser):

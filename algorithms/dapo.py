@@ -22,10 +22,10 @@ from pydantic import Field, model_validator
 
 from algorithms.base import Algorithm, LossInputs, LossOutput, check_rewards, upcast
 from algorithms.grpo import group_normalised
-from algorithms.token_loss import ClipConfig, token_level_loss
+from algorithms.token_loss import ClipConfig, ResponseBudget, token_level_loss
 
 
-class DAPOConfig(ClipConfig):
+class DAPOConfig(ResponseBudget, ClipConfig):
     clip_high: float = Field(0.28, ge=0.0, description="Upper clip 1 + clip_high; DAPO's clip-higher (0.28 > 0.2).")
     eps: float = Field(1e-6, gt=0.0, description="Added to the group std before dividing.")
     max_response_tokens: int = Field(
@@ -40,6 +40,10 @@ class DAPOConfig(ClipConfig):
     dynamic_sampling: bool = Field(
         True, description="Drop groups whose rewards are all equal (no signal); the batch is topped up.",
     )
+
+    @property
+    def filters_groups(self) -> bool:
+        return self.dynamic_sampling
 
     @model_validator(mode="after")
     def _buffer_fits(self) -> "DAPOConfig":

@@ -16,10 +16,10 @@ from pydantic import Field
 
 from algorithms.base import Algorithm, LossInputs, LossOutput
 from algorithms.grpo import group_normalised
-from algorithms.token_loss import ClipConfig, token_level_loss
+from algorithms.token_loss import ClipConfig, ResponseBudget, token_level_loss
 
 
-class DrGRPOConfig(ClipConfig):
+class DrGRPOConfig(ResponseBudget, ClipConfig):
     max_response_tokens: int = Field(
         1024, ge=1,
         description="The constant length normaliser L; set it to the generator's max_new_tokens "

@@ -51,14 +51,18 @@ class KLConfig(AlgoConfig):
         description="loss: beta * kl per token in the loss; reward: beta * sum_t kl subtracted from the reward.",
     )
 
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
 
-# getattr: a plug-in config that does not derive from KLConfig simply has no KL.
+
+# a plug-in config that does not derive from KLConfig simply has no KL
 def kl_in_loss(cfg: AlgoConfig) -> bool:
-    return getattr(cfg, "beta", 0.0) > 0 and getattr(cfg, "kl_in", "loss") == "loss"
+    return cfg.needs_reference and cfg.kl_in == "loss"
 
 
 def kl_in_reward(cfg: AlgoConfig) -> bool:
-    return getattr(cfg, "beta", 0.0) > 0 and getattr(cfg, "kl_in", "loss") == "reward"
+    return cfg.needs_reference and cfg.kl_in == "reward"
 
 
 def masked_kl_NT(*, logp_NT: torch.Tensor, ref_logp_NT: torch.Tensor, mask_NT: torch.Tensor,

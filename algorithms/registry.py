@@ -1,7 +1,5 @@
-"""Name -> entry registries; adding an algorithm (or a reward) is one `register` line."""
+"""The algorithms `--algo` knows: one `register` line each."""
 from __future__ import annotations
-
-from typing import Generic, TypeVar
 
 from algorithms.base import Algorithm
 from algorithms.dapo import DAPO
@@ -10,34 +8,7 @@ from algorithms.grpo import GRPO
 from algorithms.gspo import GSPO
 from algorithms.reinforce_pp import REINFORCE_PP
 from algorithms.rloo import RLOO
-
-T = TypeVar("T")
-
-
-class Registry(Generic[T]):
-    """A flat name -> entry map that refuses silent overrides (two entries under one name)."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind  # used in error messages: "unknown <kind> 'x'"
-        self._entries: dict[str, T] = {}
-
-    def register(self, name: str, entry: T) -> T:
-        if name in self._entries:
-            raise ValueError(f"{self.kind} {name!r} is already registered")
-        self._entries[name] = entry
-        return entry
-
-    def get(self, name: str) -> T:
-        if name not in self._entries:
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
-        return self._entries[name]
-
-    def names(self) -> list[str]:
-        return sorted(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
+from common.registry import Registry
 
 ALGORITHMS: Registry[Algorithm] = Registry("algo")
 ALGORITHMS.register("grpo", GRPO)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from algorithms.base import LossInputs, LossOutput, Normaliser, batch_denominator, check_loss_inputs, upcast
+from algorithms.base import AlgoConfig, LossInputs, LossOutput, Normaliser, batch_denominator, check_loss_inputs, upcast
 from algorithms.kl import KLConfig, check_kl_inputs, kl_in_loss, masked_kl_NT
 
 
@@ -23,6 +23,19 @@ class ClipConfig(KLConfig):
         0.2, ge=0.0,
         description="Upper clip: the ratio is clamped above at 1 + clip_high (clip-higher when > clip_low).",
     )
+
+
+class ResponseBudget(AlgoConfig):
+    """For a loss normalised by the longest response the generator may produce (Dr. GRPO, DAPO)."""
+
+    max_response_tokens: int = Field(1024, ge=1, description="L; set it to the generator's max_new_tokens.")
+
+    def fit_generation(self, *, max_new_tokens: int) -> "ResponseBudget":
+        # unless the user set L, it is what the generator may produce: a smaller L is refused at the
+        # first longer response, a larger one only scales every step down
+        if "max_response_tokens" in self.model_fields_set:
+            return self
+        return self.model_copy(update={"max_response_tokens": max_new_tokens})
 
 
 def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, *, clip_low: float, clip_high: float):

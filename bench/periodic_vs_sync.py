@@ -21,7 +21,7 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.dist import free_port  # noqa: E402
+from controller.spawn import free_port  # noqa: E402
 
 # generator and trainer on one core each (reward is light); sizes chosen so that in the
 # balanced config generation and training take similar time on this CPU

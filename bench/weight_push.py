@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
 from channels.reshard import GeneratorLayout, TrainerLayout, WeightPush, build_plan  # noqa: E402
 from executors.parallel import param_specs  # noqa: E402
-from tests.dist import spawn  # noqa: E402
+from controller.spawn import spawn  # noqa: E402
 
 REPEATS = 3
 TRAINER, GENERATOR = (0, 1), (2, 3)

@@ -35,6 +35,9 @@ class Channel:
     # a same-step channel that closes a cycle: its consumer reads it only after producing, so the
     # cycle makes progress (e.g. reward -> generator verdicts for dynamic sampling)
     feedback: bool = False
+    # the run's schedule (controller/schedules.py) decides when the consumer sees the items: periodic
+    # hands each over as it arrives, sync collects the step first; unscheduled channels always stream
+    scheduled: bool = False
 
     @property
     def out_port(self) -> str:

@@ -1,4 +1,5 @@
-"""Payload types carried by the GRPO-family graphs (ragged token data as lists of 1-D tensors)."""
+"""Payload types carried by the GRPO-family graphs (ragged token data as lists of 1-D tensors), and
+the parameter specs that describe a WEIGHTS push."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +32,15 @@ class ScoredGroup(RolloutGroup):
 @dataclass
 class WeightsUpdate:
     """Marker type of the WEIGHTS channel: the payload is the model's parameters themselves."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """How one parameter travels on the WEIGHTS channel: both ends describe their model with these."""
+
+    shape: tuple[int, ...]  # full (unsharded) shape
+    dtype: torch.dtype
+    tp_dim: int | None = None  # dim split over tp ranks (the same on both sides); None: replicated
 
 
 @dataclass

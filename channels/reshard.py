@@ -40,16 +40,11 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from channels.payloads import ParamSpec
+
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dim
 
 _ALIGN = 16  # byte offsets inside a bucket, so a uint8 slice can be viewed as any dtype
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    shape: tuple[int, ...]  # full (unsharded) shape
-    dtype: torch.dtype
-    tp_dim: int | None = None  # dim split over tp ranks (the same on both sides); None: replicated
 
 
 @dataclass(frozen=True)

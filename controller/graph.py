@@ -46,10 +46,13 @@ def _validate(graph: Graph) -> None:
         if key in used_ports:
             raise ValueError(f"channel {ch.name!r}: port {ch.dst}.{ch.in_port} already has a channel")
         used_ports.update({key, (ch.src, "out", ch.out_port)})
-        if ch.kind is Kind.SCATTER and not (is_dataclass(ch.payload) and
-                                            "index" in {f.name for f in fields(ch.payload)}):
+        indexed = is_dataclass(ch.payload) and "index" in {f.name for f in fields(ch.payload)}
+        if ch.kind is Kind.SCATTER and not indexed:
             raise ValueError(f"channel {ch.name!r}: SCATTER routes by `index`, which "
                              f"{ch.payload.__name__} lacks")
+        if ch.scheduled and (ch.step_lag or ch.feedback or ch.kind is Kind.WEIGHTS or not indexed):
+            raise ValueError(f"channel {ch.name!r}: only a same-step channel of items with an `index` can be "
+                             f"scheduled (the sync schedule hands a step's items over in index order)")
     for ex in graph.executors:
         for port in ex.inputs:
             if (ex.name, "in", port) not in used_ports:

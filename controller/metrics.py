@@ -1,4 +1,7 @@
-"""Per-step metrics: each executor's leader posts its dict to the store; rank 0 merges and writes.
+"""Per-step metrics: each executor's leader posts its record to the store; rank 0 merges and writes.
+
+A row of metrics.jsonl is every executor's record (its fields), `<executor>_s` (the controller's
+wall time of that executor's step) and what `derive` computes from the records, keyed by executor.
 
 The writer is a thread on global rank 0, so collecting metrics never adds a barrier between
 executors (a world-wide gather at the step end would stall periodic asynchrony).
@@ -47,10 +50,14 @@ class MetricsWriter:
                                                  dynamic_ncols=True) as bar:
                 for step in self.steps:
                     row: dict = {"step": step}
+                    records = {}
                     for name in self.executors:
-                        row.update(json.loads(self._store.get(_key(step, name))))
+                        posted = json.loads(self._store.get(_key(step, name)))
+                        records[name] = posted["record"]
+                        row.update(posted["record"])
+                        row[f"{name}_s"] = posted["wall_s"]
                     if self.derive:
-                        row.update(self.derive(row))
+                        row.update(self.derive(records))
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     bar.update(1)
@@ -60,6 +67,6 @@ class MetricsWriter:
             self._error = exc
 
 
-def post_metrics(store, *, step: int, executor: str, metrics: Mapping[str, float]) -> None:
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-    store.set(_key(step, executor), json.dumps(clean))
+def post_metrics(store, *, step: int, executor: str, wall_s: float, record: Mapping[str, object]) -> None:
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    store.set(_key(step, executor), json.dumps({"record": clean, "wall_s": wall_s}))

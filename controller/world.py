@@ -91,6 +91,11 @@ class World:
     def local_executor(self):
         return self.graph.executor(self.local_name)
 
+    @property
+    def scheduled_ports(self) -> set[str]:
+        """This rank's input ports whose items the run's schedule hands over (controller/schedules.py)."""
+        return {ch.in_port for ch in self.graph.channels if ch.dst == self.local_name and ch.scheduled}
+
     def endpoints(self, step: int, *, first_step: int, last_step: int):
         """Open this rank's inbound/outbound endpoints for `step`, keyed by port."""
         inbound, senders = {}, {}

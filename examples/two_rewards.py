@@ -16,12 +16,14 @@ from channels.channel import Channel
 from channels.kinds import Kind
 from channels.payloads import RolloutGroup, ScoredGroup, WeightsUpdate
 from controller.graph import Graph
-from executors.generator.executor import DataConfig, Generator, GeneratorConfig, ModelConfig
+from controller.job import run_job
+from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig
+from executors.generator.executor import Generator
 from executors.reward.combine import CombineConfig, CombineRewards
-from executors.reward.executor import Reward, RewardConfig
+from executors.reward.config import RewardConfig
+from executors.reward.executor import Reward
 from executors.reward.model import RewardModel, RewardModelConfig
 from executors.trainer.executor import Trainer, TrainerConfig
-from launch.job import run_job
 
 
 def build_graph(*, steps: int) -> Graph:
@@ -29,13 +31,12 @@ def build_graph(*, steps: int) -> Graph:
     grpo = get_algorithm("grpo")
     executors = [
         Generator(config=GeneratorConfig(samples_per_prompt=4, max_new_tokens=4, max_batch_prompts=2),
-                  model=model, data=DataConfig(prompts_per_step=4), stream=True),
+                  model=model, data=DataConfig(prompts_per_step=4)),
         Reward(config=RewardConfig(), functions=["embedded"], tokenizer_path=model.path),
         RewardModel(config=RewardModelConfig(scale=2.0, seed=1)),
         CombineRewards(config=CombineConfig(rule_weight=1.0, model_weight=0.5)),
         Trainer(config=TrainerConfig(micro_batch_size=4), model_path=model.path, dtype=model.torch_dtype,
-                algorithm=grpo, algo_config=grpo.config_cls(), temperature=1.0, stream=True,
-                total_steps=steps),
+                algorithm=grpo, algo_config=grpo.config_cls(), temperature=1.0, total_steps=steps),
     ]
     channels = [
         # one output port, two channels: every rollout group goes to both scorers
@@ -44,7 +45,8 @@ def build_graph(*, steps: int) -> Graph:
                 src_port="rollouts", dst_port="rollouts"),
         Channel("rule", "reward", "combine", Kind.SCATTER, ScoredGroup, src_port="scored"),
         Channel("model", "reward_model", "combine", Kind.SCATTER, ScoredGroup, src_port="scored"),
-        Channel("scored", "combine", "trainer", Kind.SCATTER, ScoredGroup),
+        # scheduled: the run's schedule (periodic by default) decides when the trainer sees each group
+        Channel("scored", "combine", "trainer", Kind.SCATTER, ScoredGroup, scheduled=True),
         # lag 1: the generator of step k+1 waits for the weights the trainer pushes at step k's end
         Channel("weights", "trainer", "generator", Kind.WEIGHTS, WeightsUpdate),
     ]

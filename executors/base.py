@@ -1,13 +1,15 @@
 """The executor contract: a self-contained SPMD role on its own ranks.
 
-The controller calls, on every rank of the executor: `init(env)` once, `step(ctx)` per step,
+The controller calls, on every rank of the executor: `init(env)` once; per step `step(ctx)` (the
+streamed phase) and `barrier(ctx, state)` (the end of the batch, after its outputs are closed);
 `save_checkpoint(path)` on cadence and `finalize(output_dir)` at the end. Concrete executors are
-their own classes; there are no role flags.
+their own classes; there are no role flags, and none knows which schedule runs: the controller
+hands each input over as the schedule says (controller/schedules.py).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
@@ -44,7 +46,6 @@ class StepContext:
     inbound: Mapping[str, Any]  # port -> Receiver (or WeightsReceiver)
     outbound: Mapping[str, Any]  # port -> Sender (or WeightsSender)
     timeline: Any = None  # controller.timeline.Timeline; records spans for timeline.jsonl
-    extras: dict = field(default_factory=dict)
 
 
 class Executor(ABC):
@@ -75,8 +76,13 @@ class Executor(ABC):
         self.env = env
 
     @abstractmethod
-    def step(self, ctx: StepContext) -> Mapping[str, float]:
-        """Run one step; return this executor's metrics (reported by its leader rank)."""
+    def step(self, ctx: StepContext) -> Any:
+        """The streamed phase of one step; returns the step's state, handed to `barrier`."""
+
+    def barrier(self, ctx: StepContext, state: Any) -> Any:
+        """The end of the batch. Returns the step's metrics record (a dataclass or a mapping,
+        reported by the leader rank); by default the state `step` returned is that record."""
+        return state
 
     def save_checkpoint(self, path: Path) -> None:
         """Write whatever this executor needs to resume; default: nothing."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from launch.config import RunConfig, config_error
+from recipes.config import RunConfig, config_error
 
 
 def parser() -> argparse.ArgumentParser:
@@ -83,17 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         cfg = resolve(args)
-        from launch.graphs import build_graph  # heavy imports only once the config is valid
+        from recipes.registry import recipe_for  # the executors' classes: only once the config is valid
 
-        graph = build_graph(cfg)
+        recipe = recipe_for(cfg.algo)
+        graph = recipe.build(cfg)
         if args.dry_run:
             from launch.dryrun import describe
 
-            print(describe(graph, cfg))
+            print(describe(graph, cfg, recipe))
             return 0
         from launch.run import run
 
-        run(cfg, graph)
+        run(cfg, recipe, graph)
         return 0
     except ValueError as exc:
         rank = os.environ.get("RANK", "0")

@@ -1,14 +1,15 @@
-"""--dry-run: the placement and the channel graph as tables, without starting any rank."""
+"""--dry-run: the placement, the channel graph and the step's phases as tables, without starting any rank."""
 from __future__ import annotations
 
 from tabulate import tabulate
 
 from controller.graph import Graph
 from controller.world import placement, world_size_of
-from launch.config import RunConfig
+from recipes.base import Recipe
+from recipes.config import RunConfig
 
 
-def describe(graph: Graph, cfg: RunConfig) -> str:
+def describe(graph: Graph, cfg: RunConfig, recipe: Recipe) -> str:
     units = placement(graph)
     rows = []
     for ex in graph.executors:
@@ -18,6 +19,9 @@ def describe(graph: Graph, cfg: RunConfig) -> str:
                      ", ".join(f"{k}={v}" for k, v in ex.describe().items())])
     channels = [[ch.name, ch.kind.value, f"{ch.src}.{ch.out_port} -> {ch.dst}.{ch.in_port}",
                  ch.payload.__name__, "next step" if ch.step_lag else "same step"] for ch in graph.channels]
+    # "where it lives": the executor's global ranks and the function that runs the phase
+    phases = [[f"{i}. {ph.name}", ph.executor, _span([r for u in units[ph.executor] for r in u]), ph.what, ph.where]
+              for i, ph in enumerate(recipe.phases, start=1)]
     n = world_size_of(graph)
     return "\n\n".join([
         f"algo {cfg.algo}, schedule {cfg.schedule}, world size {n} "
@@ -25,6 +29,8 @@ def describe(graph: Graph, cfg: RunConfig) -> str:
         tabulate(rows, headers=["executor", "class", "global ranks", "units", "process group", "parallel"],
                  disable_numparse=True),
         tabulate(channels, headers=["channel", "kind", "route", "payload", "delivered"]),
+        f"each step ({cfg.schedule} schedule, recipe {recipe.name}):\n"
+        + tabulate(phases, headers=["phase", "executor", "ranks", "what", "code"], disable_numparse=True),
     ])
 
 

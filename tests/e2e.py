@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.dist import free_port
+from controller.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--set", "data.prompts_per_step=4", "--set", "generator.samples_per_prompt=4",

@@ -6,8 +6,8 @@ import torch
 from channels.channel import Channel
 from channels.kinds import Kind
 from controller.graph import Graph
-from launch.job import run_job
-from tests.dist import spawn
+from controller.job import run_job
+from controller.spawn import spawn
 from tests.toy import Item, Producer, Relay, Sink, make_item
 
 

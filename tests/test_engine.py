@@ -144,23 +144,6 @@ def test_top_p_mask_and_sampling_distribution():
         torch.testing.assert_close(logp_R, probs[0].log()[tok_R], atol=1e-6, rtol=0)
 
 
-def test_update_weights(tok, requests):
-    a, b = load_model(None, seed=1), load_model(None, seed=2)
-    params = SamplingParams(n=2, max_new_tokens=6, seed=0)
-    eng = _engine(a, tok)
-    before = _run(eng, requests, params)
-    ptrs = {n: p.data_ptr() for n, p in a.named_parameters()}
-    eng.update_weights(b.state_dict().items())  # includes the tied lm_head.weight alias
-    assert {n: p.data_ptr() for n, p in a.named_parameters()} == ptrs
-    after = _run(eng, requests, params)
-    assert not _same(before, after)
-    assert _same(after, _run(_engine(b, tok), requests, params))
-    with pytest.raises(ValueError, match="no.such"):
-        eng.update_weights([("no.such.weight", torch.zeros(1))])
-    with pytest.raises(ValueError, match="shape"):
-        eng.update_weights([("model.norm.weight", torch.zeros(3))])
-
-
 def test_no_inference_mode_leaks_to_the_consumer(model, tok, requests):
     for g in _engine(model, tok).generate(requests, SamplingParams(n=2, max_new_tokens=4, seed=0), step=0):
         assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()

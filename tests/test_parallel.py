@@ -12,11 +12,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from executors.parallel import (build_mesh, check_divisible, clip_grad_norm_, copy_params_, dp_all_reduce_,
+from executors.parallel import (build_mesh, check_divisible, clip_grad_norm_, copy_params_, local,
                                 param_specs, parallelize, tp_plan)
 from executors.parallel.tp import apply_tp
 from executors.trainer.batching import response_logprobs, split_group
-from tests.dist import spawn
+from controller.spawn import spawn
 
 TOL = 1e-5
 # AdamW's first step is about lr * g / |g|: it turns the rounding of a gradient element near zero
@@ -81,8 +81,9 @@ def check_layout(family: str, *, mesh, tp: bool, fsdp: bool) -> dict:
     rows = slice(d * len(mb.samples) // dp, (d + 1) * len(mb.samples) // dp)
     loss_of(model, sub(mb, rows), len(mb.samples)).backward()
     params = list(model.parameters())
-    if not fsdp:
-        dp_all_reduce_([p.grad for p in params], mesh=mesh)
+    if not fsdp and dp > 1:  # plain replication: sum the gradients over dp
+        for p in params:
+            dist.all_reduce(local(p.grad), group=mesh.get_group("dp"))
     clip_grad_norm_(params, 0.5, mesh=mesh)
     torch.optim.AdamW(params, **ADAM).step()
     step_err = max((full(p.detach()) - ref_after[n]).abs().max().item() for n, p in model.named_parameters())

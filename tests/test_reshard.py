@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from channels.names import FUSED, IDENTITY
 from channels.reshard import GeneratorLayout, ParamSpec, TrainerLayout, WeightPush, build_plan, chunk
 from executors.parallel import build_mesh, local, param_specs, parallelize
-from tests.dist import spawn
+from controller.spawn import spawn
 
 
 def qwen3(*, heads: int = 4, kv: int = 2, hidden: int = 32, inter: int = 64, vocab: int = 96, seed: int = 0,

@@ -8,10 +8,12 @@ import torch
 
 from algorithms.grpo import GRPOConfig
 from algorithms.registry import get_algorithm
+from controller.schedules import Periodic, Sync
 from controller.timeline import Timeline
 from executors.base import ExecutorEnv, StepContext
 from executors.hf import load_model
 from executors.trainer.executor import Trainer, TrainerConfig
+from executors.trainer.stats import TrainerMetrics
 from tests.fixtures import scored_groups
 
 torch.set_num_threads(1)
@@ -31,11 +33,11 @@ class _Pushed:
         pass
 
 
-def _trainer(*, beta=0.04, micro_batch_size=8, stream=True) -> Trainer:
+def _trainer(*, beta=0.04, micro_batch_size=8) -> Trainer:
     trainer = Trainer(config=TrainerConfig(lr=1e-2, micro_batch_size=micro_batch_size, grad_clip=0.5),
                       model_path=None, dtype=torch.float32, algorithm=get_algorithm("grpo"),
                       algo_config=GRPOConfig(beta=beta, clip_low=0.2, clip_high=0.28), temperature=0.9,
-                      stream=stream, total_steps=4)
+                      total_steps=4)
     trainer.init(ExecutorEnv(name="trainer", ranks=(0,), units=((0,),), rank=0, group=None,
                              device=torch.device("cpu"), seed=0, output_dir=Path("/nonexistent")))
     return trainer
@@ -44,17 +46,18 @@ def _trainer(*, beta=0.04, micro_batch_size=8, stream=True) -> Trainer:
 def _grads_seen(trainer: Trainer) -> dict:
     """The gradients the optimizer receives, captured by a step pre-hook."""
     seen = {}
-    names = {id(p): n for n, p in trainer.policy.named_parameters()}
-    trainer.opt.register_step_pre_hook(lambda opt, *_: seen.update(
+    names = {id(p): n for n, p in trainer.models.policy.named_parameters()}
+    trainer.optim.opt.register_step_pre_hook(lambda opt, *_: seen.update(
         {names[id(p)]: p.grad.clone() for group in opt.param_groups for p in group["params"]}))
     return seen
 
 
-def _step(trainer: Trainer, groups) -> tuple[dict, dict]:
+def _step(trainer: Trainer, groups, *, schedule=Periodic()) -> tuple[TrainerMetrics, dict]:
+    """One step as the controller runs it: the streamed phase, then the barrier."""
     pushed = _Pushed()
-    ctx = StepContext(step=0, inbound={"scored": iter(groups)}, outbound={"weights": pushed},
+    ctx = StepContext(step=0, inbound={"scored": schedule(iter(groups))}, outbound={"weights": pushed},
                       timeline=Timeline(executor="trainer", rank=0))
-    metrics = trainer.step(ctx)
+    metrics = trainer.barrier(ctx, trainer.step(ctx))
     return metrics, pushed.named
 
 
@@ -109,11 +112,11 @@ def test_step_equals_plain_reference(groups):
     assert worst < 1e-6, worst
     assert max(g.abs().max().item() for g in expected.values()) > 1e-3  # a real gradient, not ~0
     # the push carries exactly the stepped policy
-    assert pushed.keys() == {n for n, _ in trainer.policy.named_parameters()}
-    assert all(torch.equal(pushed[n], p) for n, p in trainer.policy.named_parameters())
+    assert pushed.keys() == {n for n, _ in trainer.models.policy.named_parameters()}
+    assert all(torch.equal(pushed[n], p) for n, p in trainer.models.policy.named_parameters())
     init = dict(load_model(None, seed=0).named_parameters())
     assert any(not torch.equal(pushed[n], init[n]) for n in pushed)
-    assert metrics["groups"] == 4 and metrics["logp_mismatch_max"] < 1e-4
+    assert metrics.groups == 4 and metrics.logp_mismatch_max < 1e-4
 
 
 def test_arrival_order_and_micro_batches_do_not_change_a_bit(groups):
@@ -127,15 +130,17 @@ def test_arrival_order_and_micro_batches_do_not_change_a_bit(groups):
 
 
 def test_sync_consumption_equals_streaming(groups):
-    _, a = _step(_trainer(stream=True), groups)
-    _, b = _step(_trainer(stream=False), groups)
+    shuffled = [groups[i] for i in (2, 0, 3, 1)]  # arrival order; sync hands them over in index order
+    _, a = _step(_trainer(), shuffled, schedule=Periodic())
+    _, b = _step(_trainer(), shuffled, schedule=Sync())
     assert all(torch.equal(a[n], b[n]) for n in a)
+    assert any(not torch.equal(a[n], p) for n, p in load_model(None, seed=0).named_parameters())  # it trained
 
 
 def _trainer_for(algorithm, algo_config, *, micro_batch_size=3) -> Trainer:
     trainer = Trainer(config=TrainerConfig(lr=1e-2, micro_batch_size=micro_batch_size, grad_clip=100.0),
                       model_path=None, dtype=torch.float32, algorithm=algorithm, algo_config=algo_config,
-                      temperature=0.9, stream=True, total_steps=4)
+                      temperature=0.9, total_steps=4)
     trainer.init(ExecutorEnv(name="trainer", ranks=(0,), units=((0,),), rank=0, group=None,
                              device=torch.device("cpu"), seed=0, output_dir=Path("/nonexistent")))
     return trainer
@@ -160,7 +165,7 @@ def test_batch_scope_advantages_streamed_equal_known_statistics(groups, options)
     m_r, _ = _step(reference, groups)
     assert max((g_s[n] - g_r[n]).abs().max().item() for n in g_r) < 1e-6
     assert max(g.abs().max().item() for g in g_r.values()) > 1e-4
-    assert m_s["loss"] == pytest.approx(m_r["loss"], abs=1e-6)
+    assert m_s.loss == pytest.approx(m_r.loss, abs=1e-6)
 
 
 def test_kl_in_reward_penalises_rewards_before_advantages():
@@ -198,17 +203,16 @@ def test_several_optimizer_steps_use_the_old_policy_snapshot(groups):
     generation weights (the snapshot), so clipping is active after the first step."""
     trainer = Trainer(config=TrainerConfig(lr=5e-2, micro_batch_size=3, grad_clip=100.0, mini_batches=2, epochs=2),
                       model_path=None, dtype=torch.float32, algorithm=get_algorithm("grpo"),
-                      algo_config=GRPOConfig(clip_low=0.1, clip_high=0.1), temperature=0.9, stream=True,
-                      total_steps=4)
+                      algo_config=GRPOConfig(clip_low=0.1, clip_high=0.1), temperature=0.9, total_steps=4)
     trainer.init(ExecutorEnv(name="trainer", ranks=(0,), units=((0,),), rank=0, group=None,
                              device=torch.device("cpu"), seed=0, output_dir=Path("/nonexistent")))
-    names = {id(p): n for n, p in trainer.policy.named_parameters()}
+    names = {id(p): n for n, p in trainer.models.policy.named_parameters()}
     steps = []  # (weights before the step, gradient) per optimizer step
-    trainer.opt.register_step_pre_hook(lambda opt, *_: steps.append((
+    trainer.optim.opt.register_step_pre_hook(lambda opt, *_: steps.append((
         {names[id(p)]: p.detach().clone() for g in opt.param_groups for p in g["params"]},
         {names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]})))
     metrics, _ = _step(trainer, list(reversed(groups)))
-    assert len(steps) == 4 and metrics["optimizer_steps"] == 4
+    assert len(steps) == 4 and metrics.optimizer_steps == 4
     old = load_model(None, seed=0)
     clipped_somewhere = False
     for k, (weights, grads) in enumerate(steps):

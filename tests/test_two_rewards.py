@@ -19,7 +19,7 @@ from controller.graph import Graph
 from executors.base import ExecutorEnv
 from executors.reward.combine import combine, pair_by_index
 from executors.reward.model import RewardModel, RewardModelConfig
-from tests.dist import free_port
+from controller.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "two_rewards.py"

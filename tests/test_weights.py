@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from executors.hf import load_model
-from launch.graphs import build_graph
-from launch.job import run_job
-from tests.dist import spawn
+from recipes.registry import recipe_for
+from controller.job import run_job
+from controller.spawn import spawn
 from channels.reshard import chunk
 from channels.weights import _check_same_model
 from executors.parallel import local_shards
@@ -17,7 +17,7 @@ from tests.fixtures import small_config
 
 def _run(tmp, trainer: dict, generator: dict):
     cfg = small_config(trainer=trainer, generator=generator)
-    graph = build_graph(cfg)
+    graph = recipe_for(cfg.algo).build(cfg)
     run_job(graph, steps=2, seed=0, output_dir=tmp, checkpoint_every=1, timeout_s=120)
     local = next(ex for ex in graph.executors if ex.env is not None)
     if local.name == "generator":  # this rank's shards, and which tp slice they should be
@@ -26,7 +26,7 @@ def _run(tmp, trainer: dict, generator: dict):
         return {"shards": {n: s.clone() for n, s in local.shards.items()}, "tp": cfg.generator.tp, "t": t,
                 "specs": local.specs}
     if local.name == "trainer":
-        return {"shards": {n: s.clone() for n, s in local_shards(local.policy).items()}}
+        return {"shards": {n: s.clone() for n, s in local_shards(local.models.policy).items()}}
     return None
 
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
-import transformers  # lazy module: DynamicCache loads on first use
+if TYPE_CHECKING:  # transformers loads with the first chunk: building a graph stays light
+    import transformers
 
 _MASK32 = 0xFFFFFFFF
 
@@ -119,7 +120,6 @@ class NativeEngine:
         self.pad_token_id = pad_token_id
         self.max_batch_prompts = max_batch_prompts
         # remove_duplicate=False: a tied lm_head.weight is accepted under either of its names.
-        self._params = dict(model.named_parameters(remove_duplicate=False))
 
     @property
     def device(self) -> torch.device:
@@ -145,17 +145,6 @@ class NativeEngine:
                 # Yield outside inference_mode: the caller (a trainer in the same thread) runs
                 # between yields and must not inherit it; the yielded tensors are plain clones.
                 yield from chunk.advance()
-
-    @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy full tensors into the parameters with those HF names, in place (the storage is kept)."""
-        for name, tensor in named_tensors:
-            if name not in self._params:
-                raise ValueError(f"unknown parameter name {name!r}")
-            param = self._params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}")
-            param.copy_(tensor)
 
 
 class _Chunk:
@@ -208,7 +197,9 @@ class _Chunk:
             ids_CP[c, P - len(p):] = p
             mask_CP[c, P - len(p):] = 1
         pos_CP = (mask_CP.cumsum(-1) - 1).clamp(min=0)
-        self.cache = transformers.DynamicCache(config=model.config)
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=model.config)
         out = model(input_ids=ids_CP.to(dev), attention_mask=mask_CP.to(dev), position_ids=pos_CP.to(dev),
                     past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         # Prefill once per prompt, then give each of its G samples a copy of its cache rows.

@@ -2,49 +2,26 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
-
-import torch
-from pydantic import BaseModel, ConfigDict, Field
+from dataclasses import dataclass
 
 from channels.payloads import GroupVerdict, RolloutGroup, WeightsUpdate
 from executors.base import Executor, ExecutorEnv, StepContext
 from executors.embedded.task import embedded_prompts
+from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig
 from executors.generator.data import PromptRow, PromptSet, load_prompts
 from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams
-from executors.hf import load_model, load_tokenizer
-from executors.parallel import apply_tp, build_mesh, local_shards, param_specs
 
 
-class ModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    path: str | None = Field(None, description="HF model directory; None = the embedded tiny Qwen3")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+@dataclass(frozen=True)
+class GeneratorMetrics:
+    """The generator's per-step record in metrics.jsonl."""
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-
-class DataConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    path: str | None = Field(None, description="JSONL or Parquet with a `prompt` column; None = embedded task")
-    prompts_per_step: int = Field(8, ge=1, description="B: prompt groups per optimizer step")
-    max_prompt_tokens: int = Field(256, ge=1, description="longer prompts are dropped (counted), never cut")
-    chat_template: bool = Field(False, description="apply the tokenizer's chat template to each prompt")
-    embedded_prompts: int = Field(4096, ge=1, description="size of the generated embedded prompt set")
-
-
-class GeneratorConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    replicas: int = Field(1, ge=1, description="generator data-parallel replicas")
-    tp: int = Field(1, ge=1, description="tensor-parallel ranks per replica (independent of trainer.tp)")
-    samples_per_prompt: int = Field(16, ge=1, description="G: responses sampled per prompt")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(8, ge=1)
-    max_batch_prompts: int = Field(16, ge=1, description="prompts decoded together in one inference chunk")
-    engine: Literal["native"] = "native"
+    gen_s: float
+    gen_tokens_per_s: float
+    gen_start_t: float  # wall clock: generation of the step started (its weights had arrived)
+    gen_end_t: float
+    prompts_generated: int  # B, plus the top-ups of dynamic sampling
+    sampling_rounds: int
 
 
 class Generator(Executor):
@@ -52,21 +29,26 @@ class Generator(Executor):
     outputs = {"rollouts": RolloutGroup}
 
     def __init__(self, *, name: str = "generator", config: GeneratorConfig, model: ModelConfig,
-                 data: DataConfig, stream: bool, dynamic_sampling: bool = False, max_rounds: int = 16):
+                 data: DataConfig, dynamic_sampling: bool = False, max_rounds: int = 16):
         """`dynamic_sampling`: after each round, wait for the reward's verdicts and sample
         B - kept more prompts (indices B, B+1, ...) with the same weights, until B groups are kept."""
         super().__init__(name=name, units=config.replicas, ranks_per_unit=config.tp)
-        self.cfg, self.model_cfg, self.data_cfg, self.stream = config, model, data, stream
+        self.cfg, self.model_cfg, self.data_cfg = config, model, data
         self.dynamic, self.max_rounds = dynamic_sampling, max_rounds
         if dynamic_sampling:
             self.inputs = {**self.inputs, "verdicts": GroupVerdict}
 
     def describe(self):
         return {"replicas": self.cfg.replicas, "tp": self.cfg.tp, "G": self.cfg.samples_per_prompt,
-                "engine": self.cfg.engine, "stream": self.stream}
+                "engine": self.cfg.engine}
 
     def init(self, env: ExecutorEnv) -> None:
         super().init(env)
+        # model code (transformers, DTensor) loads here, on the generator's ranks: building a graph
+        # (the CLI, --dry-run) stays light
+        from executors.hf import load_model, load_tokenizer
+        from executors.parallel import apply_tp, build_mesh, local_shards, param_specs
+
         self.tokenizer = load_tokenizer(self.model_cfg.path)
         # same seed as the trainer's init, so step 0 samples with exactly the trainer's weights
         model = load_model(self.model_cfg.path, dtype=self.model_cfg.torch_dtype, seed=env.seed).to(env.device)
@@ -112,28 +94,22 @@ class Generator(Executor):
                                      f"step {ctx.step} have reward variance; the batch cannot be filled")
                 indices = list(range(next_index, next_index + B - kept))
                 next_index += B - kept
-        end_t = time.time()
         gen_s = time.perf_counter() - t0
-        return {"gen_s": gen_s, "gen_tokens_per_s": tokens / max(gen_s, 1e-9), "gen_start_t": start_t,
-                "gen_end_t": end_t, "prompts_generated": next_index, "sampling_rounds": rounds + 1}
+        return GeneratorMetrics(gen_s=gen_s, gen_tokens_per_s=tokens / max(gen_s, 1e-9), gen_start_t=start_t,
+                                gen_end_t=time.time(), prompts_generated=next_index, sampling_rounds=rounds + 1)
 
     def _generate(self, ctx: StepContext, indices: list[int]) -> int:
-        """Sample this replica's share of `indices` and send each group (now, or sorted at the end)."""
+        """Sample this replica's share of `indices` and send each group the moment it is done."""
         batch = self.prompts.batch(ctx.step, batch_size=indices[-1] + 1, seed=self.env.seed)
         mine = [batch[i] for i in indices if i % self.units == self.env.unit_index]
         rows = {i: row for i, row, _ in mine}
         requests = [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in mine]
-        out, tokens, held = ctx.outbound["rollouts"], 0, []
+        out, tokens = ctx.outbound["rollouts"], 0
         for done in self.engine.generate(requests, self.params, step=ctx.step):
             group = RolloutGroup(step=ctx.step, index=done.index, prompt=rows[done.index].prompt,
                                  extras=rows[done.index].extras, prompt_ids=done.prompt_ids_P,
                                  responses=done.response_ids, logprobs=done.logprobs, finished=done.finished_G)
             tokens += sum(r.numel() for r in done.response_ids)
             ctx.timeline.mark("generated", index=done.index)
-            if self.stream:
-                out.send(group)
-            else:  # sync schedule: nothing leaves before the whole round is generated
-                held.append(group)
-        for group in sorted(held, key=lambda g: g.index):
             out.send(group)
         return tokens

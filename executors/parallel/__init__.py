@@ -21,7 +21,7 @@ from executors.parallel.mesh import build_mesh, mesh_ranks
 from executors.parallel.tp import apply_tp, check_divisible, param_specs, tp_plan
 
 __all__ = ["apply_fsdp", "apply_tp", "build_mesh", "check_divisible", "clip_grad_norm_", "copy_params_",
-           "dp_all_reduce_", "full_state_dict", "local", "local_shards", "mesh_ranks", "param_specs", "parallelize",
+           "full_state_dict", "local", "local_shards", "mesh_ranks", "param_specs", "parallelize",
            "tp_plan"]
 
 
@@ -30,8 +30,7 @@ def parallelize(model: nn.Module, *, mesh: DeviceMesh, tp: bool, fsdp: bool, for
 
     forward_only: the model never runs backward (old policy, reference); with fsdp its root
     reshards after every forward too (see fsdp.py).
-    Without fsdp, dp is plain replication: the caller all-reduces gradients over mesh["dp"]
-    (`dp_all_reduce_`).
+    Without fsdp, dp is plain replication: the caller all-reduces gradients over mesh["dp"].
     """
     if tp:
         apply_tp(model, mesh=mesh["tp"])
@@ -85,18 +84,6 @@ def copy_params_(dst: nn.Module, src: nn.Module) -> None:
 
 
 @torch.no_grad()
-def dp_all_reduce_(tensors, *, mesh: DeviceMesh) -> None:
-    """Sum `tensors` (e.g. gradient accumulators) over the replicated dp dimension, in place.
-
-    Not for fsdp models: FSDP2 already reduce-scatters their gradients over dp.
-    """
-    group = mesh.get_group("dp")
-    if dist.get_world_size(group) == 1:
-        return
-    for t in tensors:
-        dist.all_reduce(local(t), group=group)
-
-
 @torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, *, mesh: DeviceMesh | None) -> float:
     """Clip the global gradient norm of parameters sharded in any mix of layouts over `mesh`.

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from channels.reshard import ParamSpec
+from channels.payloads import ParamSpec
 
 
 class ReplicateParallel(ParallelStyle):

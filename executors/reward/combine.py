@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
@@ -60,6 +61,13 @@ def combine(rule: ScoredGroup, model: ScoredGroup, *, rule_weight: float, model_
                                reward_failures=rule.reward_failures + model.reward_failures)
 
 
+@dataclass(frozen=True)
+class CombineMetrics:
+    combine_busy_s: float
+    rule_reward_mean: float  # over the whole batch (all replicas)
+    model_reward_mean: float
+
+
 class CombineRewards(Executor):
     inputs = {"rule": ScoredGroup, "model": ScoredGroup}
     outputs = {"scored": ScoredGroup}
@@ -89,5 +97,5 @@ class CombineRewards(Executor):
             dist.all_reduce(sums, group=self.env.group)
             sums = sums.cpu()
         n = max(sums[2].item(), 1.0)
-        return {"combine_busy_s": busy, "rule_reward_mean": sums[0].item() / n,
-                "model_reward_mean": sums[1].item() / n}
+        return CombineMetrics(combine_busy_s=busy, rule_reward_mean=sums[0].item() / n,
+                              model_reward_mean=sums[1].item() / n)

@@ -2,32 +2,22 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Literal
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from channels.payloads import GroupVerdict, RolloutGroup, ScoredGroup
 from executors.base import Executor, ExecutorEnv, StepContext
-from executors.hf import load_tokenizer
+from executors.reward.config import RewardConfig
 from executors.reward.functions import resolve_reward, score_group
 
 
-class RewardConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    replicas: int = Field(1, ge=1, description="reward replicas (one rank each)")
-    functions: list[str] | None = Field(
-        None, description="registered names or module:function; default: `embedded` for the embedded "
-                          "task, `math_verify` for a data file")
-    weights: list[float] | None = Field(None, description="one weight per function (default all 1)")
-    on_error: Literal["fail", "zero"] = Field("fail", description="a reward that raises or returns NaN: "
-                                              "stop the run, or score 0 and count it")
+@dataclass(frozen=True)
+class RewardMetrics:
+    """The reward executor's per-step record in metrics.jsonl (failures are counted by the trainer)."""
 
-    @model_validator(mode="after")
-    def _weights_match(self):
-        if self.weights is not None and (self.functions is None or len(self.weights) != len(self.functions)):
-            raise ValueError("reward.weights needs one weight per entry of reward.functions")
-        return self
+    score_s: float  # busy scoring
 
 
 class Reward(Executor):
@@ -49,6 +39,8 @@ class Reward(Executor):
 
     def init(self, env: ExecutorEnv) -> None:
         super().init(env)
+        from executors.hf import load_tokenizer  # transformers: on the reward's ranks only
+
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.weights = self.cfg.weights or [1.0] * len(self.fns)
 
@@ -77,4 +69,4 @@ class Reward(Executor):
                 ctx.outbound["verdicts"].send(GroupVerdict(index=group.index, kept=kept))
             busy += time.perf_counter() - t0
             groups += 1
-        return {"score_s": busy}  # failures are counted batch-wide by the trainer
+        return RewardMetrics(score_s=busy)

@@ -12,7 +12,7 @@ import re
 from fractions import Fraction
 from typing import Callable, Literal
 
-from algorithms.registry import Registry
+from common.registry import Registry
 from executors.embedded.task import embedded_reward
 
 RewardFn = Callable[[str, str, dict], float]

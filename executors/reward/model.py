@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,6 +28,12 @@ class RewardModelConfig(BaseModel):
                                                "causal LM: its head is then new); None = tiny random Qwen3")
     scale: float = Field(1.0, description="reward = scale * logit")
     seed: int = Field(0, description="initialises the random model or a new head, the same on every rank")
+
+
+@dataclass(frozen=True)
+class RewardModelMetrics:
+    rm_score_s: float
+    rm_reward_mean: float  # over this replica's groups
 
 
 class RewardModel(Executor):
@@ -58,7 +65,7 @@ class RewardModel(Executor):
             busy += time.perf_counter() - t0
             total, n = total + rewards_G.double().sum().item(), n + rewards_G.numel()
         # own key names: the metrics of all executors share one row per step
-        return {"rm_score_s": busy, "rm_reward_mean": total / max(n, 1)}
+        return RewardModelMetrics(rm_score_s=busy, rm_reward_mean=total / max(n, 1))
 
     @torch.inference_mode()
     def score(self, group: RolloutGroup) -> torch.Tensor:

@@ -1,45 +1,32 @@
-"""The tri-model trainer: policy, old policy, reference, in one layout, one micro-step.
+"""The tri-model trainer: trains prompt groups as they are handed over, then the barrier.
 
-With one optimizer step per batch the old policy equals the policy during the whole step, so its
-log-probs are the detached policy log-probs (no extra forward); the reference (the initial weights,
-frozen) runs only when the algorithm's KL coefficient is non-zero.
-Gradients accumulate per micro-batch into float64 buffers (order-independent in practice: sums of
-float32 values in float64 do not round), and the batch denominator is applied once at the barrier.
+    step(ctx)            each group, as the schedule hands it over: its micro-batches through
+                         policy / old / reference, the loss, backward into the accumulators
+    barrier(ctx, state)  records over dp, optimizer step, later mini-batches and epochs, lr
+                         schedule, then the weight push to the generator
 
+Its parts: models.py (policy, old policy, reference and their log-probs), accumulate.py (gradients,
+loss sums and group records as typed values), order.py (which group a rank takes when, under each
+layout), barrier.py (normalise, clip, step), stats.py (the step's state and its metrics record).
 Parallel layout: a ("dp", "tp") mesh over the trainer's ranks; a unit (one dp slot) is tp ranks.
-All three models are parallelized alike (executors/parallel): tp shards them over the unit, FSDP
-shards them over dp, without it dp replicates them. Accumulators hold this rank's local shards;
-records and loss sums are reduced over dp only (a unit's tp ranks hold the same numbers).
-executors/trainer/order.py says in which order a rank takes its groups under each layout.
 """
 from __future__ import annotations
 
-import copy
-import functools
-import hashlib
-import itertools
-import math
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from algorithms.base import Algorithm, AlgoConfig, LossInputs
-from algorithms.batch_scope import (batch_mean_scale, batch_normalise, batch_normalise_at_barrier, linear_passes,
-                                    score_moments)
+from algorithms.batch_scope import batch_mean_scale, batch_normalise, linear_passes, score_moments
 from algorithms.kl import kl_in_loss, kl_in_reward, kl_penalised_rewards
 from channels.payloads import ScoredGroup, WeightsUpdate
 from executors.base import Executor, ExecutorEnv, StepContext
-from executors.hf import load_model, load_tokenizer, save_hf
-from executors.parallel import (build_mesh, clip_grad_norm_, copy_params_, full_state_dict, local, local_shards,
-                                param_specs, parallelize)
-from executors.trainer import stats
-from executors.trainer.config import TrainerConfig, lr_factor
-from executors.trainer.order import in_index_order, round_length
-from executors.trainer.packed_attention import install as install_packed_attention
-from executors.trainer.packing import auto_shared_prompt, make_micro_batches
+from executors.trainer.accumulate import GroupRecord, LossSums, Pass
+from executors.trainer.config import TrainerConfig
+from executors.trainer.order import Work, in_index_order, work_units
+from executors.trainer.stats import StepState, TrainerMetrics, group_digest, sampled_logprobs
 
 __all__ = ["Trainer", "TrainerConfig"]
 
@@ -49,157 +36,83 @@ class Trainer(Executor):
     outputs = {"weights": WeightsUpdate}
 
     def __init__(self, *, name: str = "trainer", config: TrainerConfig, model_path: str | None,
-                 dtype: torch.dtype, algorithm: Algorithm, algo_config: AlgoConfig,
-                 temperature: float, stream: bool, total_steps: int):
+                 dtype: torch.dtype, algorithm: Algorithm, algo_config: AlgoConfig, temperature: float,
+                 total_steps: int):
         super().__init__(name=name, units=config.dp, ranks_per_unit=config.tp)
         self.cfg, self.model_path, self.dtype = config, model_path, dtype
-        # FSDP over several dp units: they also train in lockstep rounds (order.py)
+        self.algo, self.algo_cfg, self.temperature, self.total_steps = algorithm, algo_config, temperature, total_steps
+        # FSDP over several dp units: they hold shards of one copy and train in lockstep rounds (order.py)
         self.shards_over_units = config.fsdp and config.dp > 1
-        self.ordered = config.tp > 1 or self.shards_over_units  # order.py
-        self.algo, self.algo_cfg, self.temperature = algorithm, algo_config, temperature
-        self.stream, self.total_steps = stream, total_steps
+        self.ordered = config.tp > 1 or self.shards_over_units
+        self.batch_scope = algorithm.advantage_scope == "batch"
+        # the first pass of a batch-scope algorithm evaluates the loss at s, 1 (and 0 with a KL in it)
+        self.first_passes = ((Pass.SCORE, Pass.ONE) + ((Pass.ZERO,) if kl_in_loss(algo_config) else ())
+                             if self.batch_scope else (Pass.SCORE,))
+        self.passes = config.epochs * config.mini_batches  # optimizer steps per batch
 
     def describe(self):
         return {"dp": self.cfg.dp, "tp": self.cfg.tp, "fsdp": self.cfg.fsdp, "algo": self.algo.name,
-                "stream": self.stream, "reference": self.uses_reference}
-
-    @property
-    def batch_scope(self) -> bool:
-        return self.algo.advantage_scope == "batch"
-
-    @property
-    def uses_reference(self) -> bool:
-        return getattr(self.algo_cfg, "beta", 0.0) > 0
+                "reference": self.algo_cfg.needs_reference}
 
     def init(self, env: ExecutorEnv) -> None:
         super().init(env)
-        self.tokenizer = load_tokenizer(self.model_path)
-        cfg = self.cfg
-        # None: a one-rank trainer used without torch.distributed (tests, notebooks)
-        self.mesh = (build_mesh(ranks=env.ranks, tp=cfg.tp, device_type=env.device.type, parent=env.group)
-                     if dist.is_initialized() else None)
-        self.dp_group = self.mesh.get_group("dp") if self.mesh is not None else None
-        self.policy = load_model(self.model_path, dtype=self.dtype, seed=env.seed).to(env.device).train()
-        if cfg.shared_prompt != "padded":  # packed rows need the block-mask attention (copies inherit it)
-            install_packed_attention(self.policy)
-        # copies before sharding: each model is then parallelized alike (same shards on the same ranks)
-        self.reference = None
-        if self.uses_reference:
-            self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        # a real old-policy snapshot only when several optimizer steps share one batch
-        self.old = copy.deepcopy(self.policy).eval().requires_grad_(False) if self.passes > 1 else None
-        for model, forward_only in ((self.policy, False), (self.reference, True), (self.old, True)):
-            if model is not None and (cfg.tp > 1 or cfg.fsdp):
-                parallelize(model, mesh=self.mesh, tp=cfg.tp > 1, fsdp=cfg.fsdp, forward_only=forward_only)
-        self.specs = param_specs(self.policy)  # for the WEIGHTS channel's plan
-        self.params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                                     weight_decay=cfg.weight_decay)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(
-            s, warmup=self.cfg.warmup_steps, schedule=self.cfg.lr_schedule, total=self.total_steps,
-            floor=self.cfg.min_lr_ratio))
-        acc_dtype = torch.float64 if self.cfg.fp64_grad_accumulation else None
-        passes = ["score"] + (["one"] + (["zero"] if kl_in_loss(self.algo_cfg) else []) if self.batch_scope else [])
-        self.acc = {name: [torch.zeros_like(local(p), dtype=acc_dtype or p.dtype) for p in self.params]
-                    for name in passes}
+        # model code (transformers, DTensor) loads here, on the trainer's ranks: building a graph
+        # (the CLI, --dry-run) stays light
+        from executors.trainer.barrier import Barrier
+        from executors.trainer.models import TriModel
 
-    # ---- one step -------------------------------------------------------------------------
-    def step(self, ctx: StepContext):
-        """First pass: groups of mini-batch 0 train as they arrive (ratio 1: the policy still holds
-        the generation weights); later mini-batches and epochs run once all groups are in, in
-        index order, against the old-policy snapshot. One optimizer step per mini-batch."""
-        if self.old is not None:
-            copy_params_(self.old, self.policy)  # the weights that generated this step's samples
-        record = torch.zeros(len(stats.RECORD), dtype=torch.float64)
-        digests, held, self.moments, self.scores = {}, [], {}, {}
-        self.totals = dict.fromkeys(("loss", "denom", "kl", "clip", "grad_norm", "mismatch"), 0.0)
-        step_sums = torch.zeros(len(stats.SUMS), dtype=torch.float64)
-        train_s, first_train_t = 0.0, None
-        groups = ctx.inbound["scored"] if self.stream else list(ctx.inbound["scored"])
+        self.models = TriModel.build(model_path=self.model_path, dtype=self.dtype, env=env, cfg=self.cfg,
+                                     temperature=self.temperature, reference=self.algo_cfg.needs_reference,
+                                     snapshot=self.passes > 1)
+        self.optim = Barrier(self.models.policy, cfg=self.cfg, total_steps=self.total_steps, mesh=self.models.mesh,
+                             dp_group=self.models.dp_group, passes=self.first_passes,
+                             replicated_dp=not self.shards_over_units)
+
+    # ---- the streamed phase -----------------------------------------------------------------
+    def step(self, ctx: StepContext) -> StepState:
+        """Mini-batch 0 trains as its groups arrive (ratio 1: the policy still holds the generation
+        weights); later mini-batches and epochs wait for the barrier."""
+        self.models.snapshot_()  # the weights that generated this step's samples
+        state = StepState()
+        groups = ctx.inbound["scored"]  # as the schedule hands them over
         if self.ordered:
             groups = in_index_order(groups, first=self.env.unit_index, stride=self.units)
-        for mini_batch, group, mbs, steps in self._schedule(groups):
+        for work in self._work(groups):
             t0 = time.perf_counter()
-            if group is not None:
-                first_train_t = first_train_t or time.time()
-                record += stats.record(group, shared=self._shares_prompt(group))
-                digests[group.index] = stats.group_digest(group)
-                if self.passes > 1:
-                    held.append(group)
-            train = mini_batch == 0
-            # reference log-probs: for the loss, or for a KL in the reward the batch moments need now
-            refs = (self._ref_logprobs(mbs, pad_to=steps)
-                    if train or (self.batch_scope and kl_in_reward(self.algo_cfg)) else None)
-            if self.batch_scope and group is not None:  # every group's scores are needed at the barrier
-                self.moments[group.index] = score_moments(self._group_scores(group, mbs, refs))
-            if train:
-                with ctx.timeline.span("train", index=group.index if group is not None else -1):
-                    step_sums = stats.merge(step_sums, self._train_group(group, mbs, refs, steps, first_pass=True))
-            train_s += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with ctx.timeline.span("barrier"):
-            record, digests = self._gather(record, digests)
-            self._optimizer_step(step_sums, first_pass=True)
-            for epoch in range(self.cfg.epochs):  # later passes: all groups are in
-                for mb in range(self.cfg.mini_batches):
-                    if (epoch, mb) == (0, 0):
-                        continue
-                    step_sums = torch.zeros(len(stats.SUMS), dtype=torch.float64)
-                    mine = sorted((g for g in held if self._mini_batch(g.index) == mb), key=lambda g: g.index)
-                    for _, g, mbs, steps in self._schedule(mine):
-                        refs = self._ref_logprobs(mbs, pad_to=steps)
-                        step_sums = stats.merge(step_sums, self._train_group(g, mbs, refs, steps, first_pass=False))
-                    self._optimizer_step(step_sums, first_pass=False)
-            self.lr_used = self.opt.param_groups[0]["lr"]
-            self.sched.step()
-        train_s += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with ctx.timeline.span("push"):
-            ctx.outbound["weights"].push(local_shards(self.policy), self.specs)
-            ctx.outbound["weights"].flush()
-        push_s = time.perf_counter() - t0
-        digest = hashlib.sha256("".join(digests[i] for i in sorted(digests)).encode()).hexdigest()[:16]
-        return {**self._metrics(dict(zip(stats.RECORD, record.tolist())), digest, train_s=train_s, push_s=push_s),
-                "first_train_t": first_train_t, "push_end_t": time.time()}
+            self._take(work, state, ctx)
+            state.train_s += time.perf_counter() - t0
+        return state
 
-    def _schedule(self, groups):
-        """(mini-batch, group, its micro-batches, micro-steps to run) per unit of work.
-
-        One per group; in lockstep one per round, the micro-steps padded to the round's longest
-        group, the group None where this rank has none left, until no rank has one (order.py)."""
-        groups = iter(groups)
-        for k in itertools.count():
-            group = next(groups, None)
-            if group is None and not self.shards_over_units:
-                return
-            mbs = self._micro_batches(group) if group is not None else []
-            steps = round_length(len(mbs), group=self.dp_group) if self.shards_over_units else len(mbs)
-            if steps == 0:
-                return
-            # in lockstep round k holds groups k*dp .. k*dp + dp - 1, all of one mini-batch
-            yield (self._mini_batch(group.index) if group is not None else k % self.cfg.mini_batches), group, mbs, steps
-
-    def _shares_prompt(self, group: ScoredGroup) -> bool:
-        mode = self.cfg.shared_prompt
-        return mode == "on" or (mode == "auto" and auto_shared_prompt(
-            group.prompt_ids.numel(), [r.numel() for r in group.responses]))
-
-    @property
-    def passes(self) -> int:
-        return self.cfg.epochs * self.cfg.mini_batches
+    def _work(self, groups):
+        return work_units(groups, micro_batches=self.models.micro_batches, mini_batch_of=self._mini_batch,
+                          mini_batches=self.cfg.mini_batches,
+                          lockstep=self.models.dp_group if self.shards_over_units else None)
 
     def _mini_batch(self, index: int) -> int:
         # groups i and i + dp land on different dp ranks; stepping over dp keeps mini-batches balanced
         return (index // self.units) % self.cfg.mini_batches
 
-    def _group_scores(self, group: ScoredGroup, mbs, refs) -> torch.Tensor:
-        """`_scores` once per group and step (it may use reference log-probs for a KL in the reward)."""
-        if group.index not in self.scores:
-            self.scores[group.index] = self._scores(group, mbs, refs)
-        return self.scores[group.index]
+    def _take(self, work: Work, state: StepState, ctx: StepContext) -> None:
+        group, train = work.group, work.mini_batch == 0
+        if group is not None:
+            state.first_train_t = state.first_train_t or time.time()
+            state.record += GroupRecord.of(group, shared_prompt=self.models.shares_prompt(group))
+            state.digests[group.index] = group_digest(group)
+            if self.passes > 1:
+                state.held.append(group)
+        # reference log-probs: for the loss, or for a KL in the reward the batch moments need now
+        refs = (self.models.ref_logprobs(work.micro_batches, pad_to=work.steps)
+                if train or (self.batch_scope and kl_in_reward(self.algo_cfg)) else None)
+        if self.batch_scope and group is not None:  # every group's scores are needed at the barrier
+            state.moments[group.index] = score_moments(self._scores(state, group, work.micro_batches, refs))
+        if train:
+            with ctx.timeline.span("train", index=group.index if group is not None else -1):
+                state.sums += self._train(work, refs, state, first_pass=True)
 
-    def _scores(self, group: ScoredGroup, mbs, refs) -> torch.Tensor:
-        """The algorithm's advantages (batch scope: the scores, normalised later) of one group."""
+    def _scores(self, state: StepState, group: ScoredGroup, mbs, refs) -> torch.Tensor:
+        """The algorithm's advantages of one group (batch scope: the scores), once per step."""
+        if group.index in state.scores:
+            return state.scores[group.index]
         lengths_G = torch.tensor([r.numel() for r in group.responses])
         rewards_G = self.algo.shape_rewards(group.rewards, lengths_G, self.algo_cfg)
         if kl_in_reward(self.algo_cfg):
@@ -207,174 +120,119 @@ class Trainer(Executor):
             for mb, ref_NT in zip(mbs, refs):
                 idx = list(mb.samples)
                 rewards_G[idx] = kl_penalised_rewards(
-                    rewards_N=rewards_G[idx], logp_NT=stats.sampled_logprobs(group, idx, like=ref_NT),
+                    rewards_N=rewards_G[idx], logp_NT=sampled_logprobs(group, idx, like=ref_NT),
                     ref_logp_NT=ref_NT, mask_NT=mb.mask_NT, cfg=self.algo_cfg)
-        return self.algo.advantages(rewards_G, self.algo_cfg)
+        state.scores[group.index] = self.algo.advantages(rewards_G, self.algo_cfg)
+        return state.scores[group.index]
 
-    def _micro_batches(self, group: ScoredGroup):
-        # fixed by the group alone (sample index order), never by arrival: determinism rule 2
-        return self._micro_batches_of(group.prompt_ids, group.responses)
-
-    @functools.cached_property
-    def _dummy(self):
-        """A one-token micro-batch for lockstep padding: it runs every collective a real one does."""
-        pad = torch.tensor([self.tokenizer.pad_token_id])
-        return self._micro_batches_of(pad, [pad])[0]
-
-    def _micro_batches_of(self, prompt_ids_P, responses):
-        return make_micro_batches(prompt_ids_P, responses, mode=self.cfg.shared_prompt,
-                                  token_budget=self.cfg.token_budget, micro_batch_size=self.cfg.micro_batch_size,
-                                  pad_id=self.tokenizer.pad_token_id, device=self.env.device)
-
-    def _ref_logprobs(self, mbs, *, pad_to: int) -> list:
-        if self.reference is None:
-            return [None] * len(mbs)
-        with torch.no_grad():  # frozen: no graph; the same micro-batch feeds all three models
-            refs = [mb.logprobs(self.reference, temperature=self.temperature) for mb in mbs]
-            for _ in range(pad_to - len(mbs)):
-                self._dummy.logprobs(self.reference, temperature=self.temperature)
-        return refs
-
-    def _train_group(self, group: ScoredGroup | None, mbs, refs, steps: int, *, first_pass: bool) -> torch.Tensor:
-        """Forward/backward of one group's micro-batches (then dummies up to `steps`); gradients go
-        to the accumulators."""
+    def _train(self, work: Work, refs, state: StepState, *, first_pass: bool,
+               mu_scale: tuple[float, float] | None = None) -> LossSums:
+        """Forward/backward of one unit of work's micro-batches (then lockstep dummies up to
+        `work.steps`); gradients go to the accumulators, sums come back."""
+        group, mbs, sums = work.group, work.micro_batches, LossSums()
         linear = self.batch_scope and first_pass
-        sums = dict.fromkeys(stats.SUMS, 0.0)
         if group is not None:
-            score_G = self._group_scores(group, mbs, refs)
-            if self.batch_scope and not first_pass:  # mean and std of the batch are known by now
-                score_G = batch_normalise(score_G, mu=self.mu_scale[0], scale=self.mu_scale[1])
-        for k in range(steps):
+            score_G = self._scores(state, group, mbs, refs)
+            if self.batch_scope and not first_pass:  # mean and scale of the batch are known by now
+                score_G = batch_normalise(score_G, mu=mu_scale[0], scale=mu_scale[1])
+        for k in range(work.steps):
             if k >= len(mbs):  # lockstep padding: weight 0, same forwards and backwards
-                self._micro_step(self._dummy, None, None, first_pass=first_pass, linear=linear)
+                self._micro_step(self.models.dummy, None, None, first_pass=first_pass, linear=linear, sums=sums)
                 continue
             mb, idx = mbs[k], list(mbs[k].samples)
             logp_NT = self._micro_step(mb, refs[k], score_G[idx], first_pass=first_pass, linear=linear, sums=sums)
             if first_pass:  # on-policy check: the trainer recomputes what the generator sampled
-                sampled_NT = stats.sampled_logprobs(group, idx, like=logp_NT)
-                gap = ((logp_NT.detach() - sampled_NT).abs() * mb.mask_NT).max().item()
-                sums["mismatch"] = max(sums["mismatch"], gap)
-        return torch.tensor([sums[k] for k in stats.SUMS], dtype=torch.float64)
+                sampled_NT = sampled_logprobs(group, idx, like=logp_NT)
+                sums.mismatch = max(sums.mismatch, ((logp_NT.detach() - sampled_NT).abs() * mb.mask_NT).max().item())
+        return sums
 
-    def _micro_step(self, mb, ref_NT, score_N, *, first_pass: bool, linear: bool, sums=None) -> torch.Tensor:
-        """One micro-batch through policy (and old) forward and the loss passes' backwards.
-        score_N None: a dummy, its loss multiplied by 0."""
-        logp_NT = mb.logprobs(self.policy, temperature=self.temperature)
-        if first_pass:
-            old_NT = logp_NT.detach()  # the policy IS the old policy until the first optimizer step
-        else:
-            with torch.no_grad():
-                old_NT = mb.logprobs(self.old, temperature=self.temperature)
-        # group scope: one pass at the advantages; batch scope: the loss at s, 1 (and 0), combined
-        # exactly at the barrier once the batch's mean and std are known (algorithms/batch_scope.py)
+    def _micro_step(self, mb, ref_NT, score_N, *, first_pass: bool, linear: bool, sums: LossSums) -> torch.Tensor:
+        """One micro-batch: policy (and old) forward, then one backward per loss pass.
+        score_N None: a lockstep dummy, its loss multiplied by 0."""
+        logp_NT = self.models.policy_logprobs(mb)
+        old_NT = self.models.old_logprobs(mb, policy_NT=logp_NT, first_pass=first_pass)
         if score_N is None:  # a dummy: the same passes, no advantages
-            passes = dict.fromkeys(self.acc if linear else ["score"])
+            passes = dict.fromkeys(self.first_passes if linear else (Pass.SCORE,))
+        elif linear:  # batch scope: the loss at s, 1 (and 0), combined at the barrier (algorithms/batch_scope.py)
+            passes = {Pass(name): adv_N for name, adv_N in linear_passes(score_N, self.algo_cfg).items()}
         else:
-            passes = linear_passes(score_N, self.algo_cfg) if linear else {"score": score_N}
+            passes = {Pass.SCORE: score_N}
         # FSDP frees the gathered weights after each backward, so a second backward over the same
         # graph would read freed storage: recompute the forward per pass instead of retain_graph
         recompute = self.cfg.fsdp
         for k, (name, adv_N) in enumerate(passes.items()):
             if k and recompute:
-                logp_NT = mb.logprobs(self.policy, temperature=self.temperature)
+                logp_NT = self.models.policy_logprobs(mb)
             if adv_N is None:
                 loss = (logp_NT * 0).sum()
             else:
                 out = self.algo.loss(LossInputs(logp_NT=logp_NT, old_logp_NT=old_NT, ref_logp_NT=ref_NT,
                                                 adv_N=adv_N.to(logp_NT), mask_NT=mb.mask_NT), self.algo_cfg)
                 loss = out.loss_sum
-                sums[f"loss_{name}"] += out.loss_sum.item()
-                if name == "score":
-                    sums["denom"] += out.denom
-                    sums["kl_sum"] += out.stats.get("kl_sum", 0.0)
-                    sums["clip_sum"] += out.stats.get("clip_sum", 0.0)
+                sums.loss[name] += out.loss_sum.item()
+                if name is Pass.SCORE:
+                    sums.denom += out.denom
+                    sums.kl_sum += out.stats.get("kl_sum", 0.0)
+                    sums.clip_sum += out.stats.get("clip_sum", 0.0)
             loss.backward(retain_graph=not recompute and k < len(passes) - 1)
-            for acc, p in zip(self.acc[name], self.params):
-                if p.grad is not None:  # with FSDP: the dp sum of this shard, dummies included
-                    acc += local(p.grad)
-                    p.grad = None
+            self.optim.grads.add_from_params_(name)
         return logp_NT
 
-    def _gather(self, record: torch.Tensor, digests: dict[int, str]):
-        """Once per step, all groups in: per-group records, digests and score moments over dp."""
+    # ---- the barrier ------------------------------------------------------------------------------
+    def barrier(self, ctx: StepContext, state: StepState) -> TrainerMetrics:
+        """All groups are in: optimizer step(s), then the weights go to the generator."""
+        t0 = time.perf_counter()
+        with ctx.timeline.span("barrier"):
+            record, digests, mu_scale = self._gather(state)
+            steps = [self.optim.step(state.sums, passes=self.first_passes, mu_scale=mu_scale)]
+            steps += self._later_passes(state, mu_scale)
+            self.optim.end_of_batch()
+        train_s = state.train_s + time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with ctx.timeline.span("push"):
+            ctx.outbound["weights"].push(self.models.shards(), self.models.specs)
+            ctx.outbound["weights"].flush()
+        return TrainerMetrics.of(record, steps, digests, train_s=train_s, push_s=time.perf_counter() - t0,
+                                 first_train_t=state.first_train_t, push_end_t=time.time())
+
+    def _gather(self, state: StepState):
+        """Per-group records, digests and score moments over dp, once per step."""
+        record, digests, moments = state.record, state.digests, state.moments
         if self.units > 1:
-            dist.all_reduce(record, group=self.dp_group)
+            record = record.all_reduce(group=self.models.dp_group)
             gathered = [None] * self.units
-            dist.all_gather_object(gathered, (digests, self.moments), group=self.dp_group)
+            dist.all_gather_object(gathered, (digests, moments), group=self.models.dp_group)
             digests = {k: v for d, _ in gathered for k, v in d.items()}
-            self.moments = {k: v for _, m in gathered for k, v in m.items()}
-        if self.batch_scope:
-            self.mu_scale = batch_mean_scale(self.moments, eps=self.algo_cfg.eps)
-        return record, digests
+            moments = {k: v for _, m in gathered for k, v in m.items()}
+        mu_scale = batch_mean_scale(moments, eps=self.algo_cfg.eps) if self.batch_scope else None
+        return record, digests, mu_scale
 
-    def _optimizer_step(self, sums: torch.Tensor, *, first_pass: bool) -> None:
-        """Reduce over dp, normalise once by the batch denominator, clip, step."""
-        mismatch = sums[stats.SUMS.index("mismatch")].clone()
-        if self.units > 1:
-            dist.all_reduce(sums, group=self.dp_group)
-            dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=self.dp_group)
-            if not self.shards_over_units:  # FSDP reduce-scattered each micro-step's gradients already
-                for name in self._live_passes(first_pass):
-                    for acc in self.acc[name]:
-                        dist.all_reduce(acc, group=self.dp_group)
-        m = dict(zip(stats.SUMS, sums.tolist()))
-        grads, loss = self.acc["score"], m["loss_score"]
-        if self.batch_scope and first_pass:
-            mu, scale = self.mu_scale
-            zeros = self.acc.get("zero", [None] * len(self.params))
-            grads = [batch_normalise_at_barrier(at_score=s, at_one=o, at_zero=z, mu=mu, scale=scale)
-                     for s, o, z in zip(self.acc["score"], self.acc["one"], zeros)]
-            loss = batch_normalise_at_barrier(at_score=m["loss_score"], at_one=m["loss_one"],
-                                              at_zero=m["loss_zero"] if "zero" in self.acc else None,
-                                              mu=mu, scale=scale)
-        assert m["denom"] > 0, "optimizer step with an empty mini-batch"
-        for grad, p in zip(grads, self.params):
-            g = (grad / m["denom"]).to(p.dtype)
-            p.grad = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                                        run_check=False) if isinstance(p, DTensor) else g
-        for accs in self.acc.values():
-            for acc in accs:
-                acc.zero_()
-        grad_norm = clip_grad_norm_(self.params, self.cfg.grad_clip, mesh=self.mesh)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        t = self.totals
-        t["loss"] += loss
-        t["denom"] += m["denom"]
-        t["kl"] += m["kl_sum"]
-        t["clip"] += m["clip_sum"]
-        t["grad_norm"] += grad_norm / self.passes
-        t["mismatch"] = max(t["mismatch"], mismatch.item())
+    def _later_passes(self, state: StepState, mu_scale) -> list:
+        """Mini-batches after the first, and further epochs: all groups are in, in index order,
+        ratios against the old-policy snapshot. One optimizer step per mini-batch."""
+        steps = []
+        for epoch in range(self.cfg.epochs):
+            for mini_batch in range(self.cfg.mini_batches):
+                if (epoch, mini_batch) == (0, 0):
+                    continue
+                sums = LossSums()
+                mine = sorted((g for g in state.held if self._mini_batch(g.index) == mini_batch),
+                              key=lambda g: g.index)
+                for work in self._work(mine):
+                    refs = self.models.ref_logprobs(work.micro_batches, pad_to=work.steps)
+                    sums += self._train(work, refs, state, first_pass=False, mu_scale=mu_scale)
+                steps.append(self.optim.step(sums, passes=(Pass.SCORE,), mu_scale=None))
+        return steps
 
-    def _live_passes(self, first_pass: bool) -> list[str]:
-        return list(self.acc) if first_pass else ["score"]
-
-    def _metrics(self, r: dict, digest: str, *, train_s, push_s):
-        n, t = r["samples"], self.totals
-        mean = r["reward_sum"] / n
-        return {"reward_mean": mean, "reward_std": math.sqrt(max(0.0, r["reward_sq_sum"] / n - mean * mean)),
-                "response_len_mean": r["len_sum"] / n, "loss": t["loss"] / t["denom"],
-                "kl": t["kl"] / t["denom"], "clip_frac": t["clip"] / t["denom"], "grad_norm": t["grad_norm"],
-                "lr": self.lr_used, "logp_mismatch_max": t["mismatch"], "groups": int(r["groups"]),
-                "reward_failures": int(r["reward_failures"]), "tokens": int(r["tokens"]),
-                "optimizer_steps": self.passes, "train_s": train_s, "push_s": push_s, "rollout_digest": digest}
-
-    # ---- outputs ----------------------------------------------------------------------------
+    # ---- outputs ------------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
-        """An HF directory of the full model (gathered by every trainer rank, written by the leader)
-        and each rank's own optimizer shard."""
-        self._save_model(path)
+        """An HF directory of the full model and each rank's own optimizer shard."""
+        self.models.save(path, leader=self.env.is_leader)
         sharded = self.cfg.tp > 1 or self.shards_over_units
         if sharded or self.env.is_leader:
             name = f"trainer_state.rank{self.env.ranks.index(self.env.rank)}.pt" if sharded else "trainer_state.pt"
             path.mkdir(parents=True, exist_ok=True)
-            torch.save({"optimizer": stats.local_tensors(self.opt.state_dict()), "scheduler": self.sched.state_dict()},
-                       path / name)
+            torch.save(self.optim.state(), path / name)
 
     def finalize(self, output_dir: Path) -> None:
-        self._save_model(output_dir / "final")
-
-    def _save_model(self, path: Path) -> None:
-        state = full_state_dict(self.policy, keep=self.env.is_leader)
-        if self.env.is_leader:
-            save_hf(self.policy, self.tokenizer, path, state=state)
+        self.models.save(output_dir / "final", leader=self.env.is_leader)

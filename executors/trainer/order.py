@@ -15,7 +15,9 @@
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, TypeVar
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Generic, Iterable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,3 +42,30 @@ def round_length(micro_batches: int, *, group: dist.ProcessGroup) -> int:
     n = torch.tensor([micro_batches], dtype=torch.int64)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
     return int(n.item())
+
+
+@dataclass(frozen=True)
+class Work(Generic[G]):
+    """One unit of a rank's training work: a group's micro-batches, or a lockstep round's share."""
+
+    mini_batch: int
+    group: G | None  # None: a lockstep round in which this rank has no group left
+    micro_batches: list
+    steps: int  # micro-steps to run: len(micro_batches), or the round's longest in lockstep
+
+
+def work_units(groups: Iterable[G], *, micro_batches: Callable[[G], list], mini_batch_of: Callable[[int], int],
+               mini_batches: int, lockstep: dist.ProcessGroup | None) -> Iterator[Work[G]]:
+    """One Work per group; in lockstep one per round, the micro-steps padded to the round's longest
+    group and the group None where this rank has none left, until no rank has one."""
+    groups = iter(groups)
+    for k in itertools.count():
+        group = next(groups, None)
+        if group is None and lockstep is None:
+            return
+        mbs = micro_batches(group) if group is not None else []
+        steps = round_length(len(mbs), group=lockstep) if lockstep is not None else len(mbs)
+        if steps == 0:
+            return
+        # in lockstep round k holds groups k*dp .. k*dp + dp - 1, all of one mini-batch
+        yield Work(mini_batch_of(group.index) if group is not None else k % mini_batches, group, mbs, steps)

@@ -1,44 +1,68 @@
-"""What a trainer step counts (per-group records, loss sums, digests) and the local view of its
-optimizer state for checkpoints."""
+"""What a trainer step carries from its streamed phase to its barrier, and what it reports."""
 from __future__ import annotations
 
 import hashlib
+import math
+from dataclasses import dataclass, field
 
 import torch
 
 from channels.payloads import ScoredGroup
-from executors.parallel import local
-
-# per optimizer step: loss passes and their denominators, all-reduced over dp at each barrier
-SUMS = ("loss_score", "loss_one", "loss_zero", "denom", "kl_sum", "clip_sum", "mismatch")
-# per step, once per group: what was sampled and scored, and the tokens one pass trains on
-RECORD = ("reward_sum", "reward_sq_sum", "samples", "len_sum", "groups", "reward_failures", "tokens")
+from executors.trainer.accumulate import GroupRecord, LossSums
 
 
-def record(group: ScoredGroup, *, shared: bool) -> torch.Tensor:
-    rewards = group.rewards.double()
-    responses = float(sum(r.numel() for r in group.responses))
-    # tokens one pass trains on: a shared prompt once per group, else once per sample
-    tokens = (1 if shared else len(group.responses)) * group.prompt_ids.numel() + responses
-    return torch.tensor([rewards.sum().item(), (rewards ** 2).sum().item(), len(group.responses), responses,
-                         1.0, float(group.reward_failures), tokens], dtype=torch.float64)
+@dataclass
+class StepState:
+    """One step's values, passed from `Trainer.step` to `Trainer.barrier`; none outlives the step."""
+
+    record: GroupRecord = field(default_factory=GroupRecord)
+    sums: LossSums = field(default_factory=LossSums)  # mini-batch 0, trained as the groups arrived
+    digests: dict[int, str] = field(default_factory=dict)  # group index -> digest of its tokens
+    # group index -> advantages (batch scope: the scores, normalised at the barrier); computed once
+    # per group and step, since they may need reference forwards (a KL in the reward)
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    moments: dict[int, torch.Tensor] = field(default_factory=dict)  # batch scope: score moments per group
+    held: list[ScoredGroup] = field(default_factory=list)  # for later mini-batches and epochs
+    train_s: float = 0.0
+    first_train_t: float | None = None  # wall clock of the first group trained
 
 
-def local_tensors(tree):
-    """Optimizer state with this rank's shards in place of DTensors (a DTensor pickles its mesh)."""
-    if isinstance(tree, dict):
-        return {k: local_tensors(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [local_tensors(v) for v in tree]
-    return local(tree) if isinstance(tree, torch.Tensor) else tree
+@dataclass(frozen=True)
+class TrainerMetrics:
+    """The trainer's per-step record in metrics.jsonl (posted by its leader)."""
 
+    reward_mean: float
+    reward_std: float
+    response_len_mean: float
+    loss: float
+    kl: float
+    clip_frac: float
+    grad_norm: float  # mean over the step's optimizer steps, before clipping
+    lr: float
+    logp_mismatch_max: float  # on-policy check: trainer vs sampler log-probs of the sampled tokens
+    groups: int
+    reward_failures: int
+    tokens: int
+    optimizer_steps: int
+    train_s: float
+    push_s: float
+    rollout_digest: str  # hash of every sampled token, in prompt/sample order
+    first_train_t: float | None
+    push_end_t: float
 
-def merge(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-    """Sums add; the log-prob mismatch is a max."""
-    i = SUMS.index("mismatch")
-    out = total + part
-    out[i] = max(total[i].item(), part[i].item())
-    return out
+    @classmethod
+    def of(cls, record: GroupRecord, steps: list, digests: dict[int, str], **timing) -> "TrainerMetrics":
+        """From the step's dp-reduced record and its optimizer steps (barrier.OptimizerStep)."""
+        n, denom = record.samples, sum(s.denom for s in steps)
+        mean = record.reward_sum / n
+        digest = hashlib.sha256("".join(digests[i] for i in sorted(digests)).encode()).hexdigest()[:16]
+        return cls(reward_mean=mean, reward_std=math.sqrt(max(0.0, record.reward_sq_sum / n - mean * mean)),
+                   response_len_mean=record.len_sum / n, loss=sum(s.loss for s in steps) / denom,
+                   kl=sum(s.kl_sum for s in steps) / denom, clip_frac=sum(s.clip_sum for s in steps) / denom,
+                   grad_norm=sum(s.grad_norm / len(steps) for s in steps), lr=steps[-1].lr,
+                   logp_mismatch_max=max(s.mismatch for s in steps), groups=int(record.groups),
+                   reward_failures=int(record.reward_failures), tokens=int(record.tokens),
+                   optimizer_steps=len(steps), rollout_digest=digest, **timing)
 
 
 def sampled_logprobs(group: ScoredGroup, idx: list[int], *, like: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Spawn N gloo ranks with a deadline and collect what each returns (our own small helper)."""
+"""Run a function on N local gloo ranks with a deadline and collect what each returns (tests, benches,
+notebooks: one machine, no torchrun)."""
 from __future__ import annotations
 
 import multiprocessing as mp

@@ -1,7 +1,8 @@
 """The run config: pydantic models with defaults, unknown keys refused, errors naming the field.
 
-Each executor owns its config class; this module only composes them. Launch hands each executor
-its own section, never the whole RunConfig.
+Each executor owns its config class (in a light module: parsing a config imports no model code);
+this module only composes them. A recipe hands each executor its own section, never the whole
+RunConfig.
 """
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from algorithms.base import AlgoConfig
 from algorithms.registry import get_algorithm
-from executors.generator.executor import DataConfig, GeneratorConfig, ModelConfig
-from executors.reward.executor import RewardConfig
-from executors.trainer.executor import TrainerConfig
+from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig
+from executors.reward.config import RewardConfig
+from executors.trainer.config import TrainerConfig
 
 
 class RunConfig(BaseModel):

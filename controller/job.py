@@ -12,13 +12,14 @@ from controller.failure import Watchdog
 from controller.graph import Graph
 from controller.loop import Controller
 from controller.metrics import MetricsWriter
+from controller.schedules import get_schedule
 from controller.timeline import merge, plot
 from controller.world import build_world, check_world_size, store_client
-from launch.devices import detect_device, init_distributed, pin_threads
+from controller.devices import detect_device, init_distributed, pin_threads
 
 
 def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[[], Path],
-            checkpoint_every: int = 0,
+            schedule: str = "periodic", checkpoint_every: int = 0,
             timeout_s: float = 1800.0, console_keys: Sequence[str] | None = None,
             derive: Callable[[dict], dict] | None = None, on_ready: Callable | None = None) -> None:
     """Every rank calls this. Raises ValueError before any collective if the world size is wrong."""
@@ -42,7 +43,8 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
             writer = MetricsWriter(executors=[e.name for e in graph.executors], steps=range(steps),
                                    path=output_dir / "metrics.jsonl", console_keys=console_keys,
                                    timeout=timeout, derive=derive).start()
-        Controller(world=world, steps=range(steps), checkpoint_every=checkpoint_every).run()
+        Controller(world=world, steps=range(steps), schedule=get_schedule(schedule),
+                   checkpoint_every=checkpoint_every).run()
         if writer:
             writer.join()
         dist.barrier(group=world.control_group)  # every rank has saved its timeline

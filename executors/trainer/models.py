@@ -1,0 +1,122 @@
+"""The tri-model: policy, old policy and reference in one parallel layout, and their log-probs.
+
+- policy: the trainable weights.
+- old policy: the weights that generated the step's samples. With one optimizer step per batch it
+  equals the policy during the whole first pass, so its log-probs are the detached policy's and no
+  copy exists; with several optimizer steps per batch (mini-batches, epochs) a real snapshot is kept.
+- reference: the initial weights, frozen; only when the algorithm has a KL term.
+The copies are made before sharding and parallelized alike (executors/parallel), so one micro-batch
+feeds all three on the same ranks without extra communication.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from channels.payloads import ScoredGroup
+from executors.base import ExecutorEnv
+from executors.hf import load_model, load_tokenizer, save_hf
+from executors.parallel import (build_mesh, copy_params_, full_state_dict, local_shards, param_specs,
+                                parallelize)
+from executors.trainer.config import TrainerConfig
+from executors.trainer.packed_attention import install as install_packed_attention
+from executors.trainer.packing import auto_shared_prompt, make_micro_batches
+
+
+@dataclass
+class TriModel:
+    policy: nn.Module
+    old: nn.Module | None
+    reference: nn.Module | None
+    mesh: DeviceMesh | None  # ("dp", "tp") over the trainer's ranks; None: one rank, no torch.distributed
+    tokenizer: object
+    cfg: TrainerConfig
+    temperature: float
+    device: torch.device
+
+    @classmethod
+    def build(cls, *, model_path: str | None, dtype: torch.dtype, env: ExecutorEnv, cfg: TrainerConfig,
+              temperature: float, reference: bool, snapshot: bool) -> "TriModel":
+        mesh = (build_mesh(ranks=env.ranks, tp=cfg.tp, device_type=env.device.type, parent=env.group)
+                if dist.is_initialized() else None)
+        policy = load_model(model_path, dtype=dtype, seed=env.seed).to(env.device).train()
+        if cfg.shared_prompt != "padded":  # packed rows need the block-mask attention (copies inherit it)
+            install_packed_attention(policy)
+        ref = copy.deepcopy(policy).eval().requires_grad_(False) if reference else None
+        old = copy.deepcopy(policy).eval().requires_grad_(False) if snapshot else None
+        for model, forward_only in ((policy, False), (ref, True), (old, True)):
+            if model is not None and (cfg.tp > 1 or cfg.fsdp):
+                parallelize(model, mesh=mesh, tp=cfg.tp > 1, fsdp=cfg.fsdp, forward_only=forward_only)
+        return cls(policy, old, ref, mesh, load_tokenizer(model_path), cfg, temperature, env.device)
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group("dp") if self.mesh is not None else None
+
+    def shards(self) -> dict[str, torch.Tensor]:
+        """This rank's local shard of every policy parameter, for the weight push."""
+        return local_shards(self.policy)
+
+    @functools.cached_property
+    def specs(self):
+        """The policy's parameter layout, for the WEIGHTS channel's plan."""
+        return param_specs(self.policy)
+
+    def snapshot_(self) -> None:
+        """old <- policy: the weights that generate this step's samples (shard by shard)."""
+        if self.old is not None:
+            copy_params_(self.old, self.policy)
+
+    # ---- micro-batches ----------------------------------------------------------------------
+    def shares_prompt(self, group: ScoredGroup) -> bool:
+        mode = self.cfg.shared_prompt
+        return mode == "on" or (mode == "auto" and auto_shared_prompt(
+            group.prompt_ids.numel(), [r.numel() for r in group.responses]))
+
+    def micro_batches(self, group: ScoredGroup) -> list:
+        # fixed by the group alone (sample index order), never by arrival: determinism rule 2
+        return self._micro_batches_of(group.prompt_ids, group.responses)
+
+    @functools.cached_property
+    def dummy(self):
+        """A one-token micro-batch for lockstep padding: it runs every collective a real one does."""
+        pad = torch.tensor([self.tokenizer.pad_token_id])
+        return self._micro_batches_of(pad, [pad])[0]
+
+    def _micro_batches_of(self, prompt_ids_P, responses) -> list:
+        return make_micro_batches(prompt_ids_P, responses, mode=self.cfg.shared_prompt,
+                                  token_budget=self.cfg.token_budget, micro_batch_size=self.cfg.micro_batch_size,
+                                  pad_id=self.tokenizer.pad_token_id, device=self.device)
+
+    # ---- log-probs ----------------------------------------------------------------------------
+    def policy_logprobs(self, mb) -> torch.Tensor:
+        return mb.logprobs(self.policy, temperature=self.temperature)
+
+    def old_logprobs(self, mb, *, policy_NT: torch.Tensor, first_pass: bool) -> torch.Tensor:
+        if first_pass or self.old is None:  # the policy IS the old policy until the batch's first optimizer step
+            return policy_NT.detach()
+        with torch.no_grad():
+            return mb.logprobs(self.old, temperature=self.temperature)
+
+    def ref_logprobs(self, mbs: list, *, pad_to: int) -> list:
+        """Reference log-probs per micro-batch (None without a reference), then lockstep dummies."""
+        if self.reference is None:
+            return [None] * len(mbs)
+        with torch.no_grad():  # frozen: no graph
+            refs = [mb.logprobs(self.reference, temperature=self.temperature) for mb in mbs]
+            for _ in range(pad_to - len(mbs)):
+                self.dummy.logprobs(self.reference, temperature=self.temperature)
+        return refs
+
+    # ---- outputs ------------------------------------------------------------------------------
+    def save(self, path, *, leader: bool) -> None:
+        """The full policy as an HF directory: every rank gathers its shards, the leader writes."""
+        state = full_state_dict(self.policy, keep=leader)
+        if leader:
+            save_hf(self.policy, self.tokenizer, path, state=state)

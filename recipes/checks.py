@@ -1,0 +1,33 @@
+"""Checks of a run config against the graph it asks for, before any rank starts."""
+from __future__ import annotations
+
+from recipes.config import RunConfig
+
+
+def check_trainer(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
+    t = cfg.trainer
+    if t.mini_batches * t.dp > cfg.data.prompts_per_step:
+        raise ValueError(f"trainer.mini_batches ({t.mini_batches}) x trainer.dp ({t.dp}) exceeds "
+                         f"data.prompts_per_step ({cfg.data.prompts_per_step}): a mini-batch would be empty")
+    if dynamic_sampling and t.fsdp and t.dp > 1:
+        raise ValueError("algorithm.dynamic_sampling with trainer.fsdp and trainer.dp > 1 is not supported: FSDP "
+                         "ranks train in rounds of one group each, which needs every prompt index of the batch")
+    if dynamic_sampling and t.mini_batches > 1:
+        raise ValueError("algorithm.dynamic_sampling with trainer.mini_batches > 1 is not supported yet "
+                         "(kept prompt indices are not contiguous, so a mini-batch could be empty)")
+
+
+def check_tp(cfg: RunConfig) -> None:
+    """tp sizes against the model (the world size is checked at launch)."""
+    sizes = {"trainer.tp": cfg.trainer.tp, "generator.tp": cfg.generator.tp}
+    if all(tp == 1 for tp in sizes.values()):
+        return
+    from executors.hf import load_config  # reads config.json only: no model code
+    from executors.parallel.tp import check_tp as fits
+
+    config = load_config(cfg.model.path)
+    for field, tp in sizes.items():
+        try:
+            fits(config, tp=tp)
+        except ValueError as exc:
+            raise ValueError(f"{field}={tp} does not fit the model: {exc}") from None

@@ -1,0 +1,82 @@
+"""The GRPO family (grpo, dr_grpo, dapo, rloo, reinforce_pp, gspo): three executors, one step.
+
+    global ranks                  executor    each step k
+    0 .. g-1                      generator   wait for the weights of step k-1's barrier; sample G
+                                              responses per prompt; each group leaves when its G are done
+    g .. g+r-1                    reward      score each group as it arrives and send it on
+    g+r .. g+r+t-1                trainer     train each group as the schedule hands it over; then
+                                              the barrier (optimizer step) and the weight push
+    g = generator.replicas * generator.tp,  r = reward.replicas,  t = trainer.dp * trainer.tp
+
+`--dry-run` prints the same with this config's numbers, the channels and the phases below.
+"""
+from __future__ import annotations
+
+from algorithms.registry import get_algorithm
+from channels.channel import Channel
+from channels.kinds import Kind
+from channels.payloads import GroupVerdict, RolloutGroup, ScoredGroup, WeightsUpdate
+from channels.weights import WeightsSender
+from controller.graph import Graph
+from executors.generator.data import PromptSet
+from executors.generator.executor import Generator, GeneratorMetrics
+from executors.reward.executor import Reward
+from executors.trainer.executor import Trainer
+from executors.trainer.stats import TrainerMetrics
+from recipes.base import Phase, Recipe
+from recipes.checks import check_tp, check_trainer
+from recipes.config import RunConfig
+
+PHASES = (
+    Phase("prompts", "generator", PromptSet.batch, "the step's B prompts: a function of (seed, step, index)"),
+    Phase("generate", "generator", Generator.step, "G samples per prompt; a group leaves when its G are done"),
+    Phase("score", "reward", Reward.step, "one reward per response, each group as it arrives"),
+    Phase("train", "trainer", Trainer.step, "each group as the schedule hands it over: forward, loss, backward"),
+    Phase("barrier", "trainer", Trainer.barrier, "all groups in: normalise, clip, optimizer step"),
+    Phase("push", "trainer", WeightsSender.push, "trainer shards to generator shards; step k+1 waits for them"),
+)
+
+
+def build(cfg: RunConfig) -> Graph:
+    algorithm = get_algorithm(cfg.algo)
+    algo_cfg = cfg.algo_config.fit_generation(max_new_tokens=cfg.generator.max_new_tokens)
+    dynamic = algo_cfg.filters_groups  # DAPO: flat groups are dropped and the batch topped up
+    check_trainer(cfg, dynamic_sampling=dynamic)
+    check_tp(cfg)
+    keep = (lambda rewards_G: algorithm.keeps_group(rewards_G, algo_cfg)) if dynamic else None
+    functions = cfg.reward.functions or (["math_verify"] if cfg.data.path else ["embedded"])
+    executors = [  # placed on contiguous ranks in this order
+        Generator(config=cfg.generator, model=cfg.model, data=cfg.data, dynamic_sampling=dynamic),
+        Reward(config=cfg.reward, functions=functions, tokenizer_path=cfg.model.path, keep=keep),
+        Trainer(config=cfg.trainer, model_path=cfg.model.path, dtype=cfg.model.torch_dtype, algorithm=algorithm,
+                algo_config=algo_cfg, temperature=cfg.generator.temperature, total_steps=cfg.steps),
+    ]
+    channels = [
+        Channel("rollouts", "generator", "reward", Kind.SCATTER, RolloutGroup),
+        # scheduled: periodic hands each scored group to the trainer as it lands, sync the whole step
+        Channel("scored", "reward", "trainer", Kind.SCATTER, ScoredGroup, scheduled=True),
+        # lag 1: what the trainer pushes at step k's barrier, the generator receives at step k+1's start
+        Channel("weights", "trainer", "generator", Kind.WEIGHTS, WeightsUpdate),
+    ]
+    if dynamic:  # verdicts close a same-step cycle: the generator reads them only after each round
+        channels.append(Channel("verdicts", "reward", "generator", Kind.BROADCAST, GroupVerdict, feedback=True))
+    return Graph(executors, channels)
+
+
+def step_figures(records: dict, world_size: int) -> dict:
+    """From the generator's and trainer's records: step_s runs from the start of generation to the
+    end of the push; idle fractions are 1 - busy / step_s; overlap_s is how long training ran while
+    generation still did."""
+    gen, trn = GeneratorMetrics(**records["generator"]), TrainerMetrics(**records["trainer"])
+    step_s = trn.push_end_t - gen.gen_start_t
+    figures = {"step_s": step_s, "tpspd": trn.tokens / step_s / world_size,
+               "gen_idle_frac": max(0.0, 1 - gen.gen_s / step_s), "train_idle_frac": max(0.0, 1 - trn.train_s / step_s)}
+    if trn.first_train_t:
+        figures["first_group_s"] = trn.first_train_t - gen.gen_start_t
+        figures["overlap_s"] = max(0.0, gen.gen_end_t - trn.first_train_t)
+    return figures
+
+
+RECIPE = Recipe(name="grpo", build=build, phases=PHASES, derive=step_figures,
+                console=("step", "reward_mean", "reward_std", "response_len_mean", "loss", "kl", "grad_norm",
+                         "gen_s", "train_s", "push_s", "step_s", "first_group_s", "tpspd"))

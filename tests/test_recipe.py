@@ -1,0 +1,77 @@
+"""Schedules are controller objects; the recipe names the graph and the step's phases in order."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from channels.channel import Channel
+from channels.kinds import Kind
+from controller.graph import Graph
+from controller.schedules import Periodic, Sync, get_schedule
+from launch.dryrun import describe
+from recipes.base import ROOT
+from recipes.registry import RECIPES, recipe_for
+from tests.fixtures import small_config
+from tests.toy import Item, Producer, Relay, Sink
+
+
+def _arrivals(log: list, indices):
+    for i in indices:
+        log.append(f"in {i}")
+        yield SimpleNamespace(index=i)
+
+
+def test_periodic_hands_each_item_over_as_it_arrives():
+    log = []
+    for item in Periodic()(_arrivals(log, [2, 0, 1])):
+        log.append(f"out {item.index}")
+    assert log == ["in 2", "out 2", "in 0", "out 0", "in 1", "out 1"]
+
+
+def test_sync_collects_the_step_then_hands_over_in_index_order():
+    log = []
+    for item in Sync()(_arrivals(log, [2, 0, 1])):
+        log.append(f"out {item.index}")
+    assert log == ["in 2", "in 0", "in 1", "out 0", "out 1", "out 2"]
+
+
+def test_unknown_schedule_is_named():
+    with pytest.raises(ValueError, match="unknown schedule 'async'; known: periodic, sync"):
+        get_schedule("async")
+
+
+def test_only_same_step_indexed_channels_can_be_scheduled():
+    three = [Producer(), Relay(), Sink()]
+    Graph(three, [Channel("items", "producer", "relay", Kind.SCATTER, Item, scheduled=True),
+                  Channel("back", "relay", "sink", Kind.GATHER, Item)])
+    with pytest.raises(ValueError, match="channel 'back': only a same-step channel .* can be scheduled"):
+        Graph([Producer(), Relay(), Sink()],
+              [Channel("items", "producer", "relay", Kind.SCATTER, Item),
+               Channel("back", "relay", "sink", Kind.GATHER, Item, lag=1, scheduled=True)])
+
+
+def test_every_algorithm_finds_a_registered_recipe():
+    from algorithms.registry import ALGORITHMS
+
+    assert {recipe_for(name).name for name in ALGORITHMS.names()} <= set(RECIPES.names())
+    with pytest.raises(ValueError, match="unknown algo 'nope'"):
+        recipe_for("nope")
+
+
+def test_grpo_recipe_names_what_runs_where_and_in_which_order():
+    recipe, cfg = recipe_for("grpo"), small_config(trainer={"dp": 2})
+    graph = recipe.build(cfg)
+    assert [ex.name for ex in graph.executors] == ["generator", "reward", "trainer"]
+    assert [ph.name for ph in recipe.phases] == ["prompts", "generate", "score", "train", "barrier", "push"]
+    assert {ph.executor for ph in recipe.phases} <= {ex.name for ex in graph.executors}
+    # the schedule wraps exactly the trainer's input; the push is the only lagged channel
+    assert [ch.name for ch in graph.channels if ch.scheduled] == ["scored"]
+    assert [ch.name for ch in graph.channels if ch.step_lag] == ["weights"]
+    text = describe(graph, cfg, recipe)
+    lines = [line for line in text.splitlines() if line[:2] in {f"{i}." for i in range(1, 7)}]
+    assert [line.split()[1] for line in lines] == [ph.name for ph in recipe.phases]
+    assert " 2-3 " in lines[3] and "executors/trainer/executor.py:Trainer.barrier" in lines[4]
+    for ph in recipe.phases:  # every phase points at real code
+        path, qualname = ph.where.split(":")
+        assert f"def {qualname.split('.')[-1]}(" in (ROOT / path).read_text()
