@@ -12,7 +12,7 @@ source rank, so "receive from whichever source is ready first" needs neither `re
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Iterator
 
 import torch
@@ -100,13 +100,21 @@ class Sender:
         self.step, self.sent, self.deliverable = step, 0, deliverable
 
     def send(self, item) -> None:
-        if not isinstance(item, self.channel.payload):
-            raise TypeError(f"channel {self.channel.name!r} carries {self.channel.payload.__name__}, "
-                            f"got {type(item).__name__}")
+        """`item` is an instance of the channel's payload or of a subclass; only the payload's fields
+        travel (the receiver decodes the channel's payload type, never the sender's subclass)."""
+        payload = self.channel.payload
+        if not isinstance(item, payload):
+            why = ""
+            if type(item) in payload.__mro__ and is_dataclass(item) and is_dataclass(payload):
+                have = {f.name for f in fields(item)}
+                missing = ", ".join(f.name for f in fields(payload) if f.name not in have) or "(none)"
+                why = f", a base class of {payload.__name__} that lacks its field(s) {missing}"
+            raise TypeError(f"channel {self.channel.name!r} carries {payload.__name__}, "
+                            f"got {type(item).__name__}{why}")
         self.sent += 1
         if not (self.is_leader and self.deliverable):  # the unit's other ranks computed the same item
             return
-        header, body = encode(item)
+        header, body = encode(item, payload)
         body = body.to(self.device)
         message = json.dumps({"src": self.rank, "header": header, "nbytes": body.numel()})
         for dst in self.route.destinations(self.channel.kind, item):

@@ -65,10 +65,19 @@ def _check_port(ch: Channel, ex: Executor, side: str, port: str) -> None:
     if port not in ports:
         raise ValueError(f"channel {ch.name!r}: executor {ex.name!r} has no {side[:-1]} port {port!r} "
                          f"(it has: {', '.join(ports) or 'none'})")
-    if ports[port] is not ch.payload:
-        verb = "produces" if side == "outputs" else "consumes"
+    # payload subtyping: a producer may put a subclass of the channel's payload on it (only the
+    # payload's fields travel), and a consumer may read a base of it (it gets the payload type)
+    declared = ports[port]
+    if side == "outputs" and not _extends(declared, ch.payload):
         raise ValueError(f"channel {ch.name!r} carries {ch.payload.__name__}, but {ex.name}.{port} "
-                         f"{verb} {ports[port].__name__}")
+                         f"produces {declared.__name__}, which does not extend {ch.payload.__name__}")
+    if side == "inputs" and not _extends(ch.payload, declared):
+        raise ValueError(f"channel {ch.name!r} carries {ch.payload.__name__}, but {ex.name}.{port} "
+                         f"consumes {declared.__name__}, which {ch.payload.__name__} does not extend")
+
+
+def _extends(sub, base) -> bool:
+    return sub is base or (isinstance(sub, type) and isinstance(base, type) and issubclass(sub, base))
 
 
 def _check_cycles(graph: Graph) -> None:

@@ -1,13 +1,20 @@
-"""Channels over real gloo ranks: exact round trips, broadcast, streaming order, lagged delivery."""
+"""Channels over real gloo ranks: exact round trips, broadcast, streaming order, lagged delivery, payload subclasses."""
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import pytest
 import torch
 
-from channels.channel import Channel
+from channels.channel import Channel, Route, Sender
+from channels.codec import decode, encode, field_kinds
 from channels.kinds import Kind
+from channels.payloads import ScoredGroup
 from controller.graph import Graph
 from controller.job import run_job
 from controller.spawn import spawn
+from executors.base import Executor
 from tests.toy import Item, Producer, Relay, Sink, make_item
 
 
@@ -107,3 +114,130 @@ def test_one_output_port_fans_out_to_several_channels(tmp_path):
     results = spawn(_run, 4, _fan_out_graph, 1, tmp_path)
     a0, a1, b = (sorted(it.index for _, it, _ in r[name]) for r, name in zip(results[1:], ("a", "a", "b")))
     assert a0 == [0, 2, 4] and a1 == [1, 3] and b == [0, 1, 2, 3, 4]
+
+
+# --- payload subtyping: a subclass of ScoredGroup with extra fields, as a new executor would produce
+
+
+@dataclass
+class ValuedGroup(ScoredGroup):
+    values: list[torch.Tensor]  # extra ragged field
+    baseline: torch.Tensor  # extra tensor field
+    source: str = "critic"  # extra plain field with a default
+    spare: torch.Tensor | None = None  # optional tensor
+    bonus: Optional[list[torch.Tensor]] = None  # optional ragged
+
+
+def make_group(step: int, index: int, cls=ScoredGroup, **extra):
+    g = torch.Generator().manual_seed(step * 1000 + index)
+    lengths = [int(n) for n in torch.randint(0, 6, (3,), generator=g)]  # includes empty responses
+    return cls(step=step, index=index, prompt=f"p{index}", extras={"answer": str(index)},
+               prompt_ids=torch.randint(0, 100, (4,), generator=g),
+               responses=[torch.randint(0, 100, (n,), generator=g) for n in lengths],
+               logprobs=[-torch.rand(n, generator=g) for n in lengths],
+               finished=torch.tensor([True, False, True]), rewards=torch.randn(3, generator=g),
+               reward_failures=index % 2, **extra)
+
+
+def make_valued(step: int, index: int) -> ValuedGroup:
+    g = torch.Generator().manual_seed(7 + step * 1000 + index)
+    odd = index % 2 == 1
+    return make_group(step, index, ValuedGroup,
+                      values=[torch.randn(n, generator=g) for n in (2, 0, 5)],
+                      baseline=torch.randn(2, 3, generator=g, dtype=torch.float64),
+                      source=f"critic{index}",
+                      spare=torch.randn(4, generator=g).to(torch.bfloat16) if odd else None,
+                      bonus=[torch.randint(0, 9, (n,), generator=g, dtype=torch.int32) for n in (1, 3)]
+                      if odd else None)
+
+
+def _same_bits(a, b) -> bool:
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_same_bits, a, b))
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+    return type(a) is type(b) and a == b
+
+
+def _same_fields(a, b, cls) -> bool:
+    return all(_same_bits(getattr(a, f.name), getattr(b, f.name)) for f in fields(cls))
+
+
+def test_subclass_payload_round_trips_every_field():
+    for index in (0, 1):  # even: optional fields None; odd: set
+        item = make_valued(3, index)
+        out = decode(ValuedGroup, *encode(item))
+        assert type(out) is ValuedGroup and _same_fields(out, item, ValuedGroup)
+        assert (out.spare is None) == (index == 0) and (out.bonus is None) == (index == 0)
+    assert field_kinds(ValuedGroup)["spare"] == "tensor?" and field_kinds(ValuedGroup)["bonus"] == "ragged?"
+    # encoded as its base (a subclass item on a ScoredGroup channel): the base's fields, nothing more
+    header, body = encode(make_valued(3, 1), ScoredGroup)
+    out = decode(ScoredGroup, header, body)
+    assert type(out) is ScoredGroup and _same_fields(out, make_valued(3, 1), ScoredGroup)
+    assert "values" not in {t[0] for t in header["tensors"]} and "source" not in header["plain"]
+
+
+def test_unresolvable_tensor_annotation_is_named():
+    import torch as th  # a local name the annotation cannot be resolved with
+
+    @dataclass
+    class Local(ScoredGroup):
+        values: list[th.Tensor]
+
+    with pytest.raises(TypeError, match="payload Local: cannot resolve its field annotations \\(name 'th' is not "
+                                        "defined\\)"):
+        field_kinds(Local)
+
+
+def test_sender_refuses_a_base_item_on_a_subclass_channel():
+    channel = Channel("valued", "critic", "trainer", Kind.BROADCAST, ValuedGroup)
+    sender = Sender(channel=channel, route=Route(0, ((0,),), ((1,),)), store=None, rank=0,
+                    device=torch.device("cpu"))
+    sender.open_step(0)
+    with pytest.raises(TypeError, match="channel 'valued' carries ValuedGroup, got ScoredGroup, a base class "
+                                        "of ValuedGroup that lacks its field.s. values, baseline, source, "
+                                        "spare, bonus$"):
+        sender.send(make_group(0, 0))
+    assert sender.sent == 0
+
+
+class ValuedProducer(Executor):
+    outputs = {"groups": ValuedGroup}
+
+    def step(self, ctx):
+        for i in range(4):
+            ctx.outbound["groups"].send(make_valued(ctx.step, i))
+        return {}
+
+
+class GroupSink(Executor):
+    inputs = {"valued": ScoredGroup, "scored": ScoredGroup}  # consumes the base, like the trainer
+
+    def __init__(self, *, name="sink"):
+        super().__init__(name=name)
+        self.received: list[tuple[str, int, ScoredGroup]] = []
+
+    def step(self, ctx):
+        for port in ("valued", "scored"):
+            self.received += [(port, ctx.step, item) for item in ctx.inbound[port]]
+        return {}
+
+
+def _subclass_graph():
+    # one output port of ValuedGroup, fanned out to a channel of the subclass and one of its base
+    return Graph([ValuedProducer(name="critic"), GroupSink()],
+                 [Channel("valued", "critic", "sink", Kind.BROADCAST, ValuedGroup, src_port="groups"),
+                  Channel("scored", "critic", "sink", Kind.BROADCAST, ScoredGroup, src_port="groups")])
+
+
+def test_subclass_payload_crosses_ranks_bit_for_bit(tmp_path):
+    received = spawn(_run, 2, _subclass_graph, 2, tmp_path)[1]["sink"]
+    for step in range(2):
+        valued = sorted((it for p, s, it in received if p == "valued" and s == step), key=lambda it: it.index)
+        scored = sorted((it for p, s, it in received if p == "scored" and s == step), key=lambda it: it.index)
+        assert [it.index for it in valued] == [it.index for it in scored] == [0, 1, 2, 3]
+        for got in valued:  # the subclass channel: every field, the extra ones included
+            assert type(got) is ValuedGroup and _same_fields(got, make_valued(step, got.index), ValuedGroup)
+        for got in scored:  # the base channel: a ScoredGroup with the base fields only
+            assert type(got) is ScoredGroup and _same_fields(got, make_valued(step, got.index), ScoredGroup)

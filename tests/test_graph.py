@@ -1,6 +1,8 @@
 """Graph validation: every wiring mistake is refused at build time with a message naming it."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from channels.channel import Channel
@@ -77,3 +79,38 @@ def test_feedback_channel_may_close_a_same_step_cycle():
     Graph([Relay(name="a"), Relay(name="b")],
           [Channel("ab", "a", "b", Kind.GATHER, Item, src_port="back", dst_port="items"),
            Channel("ba", "b", "a", Kind.GATHER, Item, src_port="back", dst_port="items", feedback=True)])
+
+
+@dataclass
+class RichItem(Item):
+    """A payload subclass: the toy Item plus one field."""
+
+    score: float = 0.0
+
+
+class RichProducer(Producer):
+    outputs = {"items": RichItem}
+
+
+class RichRelay(Relay):
+    inputs = {"items": RichItem}
+
+
+@pytest.mark.parametrize("payload", [RichItem, Item])
+def test_producer_of_a_subclass_feeds_a_consumer_of_the_base(payload):
+    # the channel may carry the subclass (the consumer reads it as an Item) or the base (the
+    # subclass's extra field stays behind): both are what the consumer asked for
+    graph = Graph([RichProducer(), Relay(forward=False)],
+                  [Channel("items", "producer", "relay", Kind.SCATTER, payload)])
+    assert graph.channels[0].payload is payload
+
+
+@pytest.mark.parametrize("payload,message", [
+    (Item, "channel 'items' carries Item, but relay.items consumes RichItem, which Item does not extend"),
+    (RichItem, "channel 'items' carries RichItem, but producer.items produces Item, which does not extend "
+               "RichItem"),
+])
+def test_consumer_of_a_subclass_is_refused_a_base(payload, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        Graph([Producer(), RichRelay(forward=False)],
+              [Channel("items", "producer", "relay", Kind.SCATTER, payload)])
