@@ -28,7 +28,7 @@ from recipes.checks import check_tp, check_trainer
 from recipes.config import RunConfig
 
 PHASES = (
-    Phase("prompts", "generator", PromptSet.batch, "the step's B prompts: a function of (seed, step, index)"),
+    Phase("prompts", "generator", PromptSet.prompts, "the step's B prompts: a function of (seed, step, index)"),
     Phase("generate", "generator", Generator.step, "G samples per prompt; a group leaves when its G are done"),
     Phase("score", "reward", Reward.step, "one reward per response, each group as it arrives"),
     Phase("train", "trainer", Trainer.step, "each group as the schedule hands it over: forward, loss, backward"),

@@ -1,7 +1,10 @@
-"""Prompt datasets: load JSONL/Parquet rows, tokenize once, hand out the B prompts of each step.
+"""Prompt datasets: load JSONL/Parquet rows, tokenize once, hand out the prompts of each step.
 
-The batch of step k depends only on (seed, k) (DESIGN.md step 1), so a resumed run, a different
-schedule or a different number of generator ranks sees exactly the same prompts.
+The prompt at index i of step k depends only on (seed, k, i) (DESIGN.md step 1), so a resumed run,
+a different schedule or a different number of generator ranks sees exactly the same prompts.
+Indices 0..B-1 are the step's B prompts, from one seeded walk; dynamic sampling's top-ups
+(indices B, B+1, ...) come from a second walk in which every step owns its own fixed range, so a
+step's top-ups never take the prompts of a later step.
 """
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 _JSONL_SUFFIXES = (".jsonl", ".json")
 
@@ -67,6 +70,31 @@ def load_prompts(path: str) -> list[PromptRow]:
     return rows
 
 
+# The two walks over the prompts. The main walk's seed string is the one every earlier run used:
+# changing it would change every batch, and the demo's reward curve with it.
+_MAIN_WALK, _TOPUP_WALK = "tidal-prompts", "tidal-prompts-topup"
+
+
+def _locate(step: int, index: int, *, batch_size: int, max_topups: int) -> tuple[str, int]:
+    """(walk, position in that walk's endless stream of shuffled epochs) of prompt `index` of `step`.
+
+    Each step owns positions [step*B, (step+1)*B) of the main walk and [step*max_topups,
+    (step+1)*max_topups) of the top-up walk, whatever it asks for: no step can reach into another's.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if max_topups < 0:
+        raise ValueError(f"max_topups must be >= 0, got {max_topups}")
+    if not 0 <= index < batch_size + max_topups:
+        raise ValueError(f"prompt index {index} of step {step} is outside 0..{batch_size + max_topups - 1} "
+                         f"(batch_size={batch_size}, max_topups={max_topups})")
+    if index < batch_size:
+        return _MAIN_WALK, step * batch_size + index
+    return _TOPUP_WALK, step * max_topups + (index - batch_size)
+
+
 class PromptSet:
     """Tokenized prompts that fit `max_prompt_tokens`, walked in a seeded order, epoch by epoch."""
 
@@ -88,33 +116,37 @@ class PromptSet:
                 self._items.append((row, ids))
         if not self._items:
             raise ValueError(f"all {len(rows)} prompts are longer than max_prompt_tokens={max_prompt_tokens}")
-        self._perms: dict[tuple[int, int], list[int]] = {}
+        self._perms: dict[tuple[str, int, int], list[int]] = {}
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def _perm(self, *, seed: int, epoch: int) -> list[int]:
-        key = (seed, epoch)
+    def _perm(self, *, walk: str, seed: int, epoch: int) -> list[int]:
+        key = (walk, seed, epoch)
         if key not in self._perms:
             order = list(range(len(self._items)))
             # String seeds go through sha512 in `random`: stable across runs, platforms and versions.
-            random.Random(f"tidal-prompts:{seed}:{epoch}").shuffle(order)
-            if len(self._perms) >= 4:  # a step spans at most a few epochs; keep memory flat
+            random.Random(f"{walk}:{seed}:{epoch}").shuffle(order)
+            # a step spans a few epochs of each of the two walks; keep memory flat (a miss only
+            # costs a reshuffle, never a different order)
+            if len(self._perms) >= 8:
                 self._perms.clear()
             self._perms[key] = order
         return self._perms[key]
 
-    def batch(self, step: int, *, batch_size: int, seed: int) -> list[tuple[int, PromptRow, list[int]]]:
-        """The B prompts of `step` as (index in step, row, prompt token ids)."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+    def prompts(self, step: int, indices: Sequence[int], *, batch_size: int, seed: int,
+                max_topups: int) -> list[tuple[int, PromptRow, list[int]]]:
+        """Prompts `indices` of `step`, in the order asked, as (index in step, row, prompt token ids).
+
+        Indices 0..batch_size-1 are the step's B prompts; indices from batch_size on are top-ups,
+        at most `max_topups` per step (ValueError past that). Each prompt depends on (seed, step,
+        index) alone, so a replica asking for its share gets the same prompts as one asking for all.
+        """
         n = len(self._items)
         out = []
-        for i in range(batch_size):
-            pos = step * batch_size + i  # position in the endless stream of shuffled epochs
-            row, ids = self._items[self._perm(seed=seed, epoch=pos // n)[pos % n]]
+        for i in indices:
+            walk, pos = _locate(step, i, batch_size=batch_size, max_topups=max_topups)
+            row, ids = self._items[self._perm(walk=walk, seed=seed, epoch=pos // n)[pos % n]]
             out.append((i, row, list(ids)))  # a copy: callers may append response tokens
         return out
 

@@ -100,8 +100,11 @@ class Generator(Executor):
 
     def _generate(self, ctx: StepContext, indices: list[int]) -> int:
         """Sample this replica's share of `indices` and send each group the moment it is done."""
-        batch = self.prompts.batch(ctx.step, batch_size=indices[-1] + 1, seed=self.env.seed)
-        mine = [batch[i] for i in indices if i % self.units == self.env.unit_index]
+        # only this replica's share; top-ups (index >= B) come from the step's own range, at most
+        # B per round over max_rounds rounds, so they never take a later step's prompts
+        B = self.data_cfg.prompts_per_step
+        mine = self.prompts.prompts(ctx.step, [i for i in indices if i % self.units == self.env.unit_index],
+                                    batch_size=B, seed=self.env.seed, max_topups=B * self.max_rounds)
         rows = {i: row for i, row, _ in mine}
         requests = [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in mine]
         out, tokens = ctx.outbound["rollouts"], 0
