@@ -33,9 +33,9 @@ from channels.channel import Channel, Route  # noqa: E402
 from channels.codec import encode  # noqa: E402
 from channels.kinds import Kind  # noqa: E402
 from controller.graph import Graph  # noqa: E402
+from controller.spawn import spawn  # noqa: E402
 from controller.world import build_world  # noqa: E402
 from executors.base import Executor, StepContext  # noqa: E402
-from controller.spawn import spawn  # noqa: E402
 
 WORLD = 3
 REPEATS = 5

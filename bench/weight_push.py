@@ -40,8 +40,8 @@ from tabulate import tabulate  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
 from channels.reshard import GeneratorLayout, TrainerLayout, WeightPush, build_plan  # noqa: E402
-from executors.parallel import param_specs  # noqa: E402
 from controller.spawn import spawn  # noqa: E402
+from executors.parallel import param_specs  # noqa: E402
 
 REPEATS = 3
 TRAINER, GENERATOR = (0, 1), (2, 3)
