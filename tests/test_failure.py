@@ -24,20 +24,20 @@ def _torchrun(nproc: int, *args: str, timeout: float) -> tuple[subprocess.Comple
 @pytest.mark.parametrize("who,rank", [("relay", 1), ("producer", 0)])
 def test_raising_rank_ends_job_naming_it(tmp_path, who, rank):
     # the collective timeout is 600 s: only the watchdog can end this job within the deadline
-    proc, took = _torchrun(3, "tests/toy_job.py", "--fail", who, "--output-dir", str(tmp_path), timeout=90)
+    proc, took = _torchrun(3, "tests/toy_job.py", "--fail", who, "--output-dir", str(tmp_path), timeout=400)
     assert proc.returncode != 0
     assert took < 60, took
     assert f"rank {rank} ({who}) failed: RuntimeError: {who} fails on purpose at step 1" in proc.stderr
 
 
 def test_clean_toy_job_exits_zero(tmp_path):
-    proc, _ = _torchrun(3, "tests/toy_job.py", "--output-dir", str(tmp_path), timeout=90)
+    proc, _ = _torchrun(3, "tests/toy_job.py", "--output-dir", str(tmp_path), timeout=400)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
 
 
 def test_wrong_world_size_fails_fast_naming_both_numbers(tmp_path):
-    proc, took = _torchrun(2, "launch.py", "--algo", "grpo", "--output-dir", str(tmp_path), timeout=60)
+    proc, took = _torchrun(2, "launch.py", "--algo", "grpo", "--output-dir", str(tmp_path), timeout=300)
     assert proc.returncode != 0
     # issue target: < 10 s on an idle machine (measured in the note); the bound here catches hangs
     # without flaking when CI shares its 2 cores

@@ -37,7 +37,7 @@ def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_rewards")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=5", f"--master-port={free_port()}",
            str(EXAMPLE), "--steps", "2", "--output-dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=85)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
