@@ -41,7 +41,7 @@ class Sync:
         yield from sorted(items, key=lambda item: item.index)
 
 
-SCHEDULES: dict[str, type] = {"periodic": Periodic, "sync": Sync}
+SCHEDULES: dict[str, type] = {cls.name: cls for cls in (Periodic, Sync)}
 
 
 def get_schedule(name: str) -> Schedule:

@@ -5,6 +5,7 @@ Every rank runs this identically: groups are created by every rank, in graph ord
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -91,7 +92,7 @@ class World:
     def local_executor(self):
         return self.graph.executor(self.local_name)
 
-    @property
+    @functools.cached_property
     def scheduled_ports(self) -> set[str]:
         """This rank's input ports whose items the run's schedule hands over (controller/schedules.py)."""
         return {ch.in_port for ch in self.graph.channels if ch.dst == self.local_name and ch.scheduled}

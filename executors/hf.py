@@ -97,6 +97,9 @@ def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir:
     # Not model.save_pretrained: under torch.distributed, transformers writes only on global rank 0,
     # and the trainer is rarely rank 0. Tied tensors are stored once under their first name in
     # state_dict order (as HF does), so the file is byte-identical for identical weights.
+    # `architectures` names the model class: vLLM picks its own implementation by it (without it,
+    # a slow generic fallback), and from_pretrained needs no model_type guess
+    model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(out)
     if state is None:
         state = full_state_dict(model, keep=True)

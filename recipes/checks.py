@@ -31,3 +31,10 @@ def check_tp(cfg: RunConfig) -> None:
             fits(config, tp=tp)
         except ValueError as exc:
             raise ValueError(f"{field}={tp} does not fit the model: {exc}") from None
+
+
+def check_engine(cfg: RunConfig) -> None:
+    g = cfg.generator
+    if g.engine == "vllm" and g.top_p < 1.0:
+        raise ValueError("generator.engine=vllm needs generator.top_p=1: under top-p vLLM's log-probs are "
+                         "renormalised over the nucleus, the trainer's (and the KL's) are not")

@@ -24,7 +24,7 @@ from executors.reward.executor import Reward
 from executors.trainer.executor import Trainer
 from executors.trainer.stats import TrainerMetrics
 from recipes.base import Phase, Recipe
-from recipes.checks import check_tp, check_trainer
+from recipes.checks import check_engine, check_tp, check_trainer
 from recipes.config import RunConfig
 
 PHASES = (
@@ -43,6 +43,7 @@ def build(cfg: RunConfig) -> Graph:
     dynamic = algo_cfg.filters_groups  # DAPO: flat groups are dropped and the batch topped up
     check_trainer(cfg, dynamic_sampling=dynamic)
     check_tp(cfg)
+    check_engine(cfg)
     keep = (lambda rewards_G: algorithm.keeps_group(rewards_G, algo_cfg)) if dynamic else None
     functions = cfg.reward.functions or (["math_verify"] if cfg.data.path else ["embedded"])
     executors = [  # placed on contiguous ranks in this order

@@ -29,6 +29,22 @@ class DataConfig(BaseModel):
     embedded_prompts: int = Field(4096, ge=1, description="size of the generated embedded prompt set")
 
 
+class VllmConfig(BaseModel):
+    """Options of the vLLM engine (`generator.engine=vllm`); the native engine ignores them."""
+
+    model_config = ConfigDict(extra="forbid")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="GPU/NPU: fraction of device memory "
+                                          "vLLM may use (weights + KV cache); ignored when kv_cache_gb is set")
+    kv_cache_gb: float | None = Field(None, gt=0, description="KV cache size in GiB; None: 1 on CPU (host "
+                                      "memory), gpu_memory_utilization on a GPU/NPU")
+    max_model_len: int | None = Field(None, ge=1, description="None: data.max_prompt_tokens + "
+                                      "generator.max_new_tokens")
+    enforce_eager: bool | None = Field(None, description="no torch.compile / CUDA graphs: faster start, slower "
+                                       "decode; None: eager on CPU (compiling took ~35 s there), compiled elsewhere")
+    prefix_caching: bool = Field(True, description="a prompt's G samples share its KV blocks")
+    max_num_seqs: int = Field(256, ge=1, description="sample rows decoded together (continuous batching)")
+
+
 class GeneratorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     replicas: int = Field(1, ge=1, description="generator data-parallel replicas")
@@ -38,4 +54,6 @@ class GeneratorConfig(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(8, ge=1)
     max_batch_prompts: int = Field(16, ge=1, description="prompts decoded together in one inference chunk")
-    engine: Literal["native"] = "native"
+    engine: Literal["native", "vllm"] = Field("native", description="native: batched HF decoding, "
+                                              "always there; vllm: vLLM (see README, engines by device)")
+    vllm: VllmConfig = Field(default_factory=VllmConfig)

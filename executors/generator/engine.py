@@ -125,6 +125,12 @@ class NativeEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def load_weights(self, shards, specs) -> None:
+        """Nothing to do: the WEIGHTS channel receives straight into this engine's parameters."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
     def generate(
         self, requests: list[PromptRequest], params: SamplingParams, *, step: int
     ) -> Iterator[GroupCompletion]:

@@ -44,23 +44,13 @@ class Generator(Executor):
 
     def init(self, env: ExecutorEnv) -> None:
         super().init(env)
-        # model code (transformers, DTensor) loads here, on the generator's ranks: building a graph
-        # (the CLI, --dry-run) stays light
-        from executors.hf import load_model, load_tokenizer
-        from executors.parallel import apply_tp, build_mesh, local_shards, param_specs
+        # model code (transformers, DTensor, vLLM) loads here, on the generator's ranks: building a
+        # graph (the CLI, --dry-run) stays light
+        from executors.hf import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.model_cfg.path)
-        # same seed as the trainer's init, so step 0 samples with exactly the trainer's weights
-        model = load_model(self.model_cfg.path, dtype=self.model_cfg.torch_dtype, seed=env.seed).to(env.device)
-        if self.cfg.tp > 1:
-            # a replica's tp ranks decode in lockstep: the lm_head all-gathers the logits, so each
-            # samples the same tokens from the same per-sample seeds; its first rank sends the groups
-            mesh = build_mesh(ranks=env.ranks, tp=self.cfg.tp, device_type=env.device.type, parent=env.group)
-            apply_tp(model, mesh=mesh["tp"])
-        self.specs, self.shards = param_specs(model), local_shards(model)  # the WEIGHTS channel's view
-        self.engine = NativeEngine(model, eos_token_id=self.tokenizer.eos_token_id,
-                                   pad_token_id=self.tokenizer.pad_token_id,
-                                   max_batch_prompts=self.cfg.max_batch_prompts)
+        # the engine, and the WEIGHTS channel's view of it: {name: spec} and {name: local shard}
+        self.engine, self.specs, self.shards = {"native": self._native, "vllm": self._vllm}[self.cfg.engine](env)
         rows = (load_prompts(self.data_cfg.path) if self.data_cfg.path else
                 [PromptRow(prompt=r["prompt"], extras={"answer": r["answer"]})
                  for r in embedded_prompts(self.data_cfg.embedded_prompts, seed=env.seed)])
@@ -72,9 +62,43 @@ class Generator(Executor):
         self.params = SamplingParams(n=self.cfg.samples_per_prompt, max_new_tokens=self.cfg.max_new_tokens,
                                      seed=env.seed, temperature=self.cfg.temperature, top_p=self.cfg.top_p)
 
+    def _native(self, env: ExecutorEnv):
+        from executors.hf import load_model
+        from executors.parallel import apply_tp, build_mesh, local_shards, param_specs
+
+        # same seed as the trainer's init, so step 0 samples with exactly the trainer's weights
+        model = load_model(self.model_cfg.path, dtype=self.model_cfg.torch_dtype, seed=env.seed).to(env.device)
+        if self.cfg.tp > 1:
+            # a replica's tp ranks decode in lockstep: the lm_head all-gathers the logits, so each
+            # samples the same tokens from the same per-sample seeds; its first rank sends the groups
+            mesh = build_mesh(ranks=env.ranks, tp=self.cfg.tp, device_type=env.device.type, parent=env.group)
+            apply_tp(model, mesh=mesh["tp"])
+        engine = NativeEngine(model, eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                              max_batch_prompts=self.cfg.max_batch_prompts)
+        return engine, param_specs(model), local_shards(model)  # pushes land in the model itself
+
+    def _vllm(self, env: ExecutorEnv):
+        from executors.generator.vllm_engine import VllmEngine, engine_model_dir, receive_buffers
+
+        unit = env.units[env.unit_index]
+        with engine_model_dir(self.model_cfg.path, seed=env.seed, tokenizer=self.tokenizer) as model_dir:
+            specs, shards = receive_buffers(model_dir, dtype=self.model_cfg.torch_dtype, tp=self.cfg.tp,
+                                            device=env.device)
+            engine = VllmEngine(
+                model_dir=model_dir, ranks=env.ranks, tp=self.cfg.tp, tp_rank=unit.index(env.rank),
+                dtype=self.model_cfg.dtype, eos_token_id=self.tokenizer.eos_token_id, seed=env.seed,
+                max_model_len=self.cfg.vllm.max_model_len or self.data_cfg.max_prompt_tokens + self.cfg.max_new_tokens,
+                config=self.cfg.vllm, device_type=env.device.type)
+        if env.is_leader:
+            print(f"tidal: vLLM engine ready in {engine.init_s:.1f} s", flush=True)
+        return engine, specs, shards
+
     def step(self, ctx: StepContext):
         with ctx.timeline.span("weights_recv"):
-            ctx.inbound["weights"].receive_into(self.shards, self.specs)  # in place, shard by shard
+            received = ctx.inbound["weights"].receive_into(self.shards, self.specs)  # shard by shard
+        if received:
+            with ctx.timeline.span("weights_load"):
+                self.engine.load_weights(self.shards, self.specs)
         t0, start_t = time.perf_counter(), time.time()
         B = self.data_cfg.prompts_per_step
         indices, kept, next_index, rounds, tokens = list(range(B)), 0, B, 0, 0
@@ -97,6 +121,9 @@ class Generator(Executor):
         gen_s = time.perf_counter() - t0
         return GeneratorMetrics(gen_s=gen_s, gen_tokens_per_s=tokens / max(gen_s, 1e-9), gen_start_t=start_t,
                                 gen_end_t=time.time(), prompts_generated=next_index, sampling_rounds=rounds + 1)
+
+    def finalize(self, output_dir) -> None:
+        self.engine.close()
 
     def _generate(self, ctx: StepContext, indices: list[int]) -> int:
         """Sample this replica's share of `indices` and send each group the moment it is done."""

