@@ -28,7 +28,7 @@ import torch
 from channels.payloads import ParamSpec
 from executors.generator.config import VllmConfig
 from executors.generator.engine import GroupCompletion, PromptRequest, SamplingParams, sample_seed
-from executors.generator.vllm_world import generator_world
+from executors.generator.vllm_world import generator_world, keep_default_group
 
 if TYPE_CHECKING:
     import vllm
@@ -178,14 +178,11 @@ class VllmEngine:
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
 
     def close(self) -> None:
-        """Tear down vLLM's process groups while the world is still up. Left to vLLM's exit hook,
-        its teardown would also destroy the default group, which is ours (and already gone then)."""
-        from vllm.distributed import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        if parallel_state._WORLD is not None:
-            parallel_state._WORLD.destroy()
-            parallel_state._WORLD = None
+        """Run vLLM's teardown now, once, while the world is up. Left to its exit hook (or to garbage
+        collection), that teardown also destroys the default process group, which is ours."""
+        client = self.llm.llm_engine.engine_core
+        with keep_default_group():
+            getattr(client, "_finalizer", client.shutdown)()  # a weakref.finalize runs at most once
 
     def _full_views(self, shards, specs) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) as vLLM's loaders take them: full checkpoint tensors, of which each tp rank

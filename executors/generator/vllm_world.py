@@ -8,6 +8,9 @@ answers their count and every `new_group` synchronises its members only. vLLM's 
 reads our replicas as its "external data parallel" dimension (each replica = one tp group of its
 own, generating independently), which is exactly a generator of `replicas x tp` ranks.
 
+vLLM's teardown ends by destroying the default process group (its own, in a vLLM-only job);
+`keep_default_group` lets it destroy its groups and keeps ours.
+
 Side effects contained here: `LLM(seed=...)` reseeds the process RNGs (restored afterwards).
 Not contained, and harmless on a generator rank: vLLM's CPU worker replaces `torch.set_num_threads`
 (our ranks pin their threads before), and `external_launcher` sets VLLM_ENABLE_V1_MULTIPROCESSING=0.
@@ -60,3 +63,19 @@ def generator_world(ranks: Sequence[int]) -> Iterator[None]:
         torch.random.set_rng_state(rng[0])
         random.setstate(rng[1])
         np.random.set_state(rng[2])
+
+
+@contextlib.contextmanager
+def keep_default_group() -> Iterator[None]:
+    """Inside: `destroy_process_group()` of the default group does nothing (named groups still go)."""
+    real = dist.destroy_process_group
+
+    def destroy_process_group(group=None):
+        if group is not None:
+            real(group)
+
+    dist.destroy_process_group = destroy_process_group
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = real
