@@ -34,7 +34,19 @@ def check_tp(cfg: RunConfig) -> None:
 
 
 def check_engine(cfg: RunConfig) -> None:
+    """The vLLM engine's limits, before any rank starts (vLLM itself is imported only by the generator)."""
     g = cfg.generator
-    if g.engine == "vllm" and g.top_p < 1.0:
+    if g.engine != "vllm":
+        return
+    from executors.generator.vllm_engine import check_tp_fits_vllm, vllm_available
+
+    if g.top_p < 1.0:
         raise ValueError("generator.engine=vllm needs generator.top_p=1: under top-p vLLM's log-probs are "
                          "renormalised over the nucleus, the trainer's (and the KL's) are not")
+    if not vllm_available():
+        raise ValueError("generator.engine=vllm: vLLM is not installed in this environment (CPU: `make install-vllm` "
+                         "builds .venv-vllm, run with .venv-vllm/bin/torchrun; GPU: pip install vllm; see README)")
+    if g.tp > 1:
+        from executors.hf import load_config  # config.json only
+
+        check_tp_fits_vllm(load_config(cfg.model.path), tp=g.tp)

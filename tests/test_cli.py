@@ -1,6 +1,7 @@
 """The CLI surface (frozen), config errors (one line naming the field, exit 2) and --dry-run."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -60,6 +61,8 @@ def test_dry_run_places_tensor_parallel_units():
                                 "num_key_value_heads=2, vocab_size=512"),
     (["--set", "generator.tp=4"], "generator.tp=4 does not fit the model: tp=4 must divide num_key_value_heads=2"),
     (["--set", "trainer.tp=0"], "trainer.tp: Input should be greater than or equal to 1"),
+    (["--set", "generator.engine=vllm", "--set", "generator.top_p=0.9"], "generator.engine=vllm needs generator.top_p=1"),
+    (["--set", "generator.engine=fast"], "generator.engine: Input should be 'native' or 'vllm'"),
 ])
 def test_config_errors_name_the_field(args, message):
     proc = _launch("--algo", "grpo", "--dry-run", *args)
@@ -85,6 +88,13 @@ def test_config_file_errors_name_the_file(tmp_path):
     assert proc.returncode == 0 and "world size 5" in proc.stdout
     proc = _launch("--algo", "grpo", "--dry-run", "--config", str(tmp_path / "missing.yaml"))
     assert proc.returncode == 2 and "missing.yaml does not exist" in proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_vllm_engine_without_vllm_says_how_to_get_it():
+    proc = _launch("--algo", "grpo", "--dry-run", "--set", "generator.engine=vllm")
+    assert proc.returncode == 2
+    assert "generator.engine=vllm: vLLM is not installed in this environment (CPU: `make install-vllm`" in proc.stderr
 
 
 def test_fsdp_refuses_dynamic_sampling():

@@ -52,3 +52,21 @@ def test_pushes_reach_every_layout(periodic, tmp_path, layout):
         assert row["logp_mismatch_max"] < 1e-4, (layout, row["step"], row["logp_mismatch_max"])
     # per-sample seeds: the same tokens whatever the generator's layout (measured, see the README)
     assert [r["rollout_digest"] for r in rows][0] == single[0]["rollout_digest"]
+
+
+def test_vocabulary_vllm_cannot_split_is_refused_before_start(tmp_path):
+    import subprocess
+    import sys
+
+    from transformers import Qwen3Config
+
+    from tests.e2e import ROOT
+
+    Qwen3Config(vocab_size=500, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=128).save_pretrained(tmp_path)
+    proc = subprocess.run([sys.executable, "launch.py", "--algo", "grpo", "--dry-run", "--set", "generator.engine=vllm",
+                           "--set", "generator.tp=2", "--set", f"model.path={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "generator.engine=vllm with generator.tp=2 needs a vocabulary size that is a multiple of 64; this " \
+           "model's is 500" in proc.stderr

@@ -58,11 +58,7 @@ def receive_buffers(model_dir: str, *, dtype: torch.dtype, tp: int, device: torc
     from executors.parallel.tp import param_specs
 
     config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    if tp > 1 and config.vocab_size % 64:
-        # vLLM pads the vocabulary to a multiple of 64 before splitting it over tp ranks, so its
-        # rank r reads other rows than our rank r receives
-        raise ValueError(f"generator.engine=vllm with generator.tp={tp} needs a vocabulary size that is a multiple "
-                         f"of 64; this model's is {config.vocab_size} (use generator.tp=1 and more replicas)")
+    check_tp_fits_vllm(config, tp=tp)
     with torch.device("meta"):
         specs = param_specs(transformers.AutoModelForCausalLM.from_config(config, dtype=dtype))
     shards = {name: torch.zeros(_local_shape(spec, tp=tp), dtype=spec.dtype, device=device) for name, spec in specs.items()}
@@ -78,6 +74,14 @@ def _local_shape(spec: ParamSpec, *, tp: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def check_tp_fits_vllm(config, *, tp: int) -> None:
+    """vLLM pads the vocabulary to a multiple of 64 before splitting it over tp ranks: unless it is
+    one already, vLLM's rank r reads other embedding rows than our rank r receives."""
+    if tp > 1 and config.vocab_size % 64:
+        raise ValueError(f"generator.engine=vllm with generator.tp={tp} needs a vocabulary size that is a multiple "
+                         f"of 64; this model's is {config.vocab_size} (use generator.tp=1 and more replicas)")
+
+
 def vllm_available() -> bool:
     import importlib.util
 
@@ -87,9 +91,6 @@ def vllm_available() -> bool:
 class VllmEngine:
     def __init__(self, *, model_dir: str | Path, ranks: tuple[int, ...], tp: int, tp_rank: int, dtype: str,
                  eos_token_id: int, max_model_len: int, config: VllmConfig, seed: int, device_type: str):
-        if not vllm_available():
-            raise ValueError("generator.engine=vllm: vLLM is not installed in this environment (CPU: `make "
-                             "test-vllm` builds .venv-vllm; CUDA: pip install vllm; Ascend: vllm-ascend; see README)")
         # Before vLLM is imported: its CPU worker would otherwise bind OpenMP threads to NUMA cores and
         # fight the other ranks of this machine (our ranks pin their own thread counts).
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
