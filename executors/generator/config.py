@@ -34,7 +34,8 @@ class VllmConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="GPU/NPU: fraction of device memory "
-                                          "vLLM may use (weights + KV cache); ignored when kv_cache_gb is set")
+                                          "vLLM may use (weights + KV cache); leave room for the push buffer (one "
+                                          "copy of this rank's shards); ignored when kv_cache_gb is set")
     kv_cache_gb: float | None = Field(None, gt=0, description="KV cache size in GiB; None: 1 on CPU (host "
                                       "memory), gpu_memory_utilization on a GPU/NPU")
     max_model_len: int | None = Field(None, ge=1, description="None: data.max_prompt_tokens + "
