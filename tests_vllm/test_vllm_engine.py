@@ -142,3 +142,38 @@ def test_pushed_weights_reach_the_engine(checks):
         assert r["pushed_err"] < 1e-4, r["pushed_err"]
         assert "model.embed_tokens.weight" in r["bitwise"] and len(r["bitwise"]) >= 4, r["bitwise"]
         assert all(r["bitwise"].values()), {n for n, ok in r["bitwise"].items() if not ok}
+
+
+def _streaming() -> dict:
+    """Room for one group at a time (max_num_seqs = G): groups must be admitted as slots free up
+    and leave one by one, each while the others are still queued or running."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from controller.devices import detect_device, init_distributed
+    from executors.generator.config import VllmConfig
+    from executors.generator.engine import PromptRequest, SamplingParams
+    from executors.generator.vllm_engine import VllmEngine, engine_model_dir
+    from executors.hf import load_tokenizer
+
+    torch.set_num_threads(1)
+    init_distributed(detect_device(), timeout=timedelta(seconds=300))
+    tok = load_tokenizer(None)
+    with engine_model_dir(None, seed=0, tokenizer=tok) as model_dir:
+        engine = VllmEngine(model_dir=model_dir, ranks=(0,), tp=1, tp_rank=0, dtype="float32",
+                            eos_token_id=tok.eos_token_id, max_model_len=64, config=VllmConfig(max_num_seqs=4),
+                            seed=0, device_type="cpu")
+    reqs = [PromptRequest(index=i, prompt_ids=tok(f"Q{i}: {i} + {i} =")["input_ids"]) for i in range(5)]
+    params = SamplingParams(n=4, max_new_tokens=6, seed=0, temperature=1.0)
+    core = engine.llm.llm_engine
+    pending_at_yield = [core.get_num_unfinished_requests() for _ in engine.generate(reqs, params, step=0)]
+    engine.close()
+    dist.destroy_process_group()
+    return {"pending_at_yield": pending_at_yield}
+
+
+def test_groups_stream_out_as_slots_free_up():
+    (r,) = spawn(_streaming, 1, timeout_s=600)
+    # 5 groups of 4 samples through 4 slots: each group leaves while the later ones still wait
+    assert r["pending_at_yield"] == [16, 12, 8, 4, 0], r
