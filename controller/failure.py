@@ -49,6 +49,15 @@ class Watchdog:
         traceback.print_exception(exc, file=sys.stderr)
         print(f"tidal: {message}", file=sys.stderr, flush=True)
         try:
-            self._store.set(_KEY, message)
+            publish_first(self._store, message)
         finally:
             os._exit(EXIT_CODE)  # skip atexit/destructors: they may block on dead peers
+
+
+def publish_first(store, message: str) -> str:
+    """Record `message` as the job's failure unless one is recorded already; return the one that stands.
+
+    Compare-and-set, not set: a first failure (a raising reward) makes its peers fail in turn
+    (connection closed), and an overwrite would have every rank report that echo instead of the cause.
+    """
+    return store.compare_set(_KEY, "", message).decode()

@@ -43,3 +43,20 @@ def test_wrong_world_size_fails_fast_naming_both_numbers(tmp_path):
     # without flaking when CI shares its 2 cores
     assert took < 30, took
     assert "world size is 2 but the placement needs 3 ranks (generator 1 + reward 1 + trainer 1)" in proc.stderr
+
+
+def test_first_failure_stands():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from controller.failure import publish_first
+
+    # the watchdog's kind of store: a prefix store over the job's TCPStore
+    store = dist.PrefixStore("tidal", dist.TCPStore("127.0.0.1", free_port(), is_master=True,
+                                                    timeout=timedelta(seconds=30)))
+    cause = "rank 1 (reward) failed: RewardError: reward 'boom' failed on prompt 0"
+    assert publish_first(store, cause) == cause
+    # the echo of the first failure on a peer does not replace it
+    assert publish_first(store, "rank 0 (generator) failed: [gloo] Connection closed") == cause
+    assert store.get("failed").decode() == cause
