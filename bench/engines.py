@@ -70,7 +70,7 @@ def timed(engine, requests, params) -> dict:
     return {"tokens_per_s": tokens / last, "first_group_s": first, "last_group_s": last}
 
 
-def bench(name: str, threads: int) -> list[dict]:
+def bench(name: str) -> list[dict]:
     B, G, P, T, _ = JOBS[name]
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(name, tmp)
@@ -81,7 +81,7 @@ def bench(name: str, threads: int) -> list[dict]:
         tok = load_tokenizer(None)
         model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
         native = NativeEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        specs, shards = receive_buffers(path, dtype=torch.float32, tp=1, device=torch.device("cpu"))
+        specs, shards = receive_buffers(path, dtype=torch.float32, tp=1, tp_rank=0, device=torch.device("cpu"))
         for n, p in model.named_parameters():
             shards[n].copy_(p.detach())
         t0 = time.perf_counter()
@@ -123,7 +123,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rows = []
     for name in args.models.split(","):
-        rows += bench(name, args.threads)
+        rows += bench(name)
     print(tabulate(rows, headers="keys", floatfmt=".4g"))
     dist.destroy_process_group()
 

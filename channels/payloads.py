@@ -49,3 +49,19 @@ class GroupVerdict:
 
     index: int
     kept: bool
+
+
+def chunk(n: int, parts: int, i: int) -> tuple[int, int]:
+    """[start, stop) of chunk i when torch.chunk splits n into `parts` (ceil-sized, last ones short)."""
+    size = -(-n // parts)
+    start = min(i * size, n)
+    return start, min(start + size, n)
+
+
+def local_shape(spec: ParamSpec, *, tp: int, rank: int) -> tuple[int, ...]:
+    """Shape of tp rank `rank`'s shard of a parameter (no FSDP)."""
+    shape = list(spec.shape)
+    if spec.tp_dim is not None:
+        start, stop = chunk(shape[spec.tp_dim], tp, rank)
+        shape[spec.tp_dim] = stop - start
+    return tuple(shape)

@@ -40,7 +40,7 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from channels.payloads import ParamSpec
+from channels.payloads import ParamSpec, chunk, local_shape  # noqa: F401  (re-exported)
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dim
 
@@ -55,23 +55,11 @@ class Slot:
     row_offset: int  # first row of this parameter's tp-local block in that tensor's local shard
 
 
-def chunk(n: int, parts: int, i: int) -> tuple[int, int]:
-    """[start, stop) of chunk i when torch.chunk splits n into `parts` (ceil-sized, last ones short)."""
-    size = -(-n // parts)
-    start = min(i * size, n)
-    return start, min(start + size, n)
-
-
 def _tp_box(spec: ParamSpec, *, tp: int, t: int) -> list[tuple[int, int]]:
     box = [(0, n) for n in spec.shape]
     if spec.tp_dim is not None:
         box[spec.tp_dim] = chunk(spec.shape[spec.tp_dim], tp, t)
     return box
-
-
-def local_shape(spec: ParamSpec, *, tp: int, rank: int) -> tuple[int, ...]:
-    """Shape of tp rank `rank`'s shard (no FSDP)."""
-    return tuple(b - a for a, b in _tp_box(spec, tp=tp, t=rank))
 
 
 @dataclass(frozen=True)

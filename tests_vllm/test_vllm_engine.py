@@ -52,7 +52,7 @@ def _checks(tp: int) -> dict:
     if rank in gen_ranks:
         tok = load_tokenizer(None)
         with engine_model_dir(None, seed=0, tokenizer=tok) as model_dir:
-            specs, shards = receive_buffers(model_dir, dtype=torch.float32, tp=tp,
+            specs, shards = receive_buffers(model_dir, dtype=torch.float32, tp=tp, tp_rank=rank,
                                             device=torch.device("cpu"))
             engine = VllmEngine(model_dir=model_dir, ranks=gen_ranks, tp=tp, tp_rank=rank, dtype="float32",
                                 eos_token_id=tok.eos_token_id, max_model_len=128, config=VllmConfig(), seed=0,

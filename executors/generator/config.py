@@ -41,7 +41,7 @@ class VllmConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1, description="None: data.max_prompt_tokens + "
                                       "generator.max_new_tokens")
     enforce_eager: bool | None = Field(None, description="no torch.compile / CUDA graphs: faster start, slower "
-                                       "decode; None: eager on CPU (compiling took ~35 s there), compiled elsewhere")
+                                       "decode; None: eager on CPU (compiling made start-up 44-92 s there), compiled elsewhere")
     prefix_caching: bool = Field(True, description="a prompt's G samples share its KV blocks")
     max_num_seqs: int = Field(256, ge=1, description="sample rows decoded together (continuous batching)")
 

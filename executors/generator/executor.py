@@ -80,12 +80,12 @@ class Generator(Executor):
     def _vllm(self, env: ExecutorEnv):
         from executors.generator.vllm_engine import VllmEngine, engine_model_dir, receive_buffers
 
-        unit = env.units[env.unit_index]
+        tp_rank = env.units[env.unit_index].index(env.rank)
         with engine_model_dir(self.model_cfg.path, seed=env.seed, tokenizer=self.tokenizer) as model_dir:
             specs, shards = receive_buffers(model_dir, dtype=self.model_cfg.torch_dtype, tp=self.cfg.tp,
-                                            device=env.device)
+                                            tp_rank=tp_rank, device=env.device)
             engine = VllmEngine(
-                model_dir=model_dir, ranks=env.ranks, tp=self.cfg.tp, tp_rank=unit.index(env.rank),
+                model_dir=model_dir, ranks=env.ranks, tp=self.cfg.tp, tp_rank=tp_rank,
                 dtype=self.model_cfg.dtype, eos_token_id=self.tokenizer.eos_token_id, seed=env.seed,
                 max_model_len=self.cfg.vllm.max_model_len or self.data_cfg.max_prompt_tokens + self.cfg.max_new_tokens,
                 config=self.cfg.vllm, device_type=env.device.type)

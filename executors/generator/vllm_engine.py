@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterator, Mapping
 
 import torch
 
-from channels.payloads import ParamSpec
+from channels.payloads import ParamSpec, chunk, local_shape
 from executors.generator.config import VllmConfig
 from executors.generator.engine import GroupCompletion, PromptRequest, SamplingParams, sample_seed
 from executors.generator.vllm_world import generator_world, keep_default_group
@@ -48,7 +48,7 @@ def engine_model_dir(path: str | None, *, seed: int, tokenizer) -> Iterator[str]
         yield tmp
 
 
-def receive_buffers(model_dir: str, *, dtype: torch.dtype, tp: int, device: torch.device
+def receive_buffers(model_dir: str, *, dtype: torch.dtype, tp: int, tp_rank: int, device: torch.device
                     ) -> tuple[dict[str, ParamSpec], dict[str, torch.Tensor]]:
     """The WEIGHTS channel's view of a vLLM generator rank: the trainer's parameter specs (from a
     meta-device model: no memory) and one tp-local buffer per parameter that pushes land in, in
@@ -61,17 +61,9 @@ def receive_buffers(model_dir: str, *, dtype: torch.dtype, tp: int, device: torc
     check_tp_fits_vllm(config, tp=tp)
     with torch.device("meta"):
         specs = param_specs(transformers.AutoModelForCausalLM.from_config(config, dtype=dtype))
-    shards = {name: torch.zeros(_local_shape(spec, tp=tp), dtype=spec.dtype, device=device) for name, spec in specs.items()}
+    shards = {name: torch.zeros(local_shape(spec, tp=tp, rank=tp_rank), dtype=spec.dtype, device=device)
+              for name, spec in specs.items()}
     return specs, shards
-
-
-def _local_shape(spec: ParamSpec, *, tp: int) -> tuple[int, ...]:
-    """A tp rank's shard shape; split dims divide evenly (checked for heads, MLP and vocabulary)."""
-    shape = list(spec.shape)
-    if spec.tp_dim is not None:
-        assert shape[spec.tp_dim] % tp == 0, (spec, tp)
-        shape[spec.tp_dim] //= tp
-    return tuple(shape)
 
 
 def check_tp_fits_vllm(config, *, tp: int) -> None:
@@ -161,7 +153,8 @@ class VllmEngine:
                 index, j = owner[out.request_id]
                 c = out.outputs[0]
                 toks = torch.tensor(list(c.token_ids), dtype=torch.long)
-                logp = torch.tensor([_logprob(pos, int(t)) for pos, t in zip(c.logprobs, toks)], dtype=torch.float32)
+                # logprobs=0: each position's dict holds the sampled token's entry only
+                logp = torch.tensor([pos[int(t)].logprob for pos, t in zip(c.logprobs, toks)], dtype=torch.float32)
                 done[index][j] = (toks, logp, c.finish_reason == "stop")
                 if len(done[index]) == G:
                     rows = [done[index][k] for k in range(G)]
@@ -197,13 +190,9 @@ class VllmEngine:
                 yield name, local
                 continue
             full = torch.empty(spec.shape, dtype=local.dtype, device=local.device)
-            step_ = local.shape[spec.tp_dim]
-            full.narrow(spec.tp_dim, self.tp_rank * step_, step_).copy_(local)
+            start, stop = chunk(spec.shape[spec.tp_dim], self.tp, self.tp_rank)
+            full.narrow(spec.tp_dim, start, stop - start).copy_(local)
             yield name, full
-
-
-def _logprob(position: dict, token: int) -> float:
-    return position[token].logprob
 
 
 def _reload(worker, weights) -> None:

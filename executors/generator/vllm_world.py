@@ -48,18 +48,17 @@ def generator_world(ranks: Sequence[int]) -> Iterator[None]:
         return real_new_group(list(range(size)) if ranks is None else ranks, *args, **kwargs)
 
     rng = (torch.random.get_rng_state(), random.getstate(), np.random.get_state())
-    env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    world_env = os.environ.get("WORLD_SIZE")
     dist.get_world_size, dist.new_group = get_world_size, new_group
     os.environ["WORLD_SIZE"] = str(size)
     try:
         yield
     finally:
         dist.get_world_size, dist.new_group = real_size, real_new_group
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        if world_env is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = world_env
         torch.random.set_rng_state(rng[0])
         random.setstate(rng[1])
         np.random.set_state(rng[2])
