@@ -1,50 +1,83 @@
 """Run one graph as one torchrun job: devices, process groups, watchdog, metrics, controller."""
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch.distributed as dist
 
+from controller.control import Cadence, StepControl, install_stop_signals
 from controller.failure import Watchdog
 from controller.graph import Graph
 from controller.loop import Controller
 from controller.metrics import MetricsWriter
 from controller.schedules import get_schedule
 from controller.timeline import merge, plot
-from controller.world import build_world, check_world_size, store_client
+from controller.world import build_world, check_world_size, placement, store_client
 from controller.devices import detect_device, init_distributed, pin_threads
 
 
+@dataclass(frozen=True)
+class Start:
+    """Where a job starts: step 0 of a fresh run, or the step after a checkpoint's."""
+
+    step: int = 0
+    checkpoint: str | None = None  # the checkpoint directory a resumed run loads
+
+
+@dataclass(frozen=True)
+class Outcome:
+    stopped_after: int | None = None  # the step a signal stopped the run after (its checkpoint is complete)
+    signum: int = 0
+    output_dir: Path | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum if self.stopped_after is not None else 0
+
+
 def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[[], Path],
-            schedule: str = "periodic", checkpoint_every: int = 0,
-            timeout_s: float = 1800.0, console_keys: Sequence[str] | None = None,
-            derive: Callable[[dict], dict] | None = None, on_ready: Callable | None = None) -> None:
-    """Every rank calls this. Raises ValueError before any collective if the world size is wrong."""
+            start: Callable[[Path], Start] = lambda _: Start(), schedule: str = "periodic",
+            cadence: Cadence = Cadence(), timeout_s: float = 1800.0, console_keys: Sequence[str] | None = None,
+            derive: Callable[[dict], dict] | None = None, on_ready: Callable | None = None) -> Outcome:
+    """Every rank calls this. Raises ValueError before any collective if the world size is wrong, or
+    (on every rank alike) when `start` refuses the output dir. `start(output_dir)` runs on rank 0
+    only, which prepares the directory; every rank gets its answer."""
     check_world_size(graph, int(os.environ.get("WORLD_SIZE", "1")))
     pin_threads()
     timeout = timedelta(seconds=timeout_s)
     device = init_distributed(detect_device(), timeout=timeout)
     rank = dist.get_rank()
-    # rank 0 decides (e.g. a timestamp) and every rank reads it, so all agree on one directory
-    output_dir = Path(shared_value("output_dir", lambda: str(output_dir() if callable(output_dir) else output_dir)))
-    if rank == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
-    world = build_world(graph, device=device, seed=seed, output_dir=output_dir, timeout=timeout)
+    # rank 0 decides (e.g. a timestamp) and every rank reads it, so all agree on one directory; the
+    # key outlives an elastic restart, so a restarted job continues in the same directory
+    output_dir = Path(shared_value("output_dir", lambda: str(output_dir() if callable(output_dir) else output_dir),
+                                   per_attempt=False))
+    begin = _shared_start(lambda: output_dir.mkdir(parents=True, exist_ok=True) or start(output_dir), timeout=timeout)
+    install_stop_signals(store_client(timeout))
+    world = build_world(graph, device=device, seed=seed, output_dir=output_dir, timeout=timeout,
+                        resume=Path(begin.checkpoint) if begin.checkpoint else None)
+    roles = {r: name for name, units in placement(graph).items() for unit in units for r in unit}
     watchdog = Watchdog(rank=rank, executor=world.local_name).start()
+    outcome = Outcome(output_dir=output_dir)
     try:
         if on_ready:
             on_ready(world)
+        steps_run = range(begin.step, steps)
+        control = StepControl(store=world.store, rank=rank, cadence=cadence, run_dir=output_dir)
         writer = None
         if rank == 0:
-            writer = MetricsWriter(executors=[e.name for e in graph.executors], steps=range(steps),
+            writer = MetricsWriter(executors=[e.name for e in graph.executors], steps=steps_run,
                                    path=output_dir / "metrics.jsonl", console_keys=console_keys,
                                    timeout=timeout, derive=derive).start()
-        Controller(world=world, steps=range(steps), schedule=get_schedule(schedule),
-                   checkpoint_every=checkpoint_every).run()
+        stopped = Controller(world=world, steps=steps_run, schedule=get_schedule(schedule), control=control).run()
+        if stopped is not None:
+            # nobody exits before the checkpoint is sealed: torchrun ends the whole group when one exits non-zero
+            world.store.wait([f"ckpt/{stopped[0]}/done"])
+            outcome = Outcome(stopped_after=stopped[0], signum=stopped[1], output_dir=output_dir)
         if writer:
             writer.join()
         dist.barrier(group=world.control_group)  # every rank has saved its timeline
@@ -54,11 +87,29 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
         watchdog.fail(exc)
     watchdog.stop()
     dist.destroy_process_group()
+    return outcome
 
 
-def shared_value(key: str, make: Callable[[], str]) -> str:
-    """A value rank 0 decides and every rank reads (e.g. a timestamped output dir)."""
-    store = store_client(timedelta(seconds=60))
+def _shared_start(make: Callable[[], Start], *, timeout: timedelta) -> Start:
+    """Rank 0 prepares the run's start (it may hash a large checkpoint); a refusal is raised on every
+    rank alike."""
+    def answer() -> str:
+        try:
+            return json.dumps({"start": make().__dict__})
+        except ValueError as exc:
+            return json.dumps({"error": str(exc)})
+
+    reply = json.loads(shared_value("start", answer, timeout=timeout))
+    if "error" in reply:
+        raise ValueError(reply["error"])
+    return Start(**reply["start"])
+
+
+def shared_value(key: str, make: Callable[[], str], *, per_attempt: bool = True,
+                 timeout: timedelta = timedelta(seconds=60)) -> str:
+    """A value rank 0 decides and every rank reads (e.g. a timestamped output dir). per_attempt=False:
+    decided once per run (compare-and-set), so an elastic restart reads the first attempt's value."""
+    store = store_client(timeout, per_attempt=per_attempt)
     if dist.get_rank() == 0:
-        store.set(key, make())
+        store.compare_set(key, "", make())
     return store.get(key).decode()

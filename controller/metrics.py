@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 from tabulate import tabulate
 from tqdm import tqdm
 
+from controller.control import Decision
 from controller.world import store_client
 
 
@@ -63,6 +64,8 @@ class MetricsWriter:
                     bar.update(1)
                     keys = [k for k in (self.console_keys or row) if k in row]
                     bar.write(tabulate([[row[k] for k in keys]], headers=keys, floatfmt=".4g"))
+                    if Decision.read(self._store, step).stop:  # decided before any record of the step
+                        break
         except BaseException as exc:  # surfaced by join()
             self._error = exc
 

@@ -12,6 +12,16 @@ class Timeline:
         self.executor, self.rank, self.step = executor, rank, -1
         self.events: list[dict] = []
 
+    @classmethod
+    def resumed(cls, *, executor: str, rank: int, path: Path, before: int) -> "Timeline":
+        """A timeline that keeps this rank's saved events of the steps before `before` (a resumed
+        run continues the file; a fresh run has none)."""
+        timeline = cls(executor=executor, rank=rank)
+        if before > 0 and path.is_file():
+            events = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+            timeline.events = [e for e in events if e["step"] < before]
+        return timeline
+
     @contextmanager
     def span(self, kind: str, **attrs):
         t0 = time.time()

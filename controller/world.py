@@ -71,11 +71,21 @@ def check_world_size(graph: Graph, world_size: int) -> None:
                          f"run torchrun --nproc-per-node {need} or change the placement")
 
 
-def store_client(timeout: timedelta) -> dist.Store:
-    """A fresh client of the job's rendezvous store (one per thread that blocks on it)."""
+def attempt() -> int:
+    """torchrun's restart count: 0, then 1, 2, ... after each elastic restart of the workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def store_client(timeout: timedelta, *, per_attempt: bool = True) -> dist.Store:
+    """A fresh client of the job's rendezvous store (one per thread that blocks on it).
+
+    torchrun's store outlives an elastic restart, so the keys of each attempt live under their own
+    prefix: a restarted job must not read the previous attempt's failure, queues or metrics.
+    per_attempt=False: the run-wide namespace (e.g. the output dir every attempt shares).
+    """
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout)
-    return dist.PrefixStore("tidal", store)
+    return dist.PrefixStore(f"tidal/{attempt()}" if per_attempt else "tidal/run", store)
 
 
 @dataclass
@@ -87,6 +97,19 @@ class World:
     env: ExecutorEnv
     store: dist.Store
     control_group: dist.ProcessGroup
+
+    @property
+    def size(self) -> int:
+        return sum(len(unit) for units in self.units.values() for unit in units)
+
+    def cut_lagged(self, outbound) -> None:
+        """The run ends after this step: its lagged outputs (the weight push) have no consumer."""
+        lagged = {ch.out_port for ch in self.graph.channels if ch.src == self.local_name and ch.step_lag > 0}
+        for port in lagged & outbound.keys():
+            senders = getattr(outbound[port], "senders", [outbound[port]])
+            for sender in senders:
+                if sender.channel.step_lag > 0:
+                    sender.deliverable = False
 
     @property
     def local_executor(self):
@@ -124,7 +147,7 @@ class World:
 
 
 def build_world(graph: Graph, *, device: torch.device, seed: int, output_dir: Path,
-                timeout: timedelta) -> World:
+                timeout: timedelta, resume: Path | None = None) -> World:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     check_world_size(graph, world_size)
     units = placement(graph)
@@ -138,7 +161,8 @@ def build_world(graph: Graph, *, device: torch.device, seed: int, output_dir: Pa
     assert local_name is not None, f"rank {rank} not placed"
     ex_units = units[local_name]
     env = ExecutorEnv(name=local_name, ranks=tuple(r for u in ex_units for r in u), units=ex_units,
-                      rank=rank, group=local_group, device=device, seed=seed, output_dir=output_dir)
+                      rank=rank, group=local_group, device=device, seed=seed, output_dir=output_dir,
+                      resume=resume)
     world = World(graph=graph, units=units, rank=rank, local_name=local_name, env=env,
                   store=store_client(timeout), control_group=control_group)
     world.bind_channels()

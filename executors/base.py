@@ -29,6 +29,7 @@ class ExecutorEnv:
     device: torch.device
     seed: int
     output_dir: Path
+    resume: Path | None = None  # a checkpoint directory to continue from (its parts, as each executor saved them)
 
     @property
     def unit_index(self) -> int:
@@ -85,7 +86,8 @@ class Executor(ABC):
         return state
 
     def save_checkpoint(self, path: Path) -> None:
-        """Write whatever this executor needs to resume; default: nothing."""
+        """Write whatever this executor needs to resume into `path` (a directory every rank of the
+        job shares; it may not exist yet); `init` finds it again as `env.resume`. Default: nothing."""
 
     def finalize(self, output_dir: Path) -> None:
         """Called once after the last step."""

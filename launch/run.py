@@ -1,21 +1,33 @@
-"""Run a built graph under torchrun: output dir, resolved config, the recipe's metrics columns."""
+"""Run a built graph under torchrun: the output dir (fresh, resumed or restarted), the resolved
+config, the recipe's metrics columns; the stop line when a signal ended the run early."""
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
+import sys
 import time
 from functools import partial
 from pathlib import Path
 
 import torch.distributed as dist
 
+from controller.checkpoint import config_changes, latest, open_checkpoint
+from controller.control import Cadence
+from controller.job import Start, run_job
+from controller.world import attempt, world_size_of
 from controller.graph import Graph
-from controller.job import run_job
-from controller.world import world_size_of
 from recipes.base import Recipe
 from recipes.config import RunConfig
 
+# what a run writes into its output dir; a fresh start (or --overwrite) removes the previous run's
+RUN_OUTPUTS = ("config.json", "metrics.jsonl", "timeline.jsonl", "timeline.png", "checkpoints", "final", "timeline")
 
-def run(cfg: RunConfig, recipe: Recipe, graph: Graph) -> None:
+
+def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = None, overwrite: bool = False) -> int:
+    """resume: None (a fresh run), "latest" (the output dir's newest complete checkpoint) or a
+    checkpoint directory. An elastic restart (torchrun --max-restarts) resumes by itself."""
     def output_dir() -> Path:
         return Path(cfg.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
 
@@ -24,6 +36,61 @@ def run(cfg: RunConfig, recipe: Recipe, graph: Graph) -> None:
             (world.env.output_dir / "config.json").write_text(json.dumps(cfg.resolved(), indent=2))
 
     derive = partial(recipe.derive, world_size=world_size_of(graph)) if recipe.derive else None
-    run_job(graph, steps=cfg.steps, seed=cfg.seed, output_dir=output_dir, schedule=cfg.schedule,
-            checkpoint_every=cfg.checkpoint_every, timeout_s=cfg.timeout_s, console_keys=recipe.console,
-            on_ready=write_config, derive=derive)
+    cadence = Cadence(every=cfg.checkpoint_every, minutes=cfg.checkpoint_minutes, keep=cfg.checkpoint_keep,
+                      config=cfg.resolved())
+    outcome = run_job(graph, steps=cfg.steps, seed=cfg.seed, output_dir=output_dir, schedule=cfg.schedule,
+                      start=partial(start, cfg=cfg, resume=resume), cadence=cadence, timeout_s=cfg.timeout_s,
+                      console_keys=recipe.console, on_ready=write_config, derive=derive)
+    if outcome.stopped_after is not None and os.environ.get("RANK", "0") == "0":
+        print(f"tidal: stopped at step {outcome.stopped_after} (checkpoint saved); resume with: "
+              f"{resume_command(outcome.output_dir)}", file=sys.stderr, flush=True)
+    return outcome.exit_code
+
+
+def start(out: Path, *, cfg: RunConfig, resume: str | None) -> Start:
+    """On rank 0, before any executor starts: pick the checkpoint to continue from (verified against
+    its manifest) and make the output dir agree with it."""
+    found = latest(out, hashes=True) if attempt() > 0 else None  # a restarted attempt continues its run
+    if found is None and resume == "latest":
+        found = latest(out, hashes=True)
+        if found is None:
+            raise ValueError(f"--resume: {out} holds no complete checkpoint (checkpoints/step_*/manifest.json); "
+                             f"start it again without --resume (add --overwrite)")
+    elif found is None and resume is not None:
+        found = open_checkpoint(Path(resume), hashes=True)
+    if found is None:  # a fresh run: nothing of an earlier one may be mistaken for this one's
+        for name in RUN_OUTPUTS:
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        return Start()
+    changes = config_changes(found.config, cfg.resolved())
+    if changes:
+        raise ValueError(f"--resume: the config differs from the one checkpoint {found.path} was trained with: "
+                         f"{'; '.join(changes)} (a resumed run may change only the layout, steps, timeouts and "
+                         f"checkpoint settings)")
+    if found.step + 1 >= cfg.steps:
+        raise ValueError(f"--resume: checkpoint {found.path} holds step {found.step}, the last of steps={cfg.steps}; "
+                         f"raise --steps to train further")
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file():  # rows past the checkpoint are redone: keep each step once
+        rows = [line for line in metrics.read_text().splitlines() if line.strip()]
+        metrics.write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= found.step))
+    return Start(step=found.step + 1, checkpoint=str(found.path))
+
+
+def resume_command(output_dir: Path | None) -> str:
+    """This job's command line with --resume (and its output dir), for the stop line."""
+    args, skip = [], False
+    for i, arg in enumerate(sys.argv[1:]):
+        if skip:
+            skip = False
+            continue
+        if arg in ("--resume", "--overwrite") or arg.startswith("--resume="):
+            rest = sys.argv[2 + i:]
+            skip = arg == "--resume" and bool(rest) and not rest[0].startswith("-")
+            continue
+        args.append(arg)
+    if output_dir is not None and "--output-dir" not in args and not any(a.startswith("--output-dir=") for a in args):
+        args += ["--output-dir", str(output_dir)]
+    launcher = os.environ.get("TIDAL_LAUNCHER") or f"torchrun --nproc-per-node {os.environ.get('WORLD_SIZE', '1')} launch.py"
+    return f"{launcher} {shlex.join(args)} --resume"

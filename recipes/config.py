@@ -24,7 +24,10 @@ class RunConfig(BaseModel):
     schedule: Literal["periodic", "sync"] = Field(
         "periodic", description="periodic: train groups as they finish; sync: generate all, then train")
     output_dir: str | None = Field(None, description="default runs/<timestamp>")
-    checkpoint_every: int = Field(0, ge=0, description="save checkpoints/step_N every N steps; 0 = never")
+    checkpoint_every: int = Field(0, ge=0, description="save checkpoints/step_N every N steps; 0 = by time only")
+    checkpoint_minutes: float = Field(30.0, ge=0, description="also save one when this many minutes passed "
+                                      "since the last; 0 = never by time")
+    checkpoint_keep: int = Field(2, ge=0, description="keep the newest K complete checkpoints; 0 = all")
     timeout_s: float = Field(1800.0, gt=0, description="collective / channel timeout")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()

@@ -7,6 +7,7 @@ import torch
 
 from executors.hf import load_model
 from recipes.registry import recipe_for
+from controller.control import Cadence
 from controller.job import run_job
 from controller.spawn import spawn
 from channels.reshard import chunk
@@ -18,7 +19,7 @@ from tests.fixtures import small_config
 def _run(tmp, trainer: dict, generator: dict):
     cfg = small_config(trainer=trainer, generator=generator)
     graph = recipe_for(cfg.algo).build(cfg)
-    run_job(graph, steps=2, seed=0, output_dir=tmp, checkpoint_every=1, timeout_s=120)
+    run_job(graph, steps=2, seed=0, output_dir=tmp, cadence=Cadence(every=1), timeout_s=120)
     local = next(ex for ex in graph.executors if ex.env is not None)
     if local.name == "generator":  # this rank's shards, and which tp slice they should be
         env = local.env

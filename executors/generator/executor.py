@@ -66,8 +66,9 @@ class Generator(Executor):
         from executors.hf import load_model
         from executors.parallel import apply_tp, build_mesh, local_shards, param_specs
 
-        # same seed as the trainer's init, so step 0 samples with exactly the trainer's weights
-        model = load_model(self.model_cfg.path, dtype=self.model_cfg.torch_dtype, seed=env.seed).to(env.device)
+        # same seed as the trainer's init, so step 0 samples with exactly the trainer's weights; a
+        # resumed run starts from the checkpoint's, which the trainer saved at the step before
+        model = load_model(self.weights_path, dtype=self.model_cfg.torch_dtype, seed=env.seed).to(env.device)
         if self.cfg.tp > 1:
             # a replica's tp ranks decode in lockstep: the lm_head all-gathers the logits, so each
             # samples the same tokens from the same per-sample seeds; its first rank sends the groups
@@ -81,7 +82,7 @@ class Generator(Executor):
         from executors.generator.vllm_engine import VllmEngine, engine_model_dir, receive_buffers
 
         tp_rank = env.units[env.unit_index].index(env.rank)
-        with engine_model_dir(self.model_cfg.path, seed=env.seed, tokenizer=self.tokenizer) as model_dir:
+        with engine_model_dir(self.weights_path, seed=env.seed, tokenizer=self.tokenizer) as model_dir:
             specs, shards = receive_buffers(model_dir, dtype=self.model_cfg.torch_dtype, tp=self.cfg.tp,
                                             tp_rank=tp_rank, device=env.device)
             engine = VllmEngine(
@@ -92,6 +93,11 @@ class Generator(Executor):
         if env.is_leader:
             print(f"tidal: vLLM engine ready in {engine.init_s:.1f} s", flush=True)
         return engine, specs, shards
+
+    @property
+    def weights_path(self) -> str | None:
+        """The weights of the first step: the model's, or a resumed run's checkpoint (an HF directory)."""
+        return str(self.env.resume) if self.env.resume else self.model_cfg.path
 
     def step(self, ctx: StepContext):
         with ctx.timeline.span("weights_recv"):

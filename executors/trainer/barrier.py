@@ -7,7 +7,9 @@ advantages the first pass's three gradients are combined here too (algorithms/ba
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -68,6 +70,7 @@ class Barrier:
 
     def __init__(self, policy: torch.nn.Module, *, cfg: TrainerConfig, total_steps: int, mesh, dp_group,
                  passes: tuple[Pass, ...], replicated_dp: bool):
+        self.policy = policy
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.cfg, self.mesh, self.dp_group = cfg, mesh, dp_group
         self.replicated_dp = replicated_dp  # dp replicas hold full copies: their gradients need a sum
@@ -111,14 +114,24 @@ class Barrier:
     def end_of_batch(self) -> None:
         self.sched.step()
 
-    def state(self) -> dict:
-        """This rank's optimizer shard and the schedule, for checkpoints (a DTensor pickles its mesh)."""
-        return {"optimizer": _local_tensors(self.opt.state_dict()), "scheduler": self.sched.state_dict()}
+    # ---- checkpoints: torch.distributed.checkpoint keys the optimizer state by parameter name and
+    # records each shard's place in the full tensor, so a run saved under one layout (dp, tp, FSDP)
+    # loads under another; the schedule is a few numbers, written by the leader as JSON.
+    def save(self, path: Path, *, group, leader: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        dcp.save({"optimizer": get_optimizer_state_dict(self.policy, self.opt)}, checkpoint_id=path,
+                 process_group=group)
+        if leader:
+            (path / "schedule.json").write_text(json.dumps(self.sched.state_dict()))
 
-def _local_tensors(tree):
-    if isinstance(tree, dict):
-        return {k: _local_tensors(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_local_tensors(v) for v in tree]
-    return local(tree) if isinstance(tree, torch.Tensor) else tree
+    def load(self, path: Path, *, group) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        # the template in this run's layout: dcp reads each shard's slice of the saved tensors into it
+        state = {"optimizer": get_optimizer_state_dict(self.policy, self.opt)}
+        dcp.load(state, checkpoint_id=path, process_group=group)
+        set_optimizer_state_dict(self.policy, self.opt, state["optimizer"])
+        self.sched.load_state_dict(json.loads((path / "schedule.json").read_text()))

@@ -63,10 +63,12 @@ class Trainer(Executor):
 
         self.models = TriModel.build(model_path=self.model_path, dtype=self.dtype, env=env, cfg=self.cfg,
                                      temperature=self.temperature, reference=self.algo_cfg.needs_reference,
-                                     snapshot=self.passes > 1)
+                                     snapshot=self.passes > 1, policy_path=env.resume)
         self.optim = Barrier(self.models.policy, cfg=self.cfg, total_steps=self.total_steps, mesh=self.models.mesh,
                              dp_group=self.models.dp_group, passes=self.first_passes,
                              replicated_dp=not self.shards_over_units)
+        if env.resume is not None:  # the policy came from the checkpoint; the optimizer and schedule too
+            self.optim.load(env.resume / "trainer", group=env.group)
 
     # ---- the streamed phase -----------------------------------------------------------------
     def step(self, ctx: StepContext) -> StepState:
@@ -226,13 +228,11 @@ class Trainer(Executor):
 
     # ---- outputs ------------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
-        """An HF directory of the full model and each rank's own optimizer shard."""
+        """The policy as an HF directory (what the generator and a user load) and, in trainer/, the
+        optimizer (each rank its shard) and the lr schedule. The reference is the initial model and
+        the old policy a copy made at each step's start: neither needs saving."""
         self.models.save(path, leader=self.env.is_leader)
-        sharded = self.cfg.tp > 1 or self.shards_over_units
-        if sharded or self.env.is_leader:
-            name = f"trainer_state.rank{self.env.ranks.index(self.env.rank)}.pt" if sharded else "trainer_state.pt"
-            path.mkdir(parents=True, exist_ok=True)
-            torch.save(self.optim.state(), path / name)
+        self.optim.save(path / "trainer", group=self.env.group, leader=self.env.is_leader)
 
     def finalize(self, output_dir: Path) -> None:
         self.models.save(output_dir / "final", leader=self.env.is_leader)

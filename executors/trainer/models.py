@@ -42,13 +42,20 @@ class TriModel:
 
     @classmethod
     def build(cls, *, model_path: str | None, dtype: torch.dtype, env: ExecutorEnv, cfg: TrainerConfig,
-              temperature: float, reference: bool, snapshot: bool) -> "TriModel":
+              temperature: float, reference: bool, snapshot: bool, policy_path=None) -> "TriModel":
+        """policy_path: a checkpoint's HF directory to take the policy from (a resumed run); the
+        reference stays the initial model of `model_path`."""
         mesh = (build_mesh(ranks=env.ranks, tp=cfg.tp, device_type=env.device.type, parent=env.group)
                 if dist.is_initialized() else None)
-        policy = load_model(model_path, dtype=dtype, seed=env.seed).to(env.device).train()
-        if cfg.shared_prompt != "padded":  # packed rows need the block-mask attention (copies inherit it)
-            install_packed_attention(policy)
-        ref = copy.deepcopy(policy).eval().requires_grad_(False) if reference else None
+        policy = load_model(str(policy_path) if policy_path else model_path, dtype=dtype,
+                            seed=env.seed).to(env.device).train()
+        initial = policy
+        if policy_path and reference:
+            initial = load_model(model_path, dtype=dtype, seed=env.seed).to(env.device)
+        for model in {id(policy): policy, id(initial): initial}.values():
+            if cfg.shared_prompt != "padded":  # packed rows need the block-mask attention (copies inherit it)
+                install_packed_attention(model)
+        ref = copy.deepcopy(initial).eval().requires_grad_(False) if reference else None
         old = copy.deepcopy(policy).eval().requires_grad_(False) if snapshot else None
         for model, forward_only in ((policy, False), (ref, True), (old, True)):
             if model is not None and (cfg.tp > 1 or cfg.fsdp):
