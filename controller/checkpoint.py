@@ -19,6 +19,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.files import readable_as_umask
+
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d{6,})$")
 # settings a resumed run may change: where and how it runs, not what it computes
@@ -54,13 +56,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def readable_as_umask(path: Path) -> None:
-    """Give a file the mode a plain open() would (some writers create 0600 files)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
 
 
 def commit(run_dir: Path, step: int, *, config: dict, keep: int) -> Path:

@@ -103,7 +103,8 @@ def install_stop_signals(store) -> None:
                     continue
                 first = time.monotonic()
                 try:
-                    first_request = store.compare_set(_STOP, "", str(signum)).decode() == str(signum)
+                    store.compare_set(_STOP, "", str(signum))
+                    first_request = store.add("stop_requests", 1) == 1
                 except Exception:  # the store is gone: the job is ending anyway
                     os._exit(128 + signum)
                 if first_request:  # one line per job, not one per rank

@@ -41,6 +41,26 @@ def pin_threads() -> int:
     return n
 
 
+def attempt() -> int:
+    """torchrun's restart count: 0, then 1, 2, ... after each elastic restart of the workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _job_store(timeout: timedelta) -> dist.Store:
+    """The process groups' store, its keys under this attempt's prefix.
+
+    Not env://: under torchrun the workers share the agent's store, which outlives an elastic
+    restart, and torch 2.13 adds no per-attempt prefix there, so a restarted gloo group met the
+    dead attempt's keys and hung in init_process_group (measured: --max-restarts 1 with the
+    default and the --standalone rendezvous). Outside torchrun rank 0 hosts the store, as env:// does.
+    """
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size=int(os.environ["WORLD_SIZE"]),
+                          is_master=not agent and os.environ.get("RANK", "0") == "0", timeout=timeout)
+    return dist.PrefixStore(f"pg/{attempt()}", store)
+
+
 def init_distributed(spec: DeviceSpec, *, timeout: timedelta) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if spec.type == "cpu":
@@ -48,5 +68,6 @@ def init_distributed(spec: DeviceSpec, *, timeout: timedelta) -> torch.device:
     else:
         device = torch.device(spec.type, local_rank)
         getattr(torch, spec.type).set_device(device)
-    dist.init_process_group(backend=spec.pg_backend, timeout=timeout)
+    dist.init_process_group(backend=spec.pg_backend, timeout=timeout, store=_job_store(timeout),
+                            rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ["WORLD_SIZE"]))
     return device

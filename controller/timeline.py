@@ -56,7 +56,7 @@ def merge(run_dir: Path) -> list[dict]:
 
 # kinds drawn as busy spans, and their colours; "step" spans frame each executor's step
 _BUSY = {"generate": "tab:blue", "scored": "tab:orange", "train": "tab:green", "barrier": "tab:red",
-         "push": "tab:purple", "weights_recv": "lightgray"}
+         "push": "tab:purple", "weights_recv": "lightgray", "checkpoint": "tab:brown"}
 _LABEL = {"weights_recv": "waiting for weights"}
 
 

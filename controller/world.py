@@ -17,6 +17,7 @@ import torch.distributed as dist
 from channels.channel import Receiver, Route, Sender
 from channels.kinds import Kind
 from channels.weights import WeightsReceiver, WeightsSender
+from controller.devices import attempt
 from controller.graph import Graph
 from executors.base import ExecutorEnv
 
@@ -69,11 +70,6 @@ def check_world_size(graph: Graph, world_size: int) -> None:
         parts = " + ".join(f"{ex.name} {ex.world_size}" for ex in graph.executors)
         raise ValueError(f"world size is {world_size} but the placement needs {need} ranks ({parts}); "
                          f"run torchrun --nproc-per-node {need} or change the placement")
-
-
-def attempt() -> int:
-    """torchrun's restart count: 0, then 1, 2, ... after each elastic restart of the workers."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def store_client(timeout: timedelta, *, per_attempt: bool = True) -> dist.Store:

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from controller.checkpoint import config_changes, latest, open_checkpoint
 from controller.control import Cadence
 from controller.job import Start, run_job
-from controller.world import attempt, world_size_of
+from controller.devices import attempt
+from controller.world import world_size_of
 from controller.graph import Graph
 from recipes.base import Recipe
 from recipes.config import RunConfig

@@ -1,0 +1,151 @@
+"""Exact resume under torchrun: a run continued from a checkpoint equals the uninterrupted run bit for
+bit (weights, optimizer, schedule, old policy, reference, data position); a run stopped by SIGTERM
+or killed under `torchrun --max-restarts` finishes equal to one that never stopped.
+
+Every run uses a reward with a signal on the untrained model and AdamW eps=1e-3 (see
+test_e2e_parallel.py): the weights move in every step, so equal finals mean something.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e import ROOT, SMALL, launch, max_abs_diff, metrics, weights
+from controller.spawn import free_port
+
+SIGNAL = ["--set", "reward.functions=[tests.rewards:length_parity]", "--set", "trainer.adam_eps=1e-3",
+          "--set", "checkpoint_every=2"]
+CASES = {  # name: (extra options, ranks)
+    "default": ([], 3),
+    "fsdp_dp2": (["--set", "trainer.dp=2", "--set", "trainer.fsdp=true"], 4),
+    "tp2": (["--set", "trainer.tp=2"], 4),
+    "minibatch_epochs_kl": (["--set", "trainer.mini_batches=2", "--set", "trainer.epochs=2",
+                             "--set", "algorithm.beta=0.04"], 3),
+    "dapo_dynamic": (["--set", "reward.functions=[tests.rewards:flat_for_half_the_prompts]",
+                      "--set", "algorithm.dynamic_sampling=true"], 3),
+}
+
+
+def _run(out: Path, *args: str, nproc: int, steps: int = 4, algo: str = "grpo") -> Path:
+    proc = launch(out, *SIGNAL, *args, nproc=nproc, steps=steps, algo=algo, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _same(a: Path, b: Path, *, steps: range) -> None:
+    da, db = ({r["step"]: r["rollout_digest"] for r in metrics(x)} for x in (a, b))
+    assert [db[s] for s in steps] == [da[s] for s in steps]  # the same prompts and samples
+    assert (a / "final/model.safetensors").read_bytes() == (b / "final/model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted 4-step run of each case, with checkpoints after steps 1 and 3."""
+    root = tmp_path_factory.mktemp("whole")
+    return {name: _run(root / name, *opts, nproc=n, algo="dapo" if name.startswith("dapo") else "grpo")
+            for name, (opts, n) in CASES.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_resume_equals_uninterrupted_run(whole, tmp_path, name):
+    opts, nproc = CASES[name]
+    ckpt = whole[name] / "checkpoints/step_000001"
+    assert json.loads((ckpt / "manifest.json").read_text())["step"] == 1
+    run = launch(tmp_path, *SIGNAL, *opts, "--resume", str(ckpt), nproc=nproc, steps=4,
+                 algo="dapo" if name.startswith("dapo") else "grpo", timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path)] == [2, 3]
+    _same(whole[name], tmp_path, steps=range(2, 4))
+    if name == "dapo_dynamic":  # top-ups happened, so the data position includes them
+        assert any(r["sampling_rounds"] > 1 for r in metrics(whole[name]))
+
+
+def test_resume_under_another_layout(whole, tmp_path):
+    """Trainer tp=2's checkpoint continued at tp=1: the optimizer state is resharded by
+    torch.distributed.checkpoint; equal to the tp=2 run within float noise."""
+    run = launch(tmp_path, *SIGNAL, "--resume", str(whole["tp2"] / "checkpoints/step_000001"), steps=4, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert max_abs_diff(weights(tmp_path / "final"), weights(whole["tp2"] / "final")) < 1e-5
+
+
+def test_resume_refuses_a_damaged_checkpoint(whole, tmp_path):
+    ckpt = tmp_path / "step_000001"
+    subprocess.run(["cp", "-r", str(whole["default"] / "checkpoints/step_000001"), str(ckpt)], check=True)
+    with open(ckpt / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    run = launch(tmp_path / "run", *SIGNAL, "--resume", str(ckpt), steps=4, timeout=400)
+    assert run.returncode != 0
+    assert f"checkpoint {ckpt}: file model.safetensors has 1000 bytes, manifest.json says" in run.stderr
+    (ckpt / "manifest.json").unlink()
+    run = launch(tmp_path / "run", *SIGNAL, "--resume", str(ckpt), steps=4, timeout=400)
+    assert run.returncode != 0 and f"checkpoint {ckpt}: no manifest.json" in run.stderr
+
+
+def _popen(out: Path, *args: str, steps: int, torchrun: tuple[str, ...] = ()) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", f"--master-port={free_port()}",
+           *torchrun, "launch.py", "--algo", "grpo", "--steps", str(steps), "--output-dir", str(out), *SMALL,
+           *SIGNAL, *args]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, *, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    path = out / "metrics.jsonl"
+    while not (path.is_file() and len(path.read_text().splitlines()) >= n):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"no {n} steps in {timeout} s"
+        time.sleep(0.1)
+
+
+def _rank_pid(torchrun_pid: int, rank: int) -> int:
+    """The worker process of global rank `rank`, a child of the torchrun we started."""
+    for task in Path(f"/proc/{torchrun_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in env:
+                return int(child)
+    raise AssertionError(f"rank {rank} is not a child of {torchrun_pid}")
+
+
+def test_sigterm_saves_and_resume_completes_equal(tmp_path):
+    proc = _popen(tmp_path / "run", steps=200)
+    _wait_for_steps(tmp_path / "run", 2, proc)
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert took < 30, took  # the step in flight finishes, its checkpoint is written, every rank exits
+    line = next(line for line in err.splitlines() if line.startswith("tidal: stopped at step "))
+    stopped = int(line.split()[4])
+    assert "--resume" in line and (tmp_path / f"run/checkpoints/step_{stopped:06d}/manifest.json").is_file()
+    assert [r["step"] for r in metrics(tmp_path / "run")] == list(range(stopped + 1))
+    steps = stopped + 3
+    resumed = launch(tmp_path / "run", *SIGNAL, "--resume", steps=steps, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    whole = launch(tmp_path / "whole", *SIGNAL, steps=steps, timeout=400)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path / "run")] == list(range(steps))
+    _same(tmp_path / "whole", tmp_path / "run", steps=range(steps))
+
+
+def test_killed_trainer_restarts_and_finishes_equal(tmp_path):
+    """torchrun --max-restarts 1, kill -9 of the trainer mid-run: the restarted workers resume from
+    the newest complete checkpoint by themselves."""
+    steps = 10
+    proc = _popen(tmp_path / "run", steps=steps, torchrun=("--max-restarts=1",))
+    _wait_for_steps(tmp_path / "run", 4, proc)
+    os.kill(_rank_pid(proc.pid, 2), signal.SIGKILL)
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-3000:]
+    whole = launch(tmp_path / "whole", *SIGNAL, steps=steps, timeout=400)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path / "run")] == list(range(steps))
+    _same(tmp_path / "whole", tmp_path / "run", steps=range(steps))
