@@ -53,8 +53,9 @@ def test_fsdp_and_tp_trainer_with_tp_generator_equal_single_rank(single, tmp_pat
     run = _run(tmp_path, "--set", "trainer.tp=2", "--set", "trainer.dp=2", "--set", "trainer.fsdp=true",
                "--set", "generator.tp=2", nproc=7, timeout=360)
     _same_training(run, single)
-    assert sorted(p.name for p in (run / STEP0).glob("trainer_state*")) == [
-        f"trainer_state.rank{i}.pt" for i in range(4)]  # each rank's own optimizer shard
+    # torch.distributed.checkpoint: each trainer rank writes its own optimizer shard, beside one index
+    assert sorted(p.name for p in (run / STEP0 / "trainer").glob("*.distcp")) == [f"__{i}_0.distcp" for i in range(4)]
+    assert (run / STEP0 / "trainer/.metadata").is_file() and (run / STEP0 / "manifest.json").is_file()
 
 
 LOCKSTEP = ["--set", "data.prompts_per_step=5", "--set", "trainer.dp=2", "--set", "trainer.mini_batches=2",

@@ -20,7 +20,7 @@ def _run(out, *args, nproc=3):
 @pytest.fixture(scope="module")
 def periodic(tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm_periodic")
-    return out, _run(out, "--schedule", "periodic")
+    return out, _run(out, "--schedule", "periodic", "--set", "checkpoint_every=1")
 
 
 def test_run_trains_with_exact_logprobs(periodic):
@@ -38,6 +38,15 @@ def test_sync_equals_periodic_and_seed_repeats(periodic, tmp_path):
     out, rows = periodic
     sync = _run(tmp_path, "--schedule", "sync")
     assert [r["rollout_digest"] for r in sync] == [r["rollout_digest"] for r in rows]
+    assert (tmp_path / "final/model.safetensors").read_bytes() == (out / "final/model.safetensors").read_bytes()
+
+
+def test_resume_equals_uninterrupted_run(periodic, tmp_path):
+    """The generator starts from the checkpoint's weights (an HF directory vLLM loads) instead of a push."""
+    out, rows = periodic
+    proc = launch(tmp_path, *VLLM, "--resume", str(out / "checkpoints/step_000001"), nproc=3, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["rollout_digest"] for r in metrics(tmp_path)] == [rows[2]["rollout_digest"]]
     assert (tmp_path / "final/model.safetensors").read_bytes() == (out / "final/model.safetensors").read_bytes()
 
 
