@@ -156,7 +156,13 @@ class Receiver:
         key = _queue_key(self.route, self.rank, self.step)
         open_sources = set(self.route.src_leaders) if self.expected else set()
         while open_sources:
-            message = json.loads(self.store.queue_pop(key, block=True))
+            try:
+                message = json.loads(self.store.queue_pop(key, block=True))
+            except dist.DistStoreError as exc:  # the store's timeout: name who waits on whom
+                raise TimeoutError(
+                    f"rank {self.rank} ({self.channel.dst}) waited {self.store.timeout.total_seconds():.0f} s on "
+                    f"channel {self.channel.name!r} (step {self.step}) for {self.channel.src} rank(s) "
+                    f"{sorted(open_sources)}, which did not finish sending ({type(exc).__name__})") from exc
             src = message["src"]
             if message.get("end"):
                 open_sources.discard(src)

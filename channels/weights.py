@@ -17,6 +17,7 @@ import json
 from typing import Mapping
 
 import torch
+import torch.distributed as dist
 
 from channels.channel import Channel, Route
 from channels.reshard import GeneratorLayout, ParamSpec, TrainerLayout, WeightPush, build_plan
@@ -78,6 +79,17 @@ class WeightsReceiver(_Endpoint):
         none are due (the first step)."""
         if not self.expected:
             return False
+        try:
+            return self._receive(shards, specs)
+        except RuntimeError as exc:  # a store wait or a gloo recv ran into the job's timeout
+            if not (isinstance(exc, dist.DistStoreError) or "Timed out" in str(exc)):
+                raise
+            senders = [r for unit in self.route.src_units for r in unit]
+            raise TimeoutError(f"rank {self.rank} ({self.channel.dst}) waited {self.store.timeout.total_seconds():.0f} s "
+                               f"on channel {self.channel.name!r} (step {self.step}) for the weights of "
+                               f"{self.channel.src} rank(s) {senders}, which did not send them") from exc
+
+    def _receive(self, shards, specs) -> bool:
         if self._push is None:
             # wait() first: after a blocking queue_pop that races with pushes (the dynamic-sampling
             # verdicts), torch 2.13's TCPStore client can return b"" from the next bare get() before

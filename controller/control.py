@@ -108,6 +108,11 @@ def install_stop_signals(store) -> None:
                 except Exception:  # the store is gone: the job is ending anyway
                     os._exit(128 + signum)
                 if first_request:  # one line per job, not one per rank
+                    # torchrun also sends SIGTERM to the survivors of a dead rank: then the watchdog
+                    # ends this process within a second, and a "stopping after this step" would mislead
+                    time.sleep(1.0)
+                    if store.check(["failed"]):
+                        continue
                     name = signal.Signals(signum).name
                     print(f"tidal: rank {os.environ.get('RANK', '0')} got {name}: stopping after this step "
                           f"(checkpoint first; {name} again to quit now)", file=sys.stderr, flush=True)

@@ -61,7 +61,7 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
     world = build_world(graph, device=device, seed=seed, output_dir=output_dir, timeout=timeout,
                         resume=Path(begin.checkpoint) if begin.checkpoint else None)
     roles = {r: name for name, units in placement(graph).items() for unit in units for r in unit}
-    watchdog = Watchdog(rank=rank, executor=world.local_name).start()
+    watchdog = Watchdog(rank=rank, roles=roles).start()
     outcome = Outcome(output_dir=output_dir)
     try:
         if on_ready:

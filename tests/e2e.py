@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,3 +38,30 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), a.keys() ^ b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def start(out: Path, *args: str, steps: int, nproc: int = 3, torchrun: tuple[str, ...] = ()) -> subprocess.Popen:
+    """A job running in the background (for signals and kills), its output piped."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+           *torchrun, "launch.py", "--algo", "grpo", "--steps", str(steps), "--output-dir", str(out), *SMALL, *args]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(out: Path, n: int, proc: subprocess.Popen, *, timeout: float = 300) -> None:
+    """Until metrics.jsonl has `n` rows (the job is past start-up and training)."""
+    deadline = time.monotonic() + timeout
+    path = out / "metrics.jsonl"
+    while not (path.is_file() and len(path.read_text().splitlines()) >= n):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"no {n} steps in {timeout} s"
+        time.sleep(0.1)
+
+
+def rank_pid(torchrun_pid: int, rank: int) -> int:
+    """The worker process of global rank `rank`, a child of the torchrun we started."""
+    for task in Path(f"/proc/{torchrun_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in env:
+                return int(child)
+    raise AssertionError(f"rank {rank} is not a child of {torchrun_pid}")

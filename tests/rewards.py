@@ -28,3 +28,9 @@ def flat_for_half_the_prompts(prompt: str, response: str, sample: dict) -> float
     """0 for every response to half of the prompts (flat groups for dynamic sampling to drop),
     `length_parity` for the others (groups with variance to keep)."""
     return 0.0 if sum(map(ord, prompt)) % 2 == 0 else length_parity(prompt, response, sample)
+
+
+def hang(prompt: str, response: str, sample: dict) -> float:
+    """A grader stuck for good (a deadlock, an endless regex)."""
+    while True:
+        time.sleep(1)

@@ -60,3 +60,23 @@ def test_first_failure_stands():
     # the echo of the first failure on a peer does not replace it
     assert publish_first(store, "rank 0 (generator) failed: [gloo] Connection closed") == cause
     assert store.get("failed").decode() == cause
+
+
+def test_a_receive_past_the_timeout_names_who_waits_on_whom():
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from channels.channel import Channel, Receiver, Route
+    from channels.kinds import Kind
+    from channels.payloads import ScoredGroup
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=1))
+    channel = Channel("scored", "reward", "trainer", Kind.SCATTER, ScoredGroup)
+    rx = Receiver(channel=channel, route=Route(channel_id=2, src_units=((1,),), dst_units=((2,),)),
+                  store=dist.PrefixStore("tidal", store), rank=2, device=torch.device("cpu"))
+    rx.open_step(3)
+    with pytest.raises(TimeoutError, match=r"rank 2 \(trainer\) waited 1 s on channel 'scored' \(step 3\) for "
+                                           r"reward rank\(s\) \[1\], which did not finish sending"):
+        rx.receive_all()

@@ -11,14 +11,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e import ROOT, SMALL, launch, max_abs_diff, metrics, weights
-from controller.spawn import free_port
+from tests.e2e import launch, max_abs_diff, metrics, rank_pid, start, wait_for_steps, weights
 
 SIGNAL = ["--set", "reward.functions=[tests.rewards:length_parity]", "--set", "trainer.adam_eps=1e-3",
           "--set", "checkpoint_every=2"]
@@ -88,35 +86,9 @@ def test_resume_refuses_a_damaged_checkpoint(whole, tmp_path):
     assert run.returncode != 0 and f"checkpoint {ckpt}: no manifest.json" in run.stderr
 
 
-def _popen(out: Path, *args: str, steps: int, torchrun: tuple[str, ...] = ()) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", f"--master-port={free_port()}",
-           *torchrun, "launch.py", "--algo", "grpo", "--steps", str(steps), "--output-dir", str(out), *SMALL,
-           *SIGNAL, *args]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, *, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    path = out / "metrics.jsonl"
-    while not (path.is_file() and len(path.read_text().splitlines()) >= n):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"no {n} steps in {timeout} s"
-        time.sleep(0.1)
-
-
-def _rank_pid(torchrun_pid: int, rank: int) -> int:
-    """The worker process of global rank `rank`, a child of the torchrun we started."""
-    for task in Path(f"/proc/{torchrun_pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-            if f"RANK={rank}".encode() in env:
-                return int(child)
-    raise AssertionError(f"rank {rank} is not a child of {torchrun_pid}")
-
-
 def test_sigterm_saves_and_resume_completes_equal(tmp_path):
-    proc = _popen(tmp_path / "run", steps=200)
-    _wait_for_steps(tmp_path / "run", 2, proc)
+    proc = start(tmp_path / "run", *SIGNAL, steps=200)
+    wait_for_steps(tmp_path / "run", 2, proc)
     t0 = time.monotonic()
     os.kill(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -140,9 +112,9 @@ def test_killed_trainer_restarts_and_finishes_equal(tmp_path):
     """torchrun --max-restarts 1, kill -9 of the trainer mid-run: the restarted workers resume from
     the newest complete checkpoint by themselves."""
     steps = 10
-    proc = _popen(tmp_path / "run", steps=steps, torchrun=("--max-restarts=1",))
-    _wait_for_steps(tmp_path / "run", 4, proc)
-    os.kill(_rank_pid(proc.pid, 2), signal.SIGKILL)
+    proc = start(tmp_path / "run", *SIGNAL, steps=steps, torchrun=("--max-restarts=1",))
+    wait_for_steps(tmp_path / "run", 4, proc)
+    os.kill(rank_pid(proc.pid, 2), signal.SIGKILL)
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-3000:]
     whole = launch(tmp_path / "whole", *SIGNAL, steps=steps, timeout=400)

@@ -89,3 +89,27 @@ def test_score_group_with_math_verify():
     scores, failures = score_group(math_verify, name="math_verify", prompt="q", responses=["\\boxed{3}", "4"],
                                    sample={"answer": "3"}, prompt_index=0, on_error="fail")
     assert (scores, failures) == ([1.0, 0.0], 0)
+
+
+@pytest.mark.parametrize("on_error", ["fail", "zero"])
+def test_a_reward_past_its_timeout_is_named_or_counted(on_error):
+    import time
+
+    from tests.rewards import hang
+
+    calls = []
+
+    def sometimes_hangs(prompt, response, sample):
+        calls.append(response)
+        return hang(prompt, response, sample) if response == "b" else 1.0
+
+    t0 = time.monotonic()
+    if on_error == "fail":
+        with pytest.raises(RewardError, match=r"reward 'slow' timed out after 0.5 s on prompt 3, sample 1"):
+            score_group(sometimes_hangs, name="slow", prompt="p", responses=["a", "b", "c"], sample={},
+                        prompt_index=3, on_error=on_error, timeout_s=0.5)
+    else:
+        scores, failed = score_group(sometimes_hangs, name="slow", prompt="p", responses=["a", "b", "c"], sample={},
+                                     prompt_index=3, on_error=on_error, timeout_s=0.5)
+        assert scores == [1.0, 0.0, 1.0] and failed == 1 and calls == ["a", "b", "c"]  # the next call still runs
+    assert time.monotonic() - t0 < 5

@@ -13,6 +13,8 @@ class RewardConfig(BaseModel):
         None, description="registered names or module:function; default: `embedded` for the embedded "
                           "task, `math_verify` for a data file")
     weights: list[float] | None = Field(None, description="one weight per function (default all 1)")
+    timeout_s: float = Field(60.0, gt=0, description="limit of one reward call; past it the call counts as "
+                             "failed (on_error decides), naming the reward, prompt and sample")
     on_error: Literal["fail", "zero"] = Field("fail", description="a reward that raises or returns NaN: "
                                               "stop the run, or score 0 and count it")
 

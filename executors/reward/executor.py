@@ -55,7 +55,7 @@ class Reward(Executor):
                 for spec, fn, w in zip(self.specs, self.fns, self.weights):
                     scores, failed = score_group(fn, name=spec, prompt=group.prompt, responses=texts,
                                                  sample=group.extras, prompt_index=group.index,
-                                                 on_error=self.cfg.on_error)
+                                                 on_error=self.cfg.on_error, timeout_s=self.cfg.timeout_s)
                     total_G += w * torch.tensor(scores, dtype=torch.float32)
                     group_failures += failed
                 scored = ScoredGroup(**vars(group), rewards=total_G, reward_failures=group_failures)

@@ -9,6 +9,8 @@ import importlib
 import math
 import numbers
 import re
+import queue
+import threading
 from fractions import Fraction
 from typing import Callable, Literal
 
@@ -140,14 +142,17 @@ def score_group(
     sample: dict,
     prompt_index: int,
     on_error: Literal["fail", "zero"],
+    timeout_s: float | None = None,
 ) -> tuple[list[float], int]:
-    """Score the G responses of one prompt; returns (scores, number of failed samples)."""
+    """Score the G responses of one prompt; returns (scores, number of failed samples).
+    timeout_s: each call's limit; a call past it fails like one that raised."""
     if on_error not in ("fail", "zero"):
         raise ValueError(f"on_error must be 'fail' or 'zero', got {on_error!r}")
     scores, failures = [], 0
     for sample_index, response in enumerate(responses):
         try:
-            value = fn(prompt, response, sample)
+            value = fn(prompt, response, sample) if timeout_s is None else _call_with_timeout(
+                fn, (prompt, response, sample), timeout_s=timeout_s)
             # bool is a numbers.Real; a rule returning True/False is a fine 1/0 reward.
             if not isinstance(value, numbers.Real):
                 raise TypeError(f"returned {type(value).__name__} {value!r}, not a number")
@@ -156,10 +161,52 @@ def score_group(
             scores.append(float(value))
         except Exception as e:  # any failure of user code is reported the same way
             if on_error == "fail":
-                raise RewardError(
-                    f"reward {name!r} failed on prompt {prompt_index}, sample {sample_index}: "
-                    f"{type(e).__name__}: {e}"
-                ) from e
+                where = f"on prompt {prompt_index}, sample {sample_index}"
+                raise RewardError(f"reward {name!r} timed out after {timeout_s:g} s {where}" if isinstance(e, _Timeout)
+                                  else f"reward {name!r} failed {where}: {type(e).__name__}: {e}") from e
             scores.append(0.0)
             failures += 1
     return scores, failures
+
+
+class _Timeout(Exception):
+    pass
+
+
+class _Worker:
+    """One daemon thread that runs reward calls in turn. Daemon: a call abandoned past its timeout
+    must not keep the process from exiting (a ThreadPoolExecutor's threads are joined at exit)."""
+
+    def __init__(self):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="tidal-reward", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, box, done = self.calls.get()
+            try:
+                box.append((True, fn(*args)))
+            except BaseException as exc:  # handed to the caller, raised there
+                box.append((False, exc))
+            done.set()
+
+
+_worker: _Worker | None = None
+
+
+def _call_with_timeout(fn: RewardFn, args: tuple, *, timeout_s: float) -> float:
+    """`fn(*args)` on the worker thread, waited for at most `timeout_s`. A call past it is abandoned
+    with its thread (Python cannot stop a thread; under on_error=zero it may keep a core busy until it
+    returns) and the next call gets a new worker."""
+    global _worker
+    if _worker is None:
+        _worker = _Worker()
+    box, done = [], threading.Event()
+    _worker.calls.put((fn, args, box, done))
+    if not done.wait(timeout_s):
+        _worker = None
+        raise _Timeout()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
