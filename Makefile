@@ -40,7 +40,7 @@ test-vllm: install-vllm
 	$(VLLM_PY) -m pytest -q tests_vllm
 
 demo: install
-	$(VENV)/bin/torchrun --nproc-per-node 3 launch.py --algo grpo --output-dir runs/demo
+	$(PY) launch.py --algo grpo --output-dir runs/demo --overwrite
 
 bench: install
 	$(PY) bench/channels.py

@@ -52,6 +52,12 @@ class AlgoConfig(BaseModel):
         """The reward executor may drop groups and the generator then tops the batch up (DAPO)."""
         return False
 
+    @property
+    def group_relative(self) -> bool:
+        """Advantages compare each sample with the others of its prompt's group: one sample per
+        prompt gives every advantage 0, so nothing trains."""
+        return True
+
     def fit_generation(self, *, max_new_tokens: int) -> "AlgoConfig":
         """This config, told what the generator may produce (e.g. a length normaliser); default: as is."""
         return self

@@ -28,6 +28,10 @@ class ReinforcePPConfig(ClipConfig):
     )
     eps: float = Field(1e-6, gt=0.0, description="Added to the batch std before dividing.")
 
+    @property
+    def group_relative(self) -> bool:
+        return self.baseline  # without the group baseline the scores are normalised over the batch
+
 
 def reinforce_pp_scores(rewards_G: torch.Tensor, cfg: ReinforcePPConfig) -> torch.Tensor:
     if cfg.baseline:

@@ -5,8 +5,8 @@ tokenizer), so every test and the CPU quick-start run without any download.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import safetensors.torch
@@ -16,6 +16,7 @@ import transformers  # a lazy module: the heavy model code loads on first attrib
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
+from common.files import readable_as_umask
 from executors.embedded import EOS_TOKEN, TOKENIZER_FILE
 
 # sdpa: the kernel the trainer's explicit-mask (shared-prompt) path uses too. Measured on the
@@ -40,17 +41,69 @@ def embedded_config(*, vocab_size: int, eos_token_id: int) -> Qwen3Config:
     )
 
 
+# What from_pretrained reads, in the names it looks for (a sharded checkpoint: an index + shards).
+WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+TOKENIZER_FILES = "tokenizer.json, or tokenizer_config.json with tokenizer.model or vocab.json"
+
+
 def _check_dir(path: str) -> Path:
     p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"no Hugging Face model directory at {path!r} (no such directory)")
     if not (p / "config.json").is_file():
         raise ValueError(f"no Hugging Face model directory at {path!r} (expected {p / 'config.json'})")
     return p
 
 
+def check_weights(path: str) -> None:
+    """A weights file is there, and every shard its index names (without them from_pretrained fails
+    only after the model is built, or initialises the missing tensors at random)."""
+    p = _check_dir(path)
+    found = [name for name in WEIGHTS_FILES if (p / name).is_file()]
+    if not found:
+        raise ValueError(f"model directory {path!r} has no weights (looked for {', '.join(WEIGHTS_FILES)})")
+    if not found[0].endswith(".index.json"):
+        return
+    try:
+        shards = set(json.loads((p / found[0]).read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{p / found[0]} is not a weights index ({type(exc).__name__}: {exc})") from None
+    missing = sorted(name for name in shards if not (p / name).is_file())
+    if missing:
+        raise ValueError(f"model directory {path!r}: shard {missing[0]} named in {found[0]} is missing"
+                         + (f" ({len(missing)} shards missing)" if len(missing) > 1 else ""))
+
+
+def check_tokenizer(path: str) -> None:
+    """Tokenizer files are there: without them AutoTokenizer may still build one that encodes
+    every prompt to nothing (seen as `empty prompt` far from the cause)."""
+    p = Path(path)
+    if (p / "tokenizer.json").is_file():
+        return
+    if (p / "tokenizer_config.json").is_file() and any((p / n).is_file() for n in ("tokenizer.model", "vocab.json")):
+        return
+    raise ValueError(f"model directory {path!r} has no tokenizer (looked for {TOKENIZER_FILES})")
+
+
+def check_model_dir(path: str) -> None:
+    """Everything a run reads from a model directory, read but not loaded: the launcher checks it
+    before any rank starts, where a bad directory costs one line instead of a start-up."""
+    config = _check_dir(path) / "config.json"
+    try:
+        parsed = json.loads(config.read_text())
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise ValueError(f"{config} is not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{config} is not a JSON object (got {type(parsed).__name__})")
+    check_weights(path)
+    check_tokenizer(path)
+
+
 def load_model(path: str | None, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:
     """An HF causal LM from a local directory, or the embedded tiny Qwen3 initialised from `seed`."""
     if path is not None:
-        _check_dir(path)
+        check_weights(path)
         return transformers.AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dtype, attn_implementation=ATTN_IMPL
         )
@@ -76,6 +129,7 @@ def load_tokenizer(path: str | None) -> PreTrainedTokenizerFast:
     """A fast tokenizer from a local directory, or the embedded 512-token byte-level BPE."""
     if path is not None:
         _check_dir(path)
+        check_tokenizer(path)
         return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     # Left padding: batched prompts must end at the same column so decoding appends in lockstep.
     return transformers.PreTrainedTokenizerFast(
@@ -104,4 +158,5 @@ def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir:
     if state is None:
         state = full_state_dict(model, keep=True)
     safetensors.torch.save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    readable_as_umask(out / "model.safetensors")
     tokenizer.save_pretrained(out)

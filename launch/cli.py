@@ -1,12 +1,15 @@
 """`launch.py --algo NAME [--config FILE] [--set key=value ...] [--steps N] ...`
 
-Every user mistake is one line on stderr and a non-zero exit, before any rank blocks.
+`python launch.py ...` starts the job's ranks itself (launch/selflaunch.py); under torchrun each
+rank runs the job. Every user mistake is one line on stderr and exit 2, before any rank starts
+(launch/preflight.py) or, under torchrun, before any rank loads a model.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -18,7 +21,8 @@ from recipes.config import RunConfig, config_error
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launch.py", description="Tidal: on-policy RL with periodic asynchrony. "
-                                "Run under torchrun --nproc-per-node N (N = ranks of the placement).")
+                                "`python launch.py` starts the placement's ranks on this machine; or run it under "
+                                "torchrun --nproc-per-node N (N = ranks of the placement).")
     p.add_argument("--algo", required=True, help="algorithm name (see the registry in algorithms/)")
     p.add_argument("--config", type=Path, help="YAML or JSON run config")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -29,9 +33,36 @@ def parser() -> argparse.ArgumentParser:
                    help="periodic: train groups as they finish, barrier at the batch end; "
                         "sync: generate all, then train all (= config schedule)")
     p.add_argument("--output-dir", type=Path, help="run directory (default runs/<timestamp>)")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
+                   help="continue the run in --output-dir from its newest complete checkpoint, or from the "
+                        "checkpoint directory PATH (<run>/checkpoints/step_N: --output-dir defaults to <run>)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an output dir that holds a run (its outputs are deleted)")
+    p.add_argument("--max-restarts", type=int, metavar="N",
+                   help="python launch.py only: restart the ranks up to N times after a failure, each restart "
+                        "continuing from the newest checkpoint (default 0; under torchrun use its own flag)")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the placement and channel graph, then exit (no torchrun needed)")
+                   help="print the placement and channel graph, then exit (starts no rank)")
     return p
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    from launch.selflaunch import under_launcher
+
+    if args.resume is not None and args.overwrite:
+        raise ValueError("--resume and --overwrite together: --resume continues the run in the output dir, "
+                         "--overwrite replaces it; pass one")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if args.max_restarts is not None and under_launcher():
+        raise ValueError("--max-restarts is for `python launch.py` (which starts the ranks); "
+                         "under torchrun pass torchrun's own --max-restarts")
+
+
+def _run_of(checkpoint: str) -> Path | None:
+    """<run> of a checkpoint path <run>/checkpoints/step_NNNNNN; None for any other path."""
+    p = Path(checkpoint)
+    return p.parent.parent if re.fullmatch(r"step_\d{6,}", p.name) and p.parent.name == "checkpoints" else None
 
 
 def _load_file(path: Path) -> dict:
@@ -72,32 +103,49 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         value = getattr(args, flag)
         if value is not None:
             data[key] = str(value) if isinstance(value, Path) else value
+    if args.resume not in (None, "latest") and "output_dir" not in data and _run_of(args.resume) is not None:
+        data["output_dir"] = str(_run_of(args.resume))  # continue in the run the checkpoint belongs to
     source = str(args.config) if args.config else "command line"
     try:
-        return RunConfig.model_validate(data).with_algorithm(args.algo)
+        cfg = RunConfig.model_validate(data).with_algorithm(args.algo)
     except ValidationError as exc:
         raise ValueError(config_error(exc, source)) from None
+    if args.resume is not None and cfg.output_dir is None:
+        raise ValueError("--resume needs --output-dir (the run to continue), or a checkpoint path "
+                         "<run>/checkpoints/step_NNNNNN")
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     try:
+        check_flags(args)
         cfg = resolve(args)
         from recipes.registry import recipe_for  # the executors' classes: only once the config is valid
 
         recipe = recipe_for(cfg.algo)
         graph = recipe.build(cfg)
+        from launch.preflight import preflight
+
+        preflight(cfg, resume=args.resume, overwrite=args.overwrite, writes=not args.dry_run)
         if args.dry_run:
             from launch.dryrun import describe
 
             print(describe(graph, cfg, recipe))
             return 0
-        from launch.run import run
+        from launch.selflaunch import under_launcher
 
-        run(cfg, recipe, graph)
-        return 0
+        if under_launcher():
+            from launch.run import run
+
+            return run(cfg, recipe, graph, resume=args.resume, overwrite=args.overwrite)
     except ValueError as exc:
         rank = os.environ.get("RANK", "0")
         if rank == "0":
             print(f"error: {exc}", file=sys.stderr)
         return 2
+    from controller.world import world_size_of
+    from launch.selflaunch import launch_here, without_max_restarts
+
+    return launch_here(without_max_restarts(argv), nproc=world_size_of(graph), max_restarts=args.max_restarts or 0)

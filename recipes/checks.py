@@ -50,3 +50,13 @@ def check_engine(cfg: RunConfig) -> None:
         from executors.hf import load_config  # config.json only
 
         check_tp_fits_vllm(load_config(cfg.model.path), tp=g.tp)
+
+
+def check_groups(cfg: RunConfig) -> None:
+    """One sample per prompt under a group-relative advantage: every advantage is exactly 0 (the
+    group's mean is its only sample), so the run would spend its compute training nothing."""
+    g = cfg.generator.samples_per_prompt
+    if g < 2 and cfg.algo_config is not None and cfg.algo_config.group_relative:
+        raise ValueError(f"generator.samples_per_prompt={g} with --algo {cfg.algo}: its advantages compare each "
+                         f"sample with the others of its prompt's group, so every advantage would be 0 and nothing "
+                         f"would train; set generator.samples_per_prompt to 2 or more")

@@ -1,0 +1,101 @@
+"""What a run reads and writes, checked before any rank starts: one line naming the field or file.
+
+Cheap on purpose (files are read, no model is loaded): `python launch.py` runs these before it
+starts the ranks, and every rank runs them again before it loads anything (under a plain torchrun
+the ranks are the first to see the command line). A bad path then costs a second, not a start-up
+and a traceback per rank.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from controller.checkpoint import complete_checkpoints, open_checkpoint
+from controller.devices import attempt
+from recipes.checks import check_groups
+from recipes.config import RunConfig
+
+# What marks a directory as holding a run: a fresh start would delete it (launch/run.py RUN_OUTPUTS).
+RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints", "final")
+
+
+def preflight(cfg: RunConfig, *, resume: str | None, overwrite: bool, writes: bool) -> None:
+    """writes=False (--dry-run): only what the run reads; nothing is written, so the output dir may be anything."""
+    check_groups(cfg)
+    if cfg.data.path is not None:
+        check_data(cfg.data.path)
+    if cfg.model.path is not None:
+        from executors.hf import check_model_dir  # transformers is imported already by the recipe's executors
+
+        try:
+            check_model_dir(cfg.model.path)
+        except OSError as exc:  # an unreadable file: the check reads what the ranks would
+            raise ValueError(f"model.path: cannot read {exc.filename}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise ValueError(f"model.path: {exc}") from None
+    if writes:
+        check_output(cfg.output_dir, resume=resume, overwrite=overwrite)
+
+
+def check_data(path: str) -> None:
+    """The whole file parses (load_prompts names file and line); tokenizing is left to the generator."""
+    from executors.generator.data import load_prompts
+
+    if Path(path).is_dir():
+        raise ValueError(f"data.path: {path} is a directory, not a prompt file")
+    try:
+        load_prompts(path)
+    except UnicodeDecodeError as exc:  # a ValueError too, but one that names neither file nor line
+        raise ValueError(f"data.path: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"data.path: cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # pyarrow's errors are ValueErrors too, some over several lines
+        raise ValueError(f"data.path: {str(exc).strip().splitlines()[0]}") from None
+
+
+def check_output(output_dir: str | None, *, resume: str | None, overwrite: bool) -> None:
+    # the default is a new runs/<timestamp>: only its parents can be wrong
+    out = Path(output_dir) if output_dir else Path("runs", "<timestamp>")
+    check_writable(out)
+    if output_dir is None:
+        return
+    if resume is not None:
+        check_resume(out, resume)
+    elif not overwrite and attempt() == 0:  # a restarted attempt continues the run its first attempt began
+        held = [name for name in RUN_MARKERS if (out / name).exists()]
+        if held:
+            raise ValueError(f"output dir {out} already holds a run ({', '.join(held)}); pass --resume to "
+                             f"continue it or --overwrite to replace it")
+
+
+def check_writable(out: Path) -> None:
+    """The output dir is a directory, or can be made one: its nearest existing parent is a writable directory."""
+    try:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"output dir {out} is a file, not a directory")
+        existing = next(p for p in (out, *out.parents) if p.exists())
+    except OSError as exc:  # e.g. a parent that may not be searched
+        raise ValueError(f"output dir {out}: cannot look at {exc.filename}: {exc.strerror}") from None
+    if not existing.is_dir():
+        raise ValueError(f"output dir {out}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"output dir {out} is not writable" if existing == out else
+                         f"output dir {out} cannot be created: {existing} is not writable")
+
+
+def check_resume(out: Path, resume: str) -> None:
+    """There is a checkpoint to continue from (sizes against its manifest; the ranks verify the hashes)."""
+    if resume == "latest":
+        if not complete_checkpoints(out):
+            raise ValueError(f"--resume: {out} holds no complete checkpoint (checkpoints/step_*/manifest.json); "
+                             f"start it again without --resume (add --overwrite)")
+        return
+    path = Path(resume)
+    if not path.is_dir():
+        raise ValueError(f"--resume: no checkpoint directory at {path}")
+    try:
+        open_checkpoint(path, hashes=False)
+    except OSError as exc:
+        raise ValueError(f"--resume: checkpoint {path}: cannot read {exc.filename}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ValueError(f"--resume: {exc}") from None

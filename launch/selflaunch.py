@@ -1,0 +1,80 @@
+"""`python launch.py ...` without torchrun: start the job's ranks on this machine.
+
+torch's own launcher runs in this process, so the workers are exactly what `torchrun` would start
+(same environment, same elastic restarts). What it adds is taken away: its agent's log lines and
+the ChildFailedError block after a failed worker. The workers print their own `tidal:`/`error:`
+line; this process only hands on the exit code (128 + N for a signal N, as a shell does).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "launch.py"
+# the loggers of torch's launcher and agent: every step at INFO/WARNING, the failure block at ERROR
+TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+
+
+def under_launcher() -> bool:
+    """Started by torchrun (or by launch_here): the ranks run the job; otherwise this process starts them."""
+    return "RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def launch_here(argv: list[str], *, nproc: int, max_restarts: int) -> int:
+    """Run `launch.py argv` on `nproc` local ranks; the exit code of the job (of its first failed rank)."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    for name in TORCH_LOGGERS:  # a handler that drops all, and no propagation to the root's stderr
+        logger = logging.getLogger(name)
+        logger.addHandler(logging.NullHandler())
+        logger.propagate = False
+    # the ranks print it in their resume line: the command that started them, not torchrun's
+    os.environ["TIDAL_LAUNCHER"] = launcher_command(max_restarts=max_restarts)
+    # --standalone: a rendezvous on a free local port, so two jobs on one machine never collide
+    args = torchrun.parse_args(["--nproc-per-node", str(nproc), "--standalone", "--max-restarts", str(max_restarts),
+                                str(SCRIPT), *argv])
+    try:
+        torchrun.run(args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        if failure.exitcode < 0:  # killed by a signal: the rank could not say so itself
+            print(f"tidal: rank {rank} was killed by {failure.signal_name()}", file=sys.stderr, flush=True)
+            return 128 - failure.exitcode
+        return failure.exitcode
+    except SignalException as exc:  # the agent stopped the ranks (they got the signal too) before raising
+        return 128 + int(exc.sigval)
+    except KeyboardInterrupt:  # Ctrl-C before the agent installed its handlers
+        return 130
+    return 0
+
+
+def launcher_command(*, max_restarts: int) -> str:
+    """How the user started this job, to print in a resume command: `python launch.py [--max-restarts N]`."""
+    python = shutil.which("python")
+    # not realpath: a venv's python links to the system's, which lacks the venv's packages
+    same = python is not None and os.path.abspath(python) == os.path.abspath(sys.executable)
+    script = sys.argv[0] if sys.argv[0].endswith("launch.py") else str(SCRIPT)
+    cmd = [("python" if same else sys.executable), script] + (["--max-restarts", str(max_restarts)] if max_restarts else [])
+    return shlex.join(cmd)
+
+
+def without_max_restarts(argv: list[str]) -> list[str]:
+    """argv without --max-restarts (and its value): the ranks run under the launcher it configures.
+    Any unambiguous prefix counts (argparse accepts `--max-r 2`)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name, eq, _ = arg.partition("=")
+        if len(name) >= 3 and "--max-restarts".startswith(name):
+            skip = not eq
+            continue
+        out.append(arg)
+    return out
