@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,11 +62,16 @@ def _fsync(path: Path) -> None:
 def commit(run_dir: Path, step: int, *, config: dict, keep: int) -> Path:
     """Seal `.tmp.step_N` as `step_N`: modes, hashes, fsync, manifest last, rename; then prune."""
     tmp, final = tmp_dir(run_dir, step), step_dir(run_dir, step)
-    files = {}
-    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+    def seal(path: Path) -> list:
         readable_as_umask(path)
         _fsync(path)
-        files[str(path.relative_to(tmp))] = [path.stat().st_size, _sha256(path)]
+        return [path.stat().st_size, _sha256(path)]
+
+    paths = sorted(p for p in tmp.rglob("*") if p.is_file())
+    # hashlib releases the GIL on large reads: the files (one optimizer shard per trainer rank, the
+    # weights) hash in parallel, ~0.9 GB/s per core here
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        files = dict(zip((str(p.relative_to(tmp)) for p in paths), pool.map(seal, paths)))
     (tmp / "run_config.json").write_text(json.dumps(config, indent=2))
     files["run_config.json"] = [(tmp / "run_config.json").stat().st_size, _sha256(tmp / "run_config.json")]
     manifest = tmp / MANIFEST

@@ -51,9 +51,13 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
-        """This rank ends normally: its exit is not a death."""
-        self._stop.set()
+        """This rank ends normally: its exit is not a death. The thread is joined, not left to the
+        interpreter's exit: a daemon thread coming back from a store call during finalization is ended
+        by pthread_exit, whose unwinding through C++ frames aborts the process (seen once in the
+        suite: `terminate called without an active exception`, exit -6, after a finished run)."""
         self._store.set(f"done/{self.rank}", "1")
+        self._stop.set()
+        self._thread.join(timeout=30)
 
     def _watch(self) -> None:
         tick = 0
