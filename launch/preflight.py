@@ -7,7 +7,7 @@ and a traceback per rank.
 """
 from __future__ import annotations
 
-import os
+import tempfile
 from pathlib import Path
 
 from controller.checkpoint import complete_checkpoints, open_checkpoint
@@ -78,9 +78,11 @@ def check_writable(out: Path) -> None:
         raise ValueError(f"output dir {out}: cannot look at {exc.filename}: {exc.strerror}") from None
     if not existing.is_dir():
         raise ValueError(f"output dir {out}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"output dir {out} is not writable" if existing == out else
-                         f"output dir {out} cannot be created: {existing} is not writable")
+    try:  # a real write, not os.access: root passes os.access where a read-only or special filesystem refuses
+        tempfile.TemporaryDirectory(dir=existing, prefix=".tidal-probe-").cleanup()
+    except OSError as exc:
+        raise ValueError(f"output dir {out} is not writable ({exc.strerror})" if existing == out else
+                         f"output dir {out} cannot be created: {existing} is not writable ({exc.strerror})") from None
 
 
 def check_resume(out: Path, resume: str) -> None:

@@ -5,9 +5,9 @@ from executors.embedded.task import embedded_reward
 
 
 def slow_embedded(prompt: str, response: str, sample: dict) -> float:
-    """The embedded reward, but one prompt in four takes 0.3 s per response (a slow grader)."""
-    if sum(map(ord, prompt)) % 4 == 0:
-        time.sleep(0.3)
+    """The embedded reward, but slow: 0.05 s per response, and 0.3 s for one prompt in four (a slow
+    grader). Scoring then takes most of a step, so the groups reach the trainer spread over it."""
+    time.sleep(0.3 if sum(map(ord, prompt)) % 4 == 0 else 0.05)
     return embedded_reward(prompt, response, sample)
 
 

@@ -1,8 +1,10 @@
-"""Bad input fails before any rank starts: one line naming the field or file, exit 2, in seconds; and
-`python launch.py` starts the ranks itself."""
+"""Bad inputs fail before any rank starts: exit 2, one stderr line naming the field or file, in
+seconds. `python launch.py` starts the ranks itself; its own output stays the workers' lines."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -10,82 +12,215 @@ from pathlib import Path
 
 import pytest
 
+from executors.hf import load_model, load_tokenizer, save_hf
+from launch.cli import _run_of
+from launch.selflaunch import without_max_restarts
 from tests.e2e import ROOT, SMALL, metrics
 
+WEIGHTS = "model.safetensors, model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json"
+# ~2 s on an idle machine (imports + the checks); the bound only catches a start-up or a hang
+# without flaking when CI shares its 2 cores
+BOUND_S = 60
 
-def _launch(*args: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
+
+def _env() -> dict:
+    # a test run under torchrun must not make launch.py think it is a rank
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "TORCHELASTIC_RUN_ID")}
+
+
+def _launch(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "launch.py", "--algo", "grpo", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=_env())
+    return proc, time.monotonic() - t0
+
+
+def _torchrun(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--standalone",
+                           "launch.py", "--algo", "grpo", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240, env=_env())
     return proc, time.monotonic() - t0
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from executors.hf import load_model, load_tokenizer, save_hf
-
-    path = tmp_path_factory.mktemp("model")
-    save_hf(load_model(None), load_tokenizer(None), path)
-    return path
-
-
-def _copy_without(model_dir: Path, tmp: Path, *names: str) -> Path:
-    out = tmp / "model"
-    out.mkdir(parents=True)
-    for f in model_dir.iterdir():
-        if f.name not in names:
-            (out / f.name).write_bytes(f.read_bytes())
+def model_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("model")
+    save_hf(load_model(None), load_tokenizer(None), out)
     return out
 
 
-def _cases(model_dir: Path, tmp: Path):
-    data = tmp / "prompts.jsonl"
-    data.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": 5}\n')
-    a_file = tmp / "a_file"
-    a_file.write_text("x")
-    held = tmp / "held"
-    held.mkdir()
-    (held / "metrics.jsonl").write_text("{}\n")
-    yield "missing data", ["--set", f"data.path={tmp / 'nope.jsonl'}"], "nope.jsonl' does not exist"
-    yield "bad data line", ["--set", f"data.path={data}"], f"data.path: {data}:2: field 'prompt'"
-    yield "no config.json", ["--set", f"model.path={_copy_without(model_dir, tmp / 'c', 'config.json')}"], \
-        "expected"
-    yield "no weights", ["--set", f"model.path={_copy_without(model_dir, tmp / 'w', 'model.safetensors')}"], \
-        "has no weights (looked for model.safetensors"
-    yield "no tokenizer", ["--set", f"model.path={_copy_without(model_dir, tmp / 't', 'tokenizer.json')}"], \
-        "has no tokenizer"
-    yield "output dir is a file", ["--output-dir", str(a_file)], f"output dir {a_file} is a file, not a directory"
-    yield "output dir holds a run", ["--output-dir", str(held)], \
-        f"output dir {held} already holds a run (metrics.jsonl); pass --resume to continue it or --overwrite"
-    yield "one sample per prompt", ["--set", "generator.samples_per_prompt=1"], \
-        "generator.samples_per_prompt=1 with --algo grpo"
-    yield "resume and overwrite", ["--output-dir", str(held), "--resume", "--overwrite"], \
-        "--resume and --overwrite together"
+def _model_without(model_dir: Path, tmp: Path, *names: str) -> Path:
+    out = tmp / "model"
+    shutil.copytree(model_dir, out)
+    for name in names:
+        (out / name).unlink()
+    return out
 
 
-def test_each_bad_input_is_one_line_before_start(model_dir, tmp_path):
-    (tmp_path / "cases").mkdir()
-    times = {}
-    for name, args, message in _cases(model_dir, tmp_path / "cases"):
-        proc, took = _launch(*args, "--steps", "1")
-        times[name] = round(took, 1)
-        assert proc.returncode == 2, (name, proc.returncode, proc.stderr[-2000:])
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (name, proc.stderr)
-        assert took < 60, (name, took)  # measured 2-4 s on a quiet machine; a hang guard here
-    print("seconds to the error:", times)
+def _case(name: str, tmp: Path, model_dir: Path) -> tuple[list[str], str]:
+    """(arguments, the one stderr line they must give) of each bad input."""
+    if name == "missing_data":
+        return ["--set", f"data.path={tmp / 'nope.jsonl'}"], f"error: data.path: prompt file '{tmp / 'nope.jsonl'}' does not exist"
+    if name == "bad_jsonl_line":
+        data = tmp / "prompts.jsonl"
+        data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", \n')
+        return ["--set", f"data.path={data}"], f"error: data.path: {data}:2: invalid JSON: "
+    if name == "model_without_config":
+        d = _model_without(model_dir, tmp, "config.json")
+        return ["--set", f"model.path={d}"], (f"error: model.path: no Hugging Face model directory at '{d}' "
+                                              f"(expected {d / 'config.json'})")
+    if name == "model_without_weights":
+        d = _model_without(model_dir, tmp, "model.safetensors")
+        return ["--set", f"model.path={d}"], f"error: model.path: model directory '{d}' has no weights (looked for {WEIGHTS})"
+    if name == "model_without_tokenizer":
+        d = _model_without(model_dir, tmp, "tokenizer.json")  # tokenizer_config.json alone: `empty prompt` before
+        return ["--set", f"model.path={d}"], (f"error: model.path: model directory '{d}' has no tokenizer (looked for "
+                                              f"tokenizer.json, or tokenizer_config.json with tokenizer.model or vocab.json)")
+    if name == "output_dir_is_a_file":
+        f = tmp / "out"
+        f.write_text("")
+        return ["--output-dir", str(f)], f"error: output dir {f} is a file, not a directory"
+    if name == "output_dir_holds_a_run":
+        (tmp / "config.json").write_text("{}")
+        (tmp / "metrics.jsonl").write_text("")
+        return ["--output-dir", str(tmp)], (f"error: output dir {tmp} already holds a run (config.json, metrics.jsonl); "
+                                            f"pass --resume to continue it or --overwrite to replace it")
+    if name == "one_sample_per_prompt":
+        return ["--set", "generator.samples_per_prompt=1"], (
+            "error: generator.samples_per_prompt=1 with --algo grpo: its advantages compare each sample with the "
+            "others of its prompt's group, so every advantage would be 0 and nothing would train")
+    if name == "resume_and_overwrite":
+        return ["--output-dir", str(tmp), "--resume", "--overwrite"], "error: --resume and --overwrite together"
+    raise KeyError(name)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through a read-only mode")
-def test_unwritable_output_parent(tmp_path):
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o500)
-    proc, _ = _launch("--output-dir", str(locked / "run"))
-    assert proc.returncode == 2 and f"cannot be created: {locked} is not writable" in proc.stderr
+CASES = ["missing_data", "bad_jsonl_line", "model_without_config", "model_without_weights", "model_without_tokenizer",
+         "output_dir_is_a_file", "output_dir_holds_a_run", "one_sample_per_prompt", "resume_and_overwrite"]
 
 
-def test_python_launch_starts_the_ranks_itself(tmp_path):
-    proc, _ = _launch("--steps", "2", "--output-dir", str(tmp_path), *SMALL)
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_is_one_line_before_start(name, tmp_path, model_dir):
+    args, line = _case(name, tmp_path, model_dir)
+    proc, took = _launch(*args, "--steps", "2")
+    print(f"\n{name}: python launch.py exit {proc.returncode} in {took:.2f} s")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith(line), proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert took < BOUND_S, took
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any directory: chmod does not bind")
+def test_output_dir_in_a_read_only_dir(tmp_path):
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    parent.chmod(0o500)
+    try:
+        proc, took = _launch("--output-dir", str(parent / "run"), "--steps", "2")
+    finally:
+        parent.chmod(0o700)
+    print(f"\nread-only parent: python launch.py exit {proc.returncode} in {took:.2f} s")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: output dir {parent / 'run'} cannot be created: {parent} is not "
+                                   f"writable (Permission denied)")
+    assert took < BOUND_S, took
+
+
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="no sysfs here")
+def test_output_dir_where_even_root_cannot_write():
+    # sysfs refuses mkdir to everyone (root included, where a permission check would pass)
+    proc, took = _launch("--output-dir", "/sys/tidal/run", "--steps", "2")
+    print(f"\nsysfs parent: python launch.py exit {proc.returncode} in {took:.2f} s")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: output dir /sys/tidal/run cannot be created: /sys is not writable (")
+    assert len(proc.stderr.strip().splitlines()) == 1 and took < BOUND_S
+
+
+@pytest.mark.parametrize("name", ["missing_data", "output_dir_holds_a_run"])
+def test_bad_input_under_torchrun(name, tmp_path, model_dir):
+    # every rank checks before it loads anything; only rank 0 prints (torchrun's own block may follow)
+    args, line = _case(name, tmp_path, model_dir)
+    proc, took = _torchrun(*args, "--steps", "2")
+    print(f"\n{name}: torchrun exit {proc.returncode} in {took:.2f} s")
+    assert proc.returncode != 0
+    assert sum(ln.startswith(line) for ln in proc.stderr.splitlines()) == 1, proc.stderr[-3000:]
+    assert took < BOUND_S, took
+
+
+def test_resume_without_output_dir_needs_a_checkpoint_path(tmp_path):
+    proc, _ = _launch("--resume")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --resume needs --output-dir"), proc.stderr
+    # <run>/checkpoints/step_N names its run: the output dir follows, and the missing checkpoint is named
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000003"
+    proc, _ = _launch("--resume", str(ckpt))
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: --resume: no checkpoint directory at {ckpt}"
+    assert _run_of(str(ckpt)) == tmp_path / "run"
+    assert _run_of(str(tmp_path / "step_000003")) is None and _run_of(str(tmp_path / "checkpoints" / "x")) is None
+
+
+def test_one_sample_per_prompt_is_fine_without_a_group_baseline():
+    refused, _ = _launch("--dry-run", "--set", "generator.samples_per_prompt=1")
+    assert refused.returncode == 2  # grpo: group-relative
+    proc = subprocess.run([sys.executable, "launch.py", "--algo", "reinforce_pp", "--dry-run", "--set",
+                           "generator.samples_per_prompt=1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr  # scores normalised over the batch
+    proc = subprocess.run([sys.executable, "launch.py", "--algo", "reinforce_pp", "--dry-run", "--set",
+                           "generator.samples_per_prompt=1", "--set", "algorithm.baseline=true"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "generator.samples_per_prompt=1 with --algo reinforce_pp" in proc.stderr
+
+
+def test_a_saved_model_dir_passes(model_dir):
+    proc, _ = _launch("--dry-run", "--set", f"model.path={model_dir}")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_max_restarts_is_not_passed_to_the_ranks():
+    argv = ["--steps", "2", "--max-restarts", "3", "--set", "a=1", "--max-restarts=2", "--max-r", "1", "--seed", "0"]
+    assert without_max_restarts(argv) == ["--steps", "2", "--set", "a=1", "--seed", "0"]
+
+
+def _no_launcher_noise(stderr: str) -> None:
+    for noise in ("ChildFailedError", "OMP_NUM_THREADS", "torch/distributed/elastic", "Traceback"):
+        assert noise not in stderr, stderr[-3000:]
+
+
+def test_self_launch_runs_a_job_to_the_end(tmp_path):
+    proc, took = _launch("--steps", "2", "--output-dir", str(tmp_path), *SMALL, timeout=300)
+    print(f"\n2-step job: python launch.py exit {proc.returncode} in {took:.2f} s")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path)] == [0, 1]
-    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
+    _no_launcher_noise(proc.stderr)
+    # the same dir again: refused, and --overwrite starts over
+    proc, _ = _launch("--steps", "1", "--output-dir", str(tmp_path), *SMALL)
+    assert proc.returncode == 2 and "already holds a run (config.json, metrics.jsonl, final)" in proc.stderr
+    proc, _ = _launch("--steps", "1", "--output-dir", str(tmp_path), "--overwrite", *SMALL, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path)] == [0]
+
+
+def test_self_launch_hands_on_a_failed_rank_without_torch_noise(tmp_path):
+    proc, _ = _launch("--steps", "1", "--output-dir", str(tmp_path), *SMALL,
+                      "--set", "reward.functions=[tests.rewards:boom]", timeout=300)
+    assert proc.returncode not in (0, 2), proc.stderr[-3000:]
+    assert "tidal: rank 1 (reward) failed: RewardError" in proc.stderr
+    assert "ChildFailedError" not in proc.stderr and "torch/distributed/elastic" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_self_launch_exits_143_on_sigterm(tmp_path):
+    proc = subprocess.Popen([sys.executable, "launch.py", "--algo", "grpo", "--steps", "500", "--output-dir",
+                             str(tmp_path), *SMALL], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 240
+        metrics = tmp_path / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    _no_launcher_noise(stderr)
