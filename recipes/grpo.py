@@ -79,5 +79,5 @@ def step_figures(records: dict, world_size: int) -> dict:
 
 
 RECIPE = Recipe(name="grpo", build=build, phases=PHASES, derive=step_figures,
-                console=("step", "reward_mean", "reward_std", "response_len_mean", "loss", "kl", "grad_norm",
+                console=("step", "reward_mean", "reward_std", "response_len_mean", "loss", "kl", "entropy", "grad_norm",
                          "gen_s", "train_s", "push_s", "step_s", "first_group_s", "tpspd"))

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from executors.parallel import (build_mesh, check_divisible, clip_grad_norm_, copy_params_, local,
+from executors.parallel import (apply_ac, build_mesh, check_divisible, clip_grad_norm_, copy_params_, local,
                                 param_specs, parallelize, tp_plan)
 from executors.parallel.tp import apply_tp
 from executors.trainer.batching import response_logprobs, split_group
@@ -51,8 +51,13 @@ def sub(mb, rows: slice):
                     mb.mask_NT[rows], mb.prompt_len)
 
 
-def loss_of(model, mb, n_total: int):
-    return -(response_logprobs(model, mb, temperature=1.0) * mb.mask_NT).sum() / n_total
+# the parallel layouts run the LM head in chunks of 4 tokens (recomputed in the backward, collectives
+# included); the single-rank reference runs it whole
+CHUNK = 4
+
+
+def loss_of(model, mb, n_total: int, *, chunk: int = 0):
+    return -(response_logprobs(model, mb, temperature=1.0, chunk=chunk) * mb.mask_NT).sum() / n_total
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -70,16 +75,18 @@ def reference_step(family: str):
     return logp, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def check_layout(family: str, *, mesh, tp: bool, fsdp: bool) -> dict:
-    """Max |diff| of log-probs and of weights after one step, against the single-rank model."""
+def check_layout(family: str, *, mesh, tp: bool, fsdp: bool, ac: bool = False) -> dict:
+    """Max |diff| of log-probs and of weights after one step, against the single-rank model
+    (ac: with activation checkpointing, which the reference does not use)."""
     ref_logp, ref_after = reference_step(family)
-    model, mb = parallelize(tiny(family), mesh=mesh, tp=tp, fsdp=fsdp), batch()
+    model = tiny(family)
+    model, mb = parallelize(apply_ac(model) if ac else model, mesh=mesh, tp=tp, fsdp=fsdp), batch()
     dp, d = mesh["dp"].size(), mesh["dp"].get_local_rank()
     with torch.no_grad():
-        logp_err = (response_logprobs(model, mb, temperature=1.0) - ref_logp).abs().max().item()
+        logp_err = (response_logprobs(model, mb, temperature=1.0, chunk=CHUNK) - ref_logp).abs().max().item()
     # each dp rank trains on its share of the samples; the loss is normalised by the global count
     rows = slice(d * len(mb.samples) // dp, (d + 1) * len(mb.samples) // dp)
-    loss_of(model, sub(mb, rows), len(mb.samples)).backward()
+    loss_of(model, sub(mb, rows), len(mb.samples), chunk=CHUNK).backward()
     params = list(model.parameters())
     if not fsdp and dp > 1:  # plain replication: sum the gradients over dp
         for p in params:
@@ -154,10 +161,12 @@ def _ranks_main():
         out["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
         out["drift_naive"] = drift_after_steps(mesh=mesh, fix=False)
         out["drift_fixed"] = drift_after_steps(mesh=mesh, fix=True)
+        out["tp2+ac/qwen3"] = check_layout("qwen3", mesh=mesh, tp=True, fsdp=False, ac=True)
     else:
         mesh = build_mesh(ranks=pair, tp=1)
         out["fsdp2/qwen3"] = check_layout("qwen3", mesh=mesh, tp=False, fsdp=True)
         out["fsdp2/llama"] = check_layout("llama", mesh=mesh, tp=False, fsdp=True)
+        out["fsdp2+ac/qwen3"] = check_layout("qwen3", mesh=mesh, tp=False, fsdp=True, ac=True)
         out["old_naive"] = forward_only_copy(mesh=mesh, fix=False)
         out["old_fixed"] = forward_only_copy(mesh=mesh, fix=True)
     # 2. the whole world as dp=2 x tp=2, replicated dp and FSDP2
@@ -174,7 +183,7 @@ def results():
 
 
 @pytest.mark.parametrize("layout", ["tp2/qwen3", "tp2/qwen2", "tp2/llama", "fsdp2/qwen3", "fsdp2/llama",
-                                    "dp2xtp2/qwen3", "fsdp2xtp2/qwen3"])
+                                    "dp2xtp2/qwen3", "fsdp2xtp2/qwen3", "tp2+ac/qwen3", "fsdp2+ac/qwen3"])
 def test_layout_matches_single_rank(results, layout):
     for out in results:
         if layout in out:

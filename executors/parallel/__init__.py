@@ -16,11 +16,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from executors.parallel.ac import apply_ac, has_ac
 from executors.parallel.fsdp import apply_fsdp
 from executors.parallel.mesh import build_mesh, mesh_ranks
 from executors.parallel.tp import apply_tp, check_divisible, param_specs, tp_plan
 
-__all__ = ["apply_fsdp", "apply_tp", "build_mesh", "check_divisible", "clip_grad_norm_", "copy_params_",
+__all__ = ["apply_ac", "apply_fsdp", "has_ac", "apply_tp", "build_mesh", "check_divisible", "clip_grad_norm_", "copy_params_",
            "full_state_dict", "local", "local_shards", "mesh_ranks", "param_specs", "parallelize",
            "tp_plan"]
 

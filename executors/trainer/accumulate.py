@@ -35,6 +35,8 @@ class LossSums:
     denom: float = 0.0  # the algorithm's batch denominator (Algorithm.normaliser)
     kl_sum: float = 0.0
     clip_sum: float = 0.0
+    entropy_sum: float = 0.0  # the policy's token entropy, summed over the response tokens trained on
+    entropy_tokens: float = 0.0
     mismatch: float = 0.0  # max |trainer - sampler| log-prob of a sampled token: a max, not a sum
 
     def __iadd__(self, other: "LossSums") -> "LossSums":
@@ -43,19 +45,21 @@ class LossSums:
         self.denom += other.denom
         self.kl_sum += other.kl_sum
         self.clip_sum += other.clip_sum
+        self.entropy_sum += other.entropy_sum
+        self.entropy_tokens += other.entropy_tokens
         self.mismatch = max(self.mismatch, other.mismatch)
         return self
 
     def all_reduce(self, *, group: dist.ProcessGroup | None) -> "LossSums":
         if group is None or dist.get_world_size(group) == 1:
             return self
-        sums = torch.tensor([*(self.loss[n] for n in Pass), self.denom, self.kl_sum, self.clip_sum],
-                            dtype=torch.float64)
+        sums = torch.tensor([*(self.loss[n] for n in Pass), self.denom, self.kl_sum, self.clip_sum,
+                             self.entropy_sum, self.entropy_tokens], dtype=torch.float64)
         mismatch = torch.tensor([self.mismatch], dtype=torch.float64)
         dist.all_reduce(sums, group=group)
         dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=group)
-        *loss, denom, kl_sum, clip_sum = sums.tolist()
-        return LossSums(dict(zip(Pass, loss)), denom, kl_sum, clip_sum, mismatch.item())
+        *loss, denom, kl_sum, clip_sum, entropy_sum, entropy_tokens = sums.tolist()
+        return LossSums(dict(zip(Pass, loss)), denom, kl_sum, clip_sum, entropy_sum, entropy_tokens, mismatch.item())
 
 
 @dataclass

@@ -60,6 +60,8 @@ class OptimizerStep:
     denom: float
     kl_sum: float
     clip_sum: float
+    entropy_sum: float
+    entropy_tokens: float
     grad_norm: float  # before clipping
     mismatch: float
     lr: float
@@ -109,7 +111,8 @@ class Barrier:
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return OptimizerStep(loss, sums.denom, sums.kl_sum, sums.clip_sum, grad_norm, sums.mismatch, lr)
+        return OptimizerStep(loss, sums.denom, sums.kl_sum, sums.clip_sum, sums.entropy_sum, sums.entropy_tokens,
+                             grad_norm, sums.mismatch, lr)
 
     def end_of_batch(self) -> None:
         self.sched.step()

@@ -6,8 +6,11 @@ arithmetic of a sample never depends on arrival order (DESIGN.md determinism rul
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from executors.trainer.head import TokenLogprobs, chunked_head
 
 
 @dataclass(frozen=True)
@@ -24,8 +27,20 @@ class MicroBatch:
         """Tokens the forward actually trains on (prompt counted once per sequence here)."""
         return int(self.attention_mask_NL.sum())
 
-    def logprobs(self, model, *, temperature: float) -> torch.Tensor:
-        return response_logprobs(model, self, temperature=temperature)
+    def logprobs(self, model, *, temperature: float, chunk: int = 0) -> torch.Tensor:
+        return self.forward(model, temperature=temperature, chunk=chunk).logp_NT
+
+    def forward(self, model, *, temperature: float, chunk: int = 0, entropy: bool = False) -> ResponseLogprobs:
+        """Log-probs (and entropy) of the response tokens, [N, T] float32, 0 where masked; the LM head
+        runs on `chunk` tokens at a time (executors/trainer/head.py)."""
+        T = self.targets_NT.shape[1]
+        out = []
+        # the token at position P + t is predicted by the hidden state at P + t - 1
+        keep = torch.arange(self.prompt_len - 1, self.prompt_len - 1 + T, device=self.input_ids_NL.device)
+        with chunked_head(model, select=lambda h_NTH: h_NTH[self.mask_NT], targets_K=self.targets_NT[self.mask_NT],
+                          temperature=temperature, chunk=chunk, entropy=entropy, out=out):
+            model(input_ids=self.input_ids_NL, attention_mask=self.attention_mask_NL, logits_to_keep=keep, use_cache=False)
+        return ResponseLogprobs.scatter(out[0], self.mask_NT)
 
 
 def split_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, micro_batch_size: int,
@@ -53,11 +68,18 @@ def split_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, mi
     return out
 
 
-def response_logprobs(model, mb: MicroBatch, *, temperature: float) -> torch.Tensor:
+class ResponseLogprobs(NamedTuple):
+    logp_NT: torch.Tensor  # float32 log_softmax(logits / T) of each response token, 0 where masked
+    entropy_NT: torch.Tensor | None  # float32 entropy of each response token's distribution (no gradient)
+
+    @classmethod
+    def scatter(cls, tokens: TokenLogprobs, mask_NT: torch.Tensor) -> "ResponseLogprobs":
+        def place(x_K):
+            return torch.zeros(mask_NT.shape, dtype=x_K.dtype, device=x_K.device).masked_scatter(mask_NT, x_K)
+
+        return cls(place(tokens.logp_K), None if tokens.entropy_K is None else place(tokens.entropy_K))
+
+
+def response_logprobs(model, mb: MicroBatch, *, temperature: float, chunk: int = 0) -> torch.Tensor:
     """log_softmax(logits / T) of each response token, [N, T] float32 (0 where masked)."""
-    T = mb.targets_NT.shape[1]
-    logits_NLV = model(input_ids=mb.input_ids_NL, attention_mask=mb.attention_mask_NL).logits
-    # the token at position P + t is predicted by the logits at P + t - 1
-    logits_NTV = logits_NLV[:, mb.prompt_len - 1: mb.prompt_len - 1 + T].float() / temperature
-    logp_NT = torch.log_softmax(logits_NTV, dim=-1).gather(-1, mb.targets_NT[..., None])[..., 0]
-    return logp_NT.masked_fill(~mb.mask_NT, 0.0)
+    return mb.logprobs(model, temperature=temperature, chunk=chunk)

@@ -31,6 +31,11 @@ class TrainerConfig(BaseModel):
         # YAML 1.1 reads bare on/off as booleans (in config files and --set alike)
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations "
+                                           "in the backward: ~1/3 more compute, one layer's activations kept")
+    logprob_chunk: int = Field(1024, ge=0, description="response tokens per LM-head chunk: log-probs and "
+                               "entropy never hold [tokens, vocab] logits beyond a chunk (recomputed in the "
+                               "backward); 0: all at once")
     token_budget: int = Field(4096, ge=1, description="tokens per packed micro-batch (a group splits by sample index)")
     micro_batch_size: int = Field(8, ge=1, description="sequences per micro-batch with shared_prompt=padded")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch over the batch; group i "

@@ -151,7 +151,10 @@ class Trainer(Executor):
     def _micro_step(self, mb, ref_NT, score_N, *, first_pass: bool, linear: bool, sums: LossSums) -> torch.Tensor:
         """One micro-batch: policy (and old) forward, then one backward per loss pass.
         score_N None: a lockstep dummy, its loss multiplied by 0."""
-        logp_NT = self.models.policy_logprobs(mb)
+        logp_NT, entropy_NT = self.models.policy_logprobs(mb, entropy=score_N is not None)
+        if entropy_NT is not None:
+            sums.entropy_sum += entropy_NT[mb.mask_NT].sum().item()
+            sums.entropy_tokens += mb.mask_NT.sum().item()
         old_NT = self.models.old_logprobs(mb, policy_NT=logp_NT, first_pass=first_pass)
         if score_N is None:  # a dummy: the same passes, no advantages
             passes = dict.fromkeys(self.first_passes if linear else (Pass.SCORE,))
@@ -164,7 +167,7 @@ class Trainer(Executor):
         recompute = self.cfg.fsdp
         for k, (name, adv_N) in enumerate(passes.items()):
             if k and recompute:
-                logp_NT = self.models.policy_logprobs(mb)
+                logp_NT = self.models.policy_logprobs(mb).logp_NT
             if adv_N is None:
                 loss = (logp_NT * 0).sum()
             else:

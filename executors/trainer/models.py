@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from channels.payloads import ScoredGroup
 from executors.base import ExecutorEnv
 from executors.hf import load_model, load_tokenizer, save_hf
-from executors.parallel import (build_mesh, copy_params_, full_state_dict, local_shards, param_specs,
+from executors.parallel import (apply_ac, build_mesh, copy_params_, full_state_dict, local_shards, param_specs,
                                 parallelize)
 from executors.trainer.config import TrainerConfig
 from executors.trainer.packed_attention import install as install_packed_attention
@@ -49,6 +49,8 @@ class TriModel:
                 if dist.is_initialized() else None)
         policy = load_model(str(policy_path) if policy_path else model_path, dtype=dtype,
                             seed=env.seed).to(env.device).train()
+        if cfg.activation_checkpointing:  # the copies below are forward-only: checkpointing is a no-op there
+            apply_ac(policy)
         initial = policy
         if policy_path and reference:
             initial = load_model(model_path, dtype=dtype, seed=env.seed).to(env.device)
@@ -102,23 +104,27 @@ class TriModel:
                                   pad_id=self.tokenizer.pad_token_id, device=self.device)
 
     # ---- log-probs ----------------------------------------------------------------------------
-    def policy_logprobs(self, mb) -> torch.Tensor:
-        return mb.logprobs(self.policy, temperature=self.temperature)
+    def policy_logprobs(self, mb, *, entropy: bool = False):
+        """ResponseLogprobs of the policy (with the token entropy when asked)."""
+        return mb.forward(self.policy, temperature=self.temperature, chunk=self.cfg.logprob_chunk, entropy=entropy)
+
+    def _logprobs(self, model, mb) -> torch.Tensor:
+        return mb.logprobs(model, temperature=self.temperature, chunk=self.cfg.logprob_chunk)
 
     def old_logprobs(self, mb, *, policy_NT: torch.Tensor, first_pass: bool) -> torch.Tensor:
         if first_pass or self.old is None:  # the policy IS the old policy until the batch's first optimizer step
             return policy_NT.detach()
         with torch.no_grad():
-            return mb.logprobs(self.old, temperature=self.temperature)
+            return self._logprobs(self.old, mb)
 
     def ref_logprobs(self, mbs: list, *, pad_to: int) -> list:
         """Reference log-probs per micro-batch (None without a reference), then lockstep dummies."""
         if self.reference is None:
             return [None] * len(mbs)
         with torch.no_grad():  # frozen: no graph
-            refs = [mb.logprobs(self.reference, temperature=self.temperature) for mb in mbs]
+            refs = [self._logprobs(self.reference, mb) for mb in mbs]
             for _ in range(pad_to - len(mbs)):
-                self.dummy.logprobs(self.reference, temperature=self.temperature)
+                self._logprobs(self.reference, self.dummy)
         return refs
 
     # ---- outputs ------------------------------------------------------------------------------

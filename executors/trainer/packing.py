@@ -15,7 +15,8 @@ from typing import Literal
 
 import torch
 
-from executors.trainer.batching import MicroBatch, split_group
+from executors.trainer.batching import MicroBatch, ResponseLogprobs, split_group
+from executors.trainer.head import chunked_head
 from executors.trainer.packed_attention import BACKENDS, Backend, PackMask, install, packed_forward
 
 Mode = Literal["on", "off", "auto", "padded"]
@@ -42,17 +43,21 @@ class PackedMicroBatch:
         """Tokens the forward actually trains on (a shared prompt counts once per row)."""
         return self.input_ids_1L.shape[1]
 
-    def logprobs(self, model, *, temperature: float) -> torch.Tensor:
-        """log_softmax(logits / T) of each response token, [N, T] float32 (0 where masked)."""
+    def logprobs(self, model, *, temperature: float, chunk: int = 0) -> torch.Tensor:
+        return self.forward(model, temperature=temperature, chunk=chunk).logp_NT
+
+    def forward(self, model, *, temperature: float, chunk: int = 0, entropy: bool = False) -> ResponseLogprobs:
+        """Log-probs (and entropy) of the response tokens, [N, T] float32, 0 where masked; the LM head
+        runs on `chunk` tokens at a time (executors/trainer/head.py)."""
         install(model)
-        with packed_forward(self.pack):
-            # logits_to_keep: only the K rows that predict response tokens go through the LM head.
-            logits_1KV = model(input_ids=self.input_ids_1L, position_ids=self.position_ids_1L,
-                               logits_to_keep=self.rows_K, use_cache=False).logits
-        logits_KV = logits_1KV[0].float() / temperature
-        logp_K = torch.log_softmax(logits_KV, dim=-1).gather(-1, self.targets_NT[self.mask_NT][:, None])[:, 0]
-        return torch.zeros(self.mask_NT.shape, dtype=torch.float32, device=logp_K.device).masked_scatter(
-            self.mask_NT, logp_K)
+        out = []
+        head = chunked_head(model, select=lambda h_1KH: h_1KH[0], targets_K=self.targets_NT[self.mask_NT],
+                            temperature=temperature, chunk=chunk, entropy=entropy, out=out)
+        with packed_forward(self.pack), head:
+            # logits_to_keep: only the K rows that predict response tokens reach the LM head
+            model(input_ids=self.input_ids_1L, position_ids=self.position_ids_1L, logits_to_keep=self.rows_K,
+                  use_cache=False)
+        return ResponseLogprobs.scatter(out[0], self.mask_NT)
 
 
 def _chunks(costs: list[int], *, fixed: int, token_budget: int) -> list[tuple[int, ...]]:

@@ -37,6 +37,7 @@ class TrainerMetrics:
     loss: float
     kl: float
     clip_frac: float
+    entropy: float  # the policy's mean token entropy (at the sampling temperature) over the tokens trained on
     grad_norm: float  # mean over the step's optimizer steps, before clipping
     lr: float
     logp_mismatch_max: float  # on-policy check: trainer vs sampler log-probs of the sampled tokens
@@ -59,6 +60,7 @@ class TrainerMetrics:
         return cls(reward_mean=mean, reward_std=math.sqrt(max(0.0, record.reward_sq_sum / n - mean * mean)),
                    response_len_mean=record.len_sum / n, loss=sum(s.loss for s in steps) / denom,
                    kl=sum(s.kl_sum for s in steps) / denom, clip_frac=sum(s.clip_sum for s in steps) / denom,
+                   entropy=sum(s.entropy_sum for s in steps) / max(1.0, sum(s.entropy_tokens for s in steps)),
                    grad_norm=sum(s.grad_norm / len(steps) for s in steps), lr=steps[-1].lr,
                    logp_mismatch_max=max(s.mismatch for s in steps), groups=int(record.groups),
                    reward_failures=int(record.reward_failures), tokens=int(record.tokens),

@@ -1,0 +1,111 @@
+"""The LM head in chunks (executors/trainer/head.py) against the whole-vocabulary reference.
+
+Chunked log-probs, entropy and the gradients they give equal the whole head's (one [K, V] logits
+tensor, as the trainer computed before chunking) within 1e-6 (relative) in fp32, for padded, varlen and
+shared-prompt micro-batches; the whole head equals the textbook computation on each sequence alone.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executors.trainer.packing import make_micro_batches
+from tests.test_parallel import tiny
+
+TEMP = 0.7
+
+
+def _group(lens=(9, 4, 13, 1, 7)):
+    g = torch.Generator().manual_seed(3)
+    prompt_P = torch.randint(1, 96, (6,), generator=g)
+    return prompt_P, [torch.randint(1, 96, (n,), generator=g) for n in lens]
+
+
+def _reference(model, prompt_P, responses):
+    """Per sample: log-probs and entropy of its response tokens from the full logits of [prompt, r]."""
+    P, logps, ents = prompt_P.numel(), [], []
+    for r in responses:
+        logits_LV = model(input_ids=torch.cat([prompt_P, r])[None]).logits[0]
+        logp_RV = torch.log_softmax(logits_LV[P - 1: P - 1 + r.numel()].float() / TEMP, dim=-1)
+        logps.append(logp_RV.gather(-1, r[:, None])[:, 0])
+        ents.append(-(logp_RV.exp() * logp_RV).sum(-1).detach())
+    return logps, ents
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _run(model, mbs, responses, *, chunk):
+    """Log-probs and entropy per sample, and the gradient of a per-sample weighted log-prob sum."""
+    model.zero_grad()
+    logps, ents, loss = {}, {}, 0
+    for mb in mbs:
+        logp_NT, ent_NT = mb.forward(model, temperature=TEMP, chunk=chunk, entropy=True)
+        assert logp_NT.dtype == ent_NT.dtype == torch.float32 and not ent_NT.requires_grad
+        for n, i in enumerate(mb.samples):
+            R = responses[i].numel()
+            assert not logp_NT[n, R:].any() and not ent_NT[n, R:].any()  # padding stays 0
+            logps[i], ents[i] = logp_NT[n, :R].detach(), ent_NT[n, :R]
+            loss = loss + logp_NT[n, :R].sum() * (i + 1)
+    loss.backward()
+    return logps, ents, _grads(model)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    """Max difference relative to the magnitude (at least 1): an entropy near log(96) = 4.56 is
+    ~4.8e-7 per fp32 ulp, and a one-row head product rounds differently from a many-row one."""
+    return max(((a[k] - b[k]).abs() / b[k].abs().clamp(min=1)).max().item() for k in a)
+
+
+def _grad_diff(a: dict, b: dict) -> float:
+    """Max difference of each gradient relative to its largest element: the head's gradient is
+    summed chunk by chunk, a different order of fp32 additions."""
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in a)
+
+
+@pytest.mark.parametrize("mode", ["padded", "off", "on"])
+@pytest.mark.parametrize("chunk", [1, 4, 5, 1000])
+def test_chunked_head_equals_whole_vocabulary(mode, chunk):
+    model, (prompt_P, responses) = tiny("qwen3"), _group()
+    mbs = make_micro_batches(prompt_P, responses, mode=mode, token_budget=4096, micro_batch_size=8, pad_id=0,
+                             device=torch.device("cpu"))
+    whole = _run(model, mbs, responses, chunk=0)
+    chunked = _run(model, mbs, responses, chunk=chunk)
+    # the same micro-batches: only the head's chunking differs
+    assert _max_diff(chunked[0], whole[0]) < 1e-6 and _max_diff(chunked[1], whole[1]) < 1e-6
+    assert _grad_diff(chunked[2], whole[2]) < 1e-6
+    # and the whole head is the textbook computation on each [prompt, response] alone (a padded or
+    # packed row rounds attention differently: a few fp32 ulps of an entropy near log(96) = 4.56)
+    ref_logp, ref_ent = _reference(model, prompt_P, responses)
+    assert _max_diff(whole[0], dict(enumerate(ref_logp))) < 1e-5
+    assert _max_diff(whole[1], dict(enumerate(ref_ent))) < 1e-5
+    model.zero_grad()
+    sum(l.sum() * (i + 1) for i, l in enumerate(ref_logp)).backward()
+    assert _grad_diff(whole[2], _grads(model)) < 1e-5
+
+
+def test_chunks_are_recomputed_not_kept():
+    """Under autograd a chunked head keeps no [tokens, vocab] tensor for the backward: the saved
+    tensors of the graph hold at most one chunk's worth of vocabulary rows while it is built."""
+    model, (prompt_P, responses) = tiny("qwen3"), _group((40, 40))
+    V = model.config.vocab_size
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # the head's weight is saved too
+    mb = make_micro_batches(prompt_P, responses, mode="off", token_budget=4096, micro_batch_size=8, pad_id=0,
+                            device=torch.device("cpu"))[0]
+
+    def saved_vocab_rows(chunk):
+        rows = []
+
+        def pack(t):
+            if t.dim() >= 2 and t.shape[-1] == V and t.untyped_storage().data_ptr() not in weights:
+                rows.append(t.numel() // V)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # what the forward keeps
+            logp_NT = mb.forward(model, temperature=TEMP, chunk=chunk).logp_NT
+        logp_NT.sum().backward()
+        return sum(rows)
+
+    assert saved_vocab_rows(0) >= 80  # the whole head: every response token's logits are kept
+    assert saved_vocab_rows(8) == 0  # chunks: recomputed in the backward, only hidden states kept
