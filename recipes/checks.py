@@ -12,6 +12,9 @@ def check_trainer(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
     if dynamic_sampling and t.fsdp and t.dp > 1:
         raise ValueError("algorithm.dynamic_sampling with trainer.fsdp and trainer.dp > 1 is not supported: FSDP "
                          "ranks train in rounds of one group each, which needs every prompt index of the batch")
+    if t.precision == "bf16" and cfg.model.dtype != "float32":
+        raise ValueError("trainer.precision=bf16 keeps float32 master weights: it needs model.dtype=float32 "
+                         f"(got {cfg.model.dtype}; model.dtype=bfloat16 alone trains pure bf16 weights)")
     if dynamic_sampling and t.mini_batches > 1:
         raise ValueError("algorithm.dynamic_sampling with trainer.mini_batches > 1 is not supported yet "
                          "(kept prompt indices are not contiguous, so a mini-batch could be empty)")

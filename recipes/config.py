@@ -47,6 +47,14 @@ class RunConfig(BaseModel):
             raise ValueError(config_error(exc, "algorithm section", prefix="algorithm.")) from None
         return self.model_copy(update={"algo": name, "algo_config": algo_config})
 
+    @property
+    def generator_model(self) -> ModelConfig:
+        """The model as the generator loads it: in the trainer's compute dtype (bf16 under
+        trainer.precision=bf16, whose pushes are bf16), else in model.dtype."""
+        if self.trainer.precision == "bf16":
+            return self.model.model_copy(update={"dtype": "bfloat16"})
+        return self.model
+
     def resolved(self) -> dict:
         """Everything the run used, algorithm defaults included (written to config.json)."""
         data = self.model_dump(mode="json")

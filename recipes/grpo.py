@@ -47,7 +47,7 @@ def build(cfg: RunConfig) -> Graph:
     keep = (lambda rewards_G: algorithm.keeps_group(rewards_G, algo_cfg)) if dynamic else None
     functions = cfg.reward.functions or (["math_verify"] if cfg.data.path else ["embedded"])
     executors = [  # placed on contiguous ranks in this order
-        Generator(config=cfg.generator, model=cfg.model, data=cfg.data, dynamic_sampling=dynamic),
+        Generator(config=cfg.generator, model=cfg.generator_model, data=cfg.data, dynamic_sampling=dynamic),
         Reward(config=cfg.reward, functions=functions, tokenizer_path=cfg.model.path, keep=keep),
         Trainer(config=cfg.trainer, model_path=cfg.model.path, dtype=cfg.model.torch_dtype, algorithm=algorithm,
                 algo_config=algo_cfg, temperature=cfg.generator.temperature, total_steps=cfg.steps),

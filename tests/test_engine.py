@@ -158,3 +158,34 @@ def test_bad_arguments(model, tok, requests):
         _engine(model, tok).generate([requests[0], requests[0]], SamplingParams(n=1, max_new_tokens=2, seed=0), step=0)
     with pytest.raises(ValueError, match="empty"):
         _engine(model, tok).generate([PromptRequest(index=0, prompt_ids=[])], SamplingParams(n=1, max_new_tokens=2, seed=0), step=0)
+
+
+def test_sampling_uses_no_float64():
+    """The sampler's arithmetic is float32 after the integer hash (Ascend kernels often lack float64);
+    the noise of a row is the same computed alone or in a batch, and is Gumbel(0, 1)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from executors.generator.engine import gumbel_noise
+
+    class Dtypes(TorchDispatchMode):
+        seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.seen.add(t.dtype)
+            return out
+
+    seeds_R = torch.arange(6) * 104729 + 3
+    logits_RV = torch.randn(6, 1000)
+    with Dtypes() as mode:
+        for top_p in (1.0, 0.9):
+            sample_tokens(logits_RV, seeds_R=seeds_R, t=2, temperature=0.8, top_p=top_p)
+    assert torch.float64 not in mode.seen and torch.float32 in mode.seen, mode.seen
+    g_RV = gumbel_noise(seeds_R, 2, 1000)
+    assert g_RV.dtype == torch.float32 and torch.isfinite(g_RV).all()
+    for r in range(6):
+        assert torch.equal(gumbel_noise(seeds_R[r:r + 1], 2, 1000)[0], g_RV[r])
+    many = gumbel_noise(torch.arange(200) * 7919 + 1, 0, 5000).double()  # 1M draws
+    assert abs(many.mean().item() - 0.5772) < 0.005 and abs(many.var().item() - 3.1416**2 / 6) < 0.01

@@ -46,7 +46,7 @@ def _trainer(*, beta=0.04, micro_batch_size=8) -> Trainer:
 def _grads_seen(trainer: Trainer) -> dict:
     """The gradients the optimizer receives, captured by a step pre-hook."""
     seen = {}
-    names = {id(p): n for n, p in trainer.models.policy.named_parameters()}
+    names = {id(p): n for n, p in trainer.models.master.named_parameters()}  # what the optimizer steps
     trainer.optim.opt.register_step_pre_hook(lambda opt, *_: seen.update(
         {names[id(p)]: p.grad.clone() for group in opt.param_groups for p in group["params"]}))
     return seen
@@ -206,7 +206,7 @@ def test_several_optimizer_steps_use_the_old_policy_snapshot(groups):
                       algo_config=GRPOConfig(clip_low=0.1, clip_high=0.1), temperature=0.9, total_steps=4)
     trainer.init(ExecutorEnv(name="trainer", ranks=(0,), units=((0,),), rank=0, group=None,
                              device=torch.device("cpu"), seed=0, output_dir=Path("/nonexistent")))
-    names = {id(p): n for n, p in trainer.models.policy.named_parameters()}
+    names = {id(p): n for n, p in trainer.models.master.named_parameters()}  # what the optimizer steps
     steps = []  # (weights before the step, gradient) per optimizer step
     trainer.optim.opt.register_step_pre_hook(lambda opt, *_: steps.append((
         {names[id(p)]: p.detach().clone() for g in opt.param_groups for p in g["params"]},

@@ -79,12 +79,17 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(seeds_R: torch.Tensor, t: int, vocab: int) -> torch.Tensor:
-    """float64 Gumbel(0, 1) noise [R, vocab]: a pure function of (each row's seed, t, token id)."""
+    """float32 Gumbel(0, 1) noise [R, vocab]: a pure function of (each row's seed, t, token id).
+
+    The hash is integer arithmetic, exact on every device; only the two logs after it are float32
+    (no float64 anywhere: Ascend kernels often lack it, and [R, V] float64 per token was the
+    sampler's largest tensor). 23 hash bits make u: (k + 0.5) / 2^23 is exact in float32 and lies
+    strictly inside (0, 1), so the noise is finite, in [-2.81, 16.6]."""
     lo_R, hi_R = seeds_R & _MASK32, seeds_R >> 32
     step_R = _fmix32(_fmix32(lo_R ^ _fmix32(torch.full_like(lo_R, t))) ^ hi_R)
     tok_V = _fmix32(_mul32(torch.arange(vocab, device=seeds_R.device), 0x9E3779B9))
     h_RV = _fmix32(_fmix32(step_R[:, None] ^ tok_V) ^ hi_R[:, None])
-    u_RV = (h_RV.double() + 0.5) / 2.0**32  # strictly inside (0, 1)
+    u_RV = ((h_RV >> 9).float() + 0.5) / 2.0**23
     return -torch.log(-torch.log(u_RV))
 
 
@@ -104,7 +109,7 @@ def sample_tokens(
     if temperature == 0:
         tok_R = z_RV.argmax(dim=-1)
     else:
-        score_RV = z_RV.double() + gumbel_noise(seeds_R, t, z_RV.shape[-1])
+        score_RV = z_RV + gumbel_noise(seeds_R, t, z_RV.shape[-1])
         if top_p < 1.0:
             score_RV = score_RV.masked_fill(_top_p_mask(z_RV, top_p), float("-inf"))
         tok_R = score_RV.argmax(dim=-1)

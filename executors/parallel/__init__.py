@@ -26,17 +26,18 @@ __all__ = ["apply_ac", "apply_fsdp", "has_ac", "apply_tp", "build_mesh", "check_
            "tp_plan"]
 
 
-def parallelize(model: nn.Module, *, mesh: DeviceMesh, tp: bool, fsdp: bool, forward_only: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, *, mesh: DeviceMesh, tp: bool, fsdp: bool, forward_only: bool = False,
+                param_dtype: torch.dtype | None = None) -> nn.Module:
     """Apply tensor parallel over mesh["tp"] and/or FSDP2 over mesh["dp"], in place.
 
     forward_only: the model never runs backward (old policy, reference); with fsdp its root
-    reshards after every forward too (see fsdp.py).
+    reshards after every forward too (see fsdp.py). param_dtype: FSDP2's mixed precision (fsdp.py).
     Without fsdp, dp is plain replication: the caller all-reduces gradients over mesh["dp"].
     """
     if tp:
         apply_tp(model, mesh=mesh["tp"])
     if fsdp:
-        apply_fsdp(model, mesh=mesh["dp"], forward_only=forward_only)
+        apply_fsdp(model, mesh=mesh["dp"], forward_only=forward_only, param_dtype=param_dtype)
     return model
 
 
@@ -84,7 +85,6 @@ def copy_params_(dst: nn.Module, src: nn.Module) -> None:
         local(p).copy_(local(src_params[name]))
 
 
-@torch.no_grad()
 @torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, *, mesh: DeviceMesh | None) -> float:
     """Clip the global gradient norm of parameters sharded in any mix of layouts over `mesh`.

@@ -13,9 +13,10 @@ reshard after every forward like the layers do (tests/test_parallel.py shows bot
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -25,12 +26,21 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, forward_only: bool = False) -> nn.Module:
-    """Shard `model` in place over the 1-D dp `mesh` (after tp, if any)."""
+def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, forward_only: bool = False,
+               param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Shard `model` in place over the 1-D dp `mesh` (after tp, if any).
+
+    param_dtype: mixed precision. The sharded parameters stay as loaded (the fp32 master weights the
+    optimizer steps); FSDP gathers them cast to `param_dtype`, the forward and backward compute in
+    it, and gradients are cast to fp32 before they are reduced over dp."""
+    # cast_forward_inputs off: a layer's floating inputs come from bf16 layers already, and the cast
+    # would rebuild every dataclass argument (a packed row's PackMask carries a non-init cache)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
+                              cast_forward_inputs=False)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
     # None: FSDP2's default for a root, keep the gathered weights for the backward that follows
-    fully_shard(model, mesh=mesh, reshard_after_forward=True if forward_only else None)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True if forward_only else None, mp_policy=mp)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from algorithms.batch_scope import batch_normalise_at_barrier
-from executors.parallel import clip_grad_norm_, local
+from executors.parallel import clip_grad_norm_, copy_params_, local
 from executors.trainer.accumulate import LossSums, Pass
 from executors.trainer.config import TrainerConfig, lr_factor
 
@@ -71,8 +71,11 @@ class Barrier:
     """AdamW with warm-up / cosine schedule and shard-aware clipping over the policy's parameters."""
 
     def __init__(self, policy: torch.nn.Module, *, cfg: TrainerConfig, total_steps: int, mesh, dp_group,
-                 passes: tuple[Pass, ...], replicated_dp: bool):
-        self.policy = policy
+                 passes: tuple[Pass, ...], replicated_dp: bool, compute: torch.nn.Module | None = None):
+        """policy: the weights the optimizer steps. compute: their lower-precision copy that the
+        forwards and backwards run on (its gradients are accumulated; it is refreshed after each
+        step); None: the policy itself."""
+        self.policy, self.compute = policy, compute if compute is not policy else None
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.cfg, self.mesh, self.dp_group = cfg, mesh, dp_group
         self.replicated_dp = replicated_dp  # dp replicas hold full copies: their gradients need a sum
@@ -80,8 +83,9 @@ class Barrier:
                                      weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(
             s, warmup=cfg.warmup_steps, schedule=cfg.lr_schedule, total=total_steps, floor=cfg.min_lr_ratio))
-        self.grads = Gradients(self.params, passes=passes,
-                               dtype=torch.float64 if cfg.fp64_grad_accumulation else None)
+        compute_params = [p for p in self.compute.parameters() if p.requires_grad] if self.compute else self.params
+        self.grads = Gradients(compute_params, passes=passes,
+                               dtype=torch.float64 if cfg.fp64_grad_accumulation else torch.float32)
 
     def step(self, sums: LossSums, *, passes: tuple[Pass, ...],
              mu_scale: tuple[float, float] | None) -> OptimizerStep:
@@ -111,6 +115,8 @@ class Barrier:
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.compute is not None:  # the bf16 weights of the next forwards, cast from the stepped master
+            copy_params_(self.compute, self.policy)
         return OptimizerStep(loss, sums.denom, sums.kl_sum, sums.clip_sum, sums.entropy_sum, sums.entropy_tokens,
                              grad_norm, sums.mismatch, lr)
 

@@ -13,6 +13,9 @@ class TrainerConfig(BaseModel):
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per unit (must divide heads, kv heads, "
                     "intermediate size and vocabulary)")
     fsdp: bool = Field(False, description="shard policy, old and reference over dp with FSDP2 (else dp replicates)")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: forward and backward in bfloat16 on a bf16 copy of fp32 master weights (the "
+        "optimizer steps the fp32 weights; FSDP2's mixed precision with fsdp); the generator runs in bf16 too")
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -42,7 +45,8 @@ class TrainerConfig(BaseModel):
                               "is in mini-batch (i // dp) % mini_batches")
     epochs: int = Field(1, ge=1, description="passes over the batch (PPO-style); >1 uses the old-policy snapshot")
     fp64_grad_accumulation: bool = Field(True, description="accumulate grads in float64 so arrival order "
-                                         "cannot change a bit; off saves memory on big models")
+                                         "cannot change a bit; off: float32, half the memory, and sync and "
+                                         "periodic may differ in the last bits")
 
 
 def lr_factor(step: int, *, warmup: int, schedule: str, total: int, floor: float) -> float:

@@ -64,7 +64,7 @@ class Trainer(Executor):
         self.models = TriModel.build(model_path=self.model_path, dtype=self.dtype, env=env, cfg=self.cfg,
                                      temperature=self.temperature, reference=self.algo_cfg.needs_reference,
                                      snapshot=self.passes > 1, policy_path=env.resume)
-        self.optim = Barrier(self.models.policy, cfg=self.cfg, total_steps=self.total_steps, mesh=self.models.mesh,
+        self.optim = Barrier(self.models.master, compute=self.models.policy, cfg=self.cfg, total_steps=self.total_steps, mesh=self.models.mesh,
                              dp_group=self.models.dp_group, passes=self.first_passes,
                              replicated_dp=not self.shards_over_units)
         if env.resume is not None:  # the policy came from the checkpoint; the optimizer and schedule too

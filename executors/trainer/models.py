@@ -7,10 +7,17 @@
 - reference: the initial weights, frozen; only when the algorithm has a KL term.
 The copies are made before sharding and parallelized alike (executors/parallel), so one micro-batch
 feeds all three on the same ranks without extra communication.
+
+Mixed precision (trainer.precision=bf16): the optimizer steps fp32 master weights and every forward
+and backward runs on bf16 weights cast from them. With FSDP the master weights are the sharded
+parameters themselves and FSDP2 gathers them in bf16 (parallel/fsdp.py); without it, `master` is a
+separate fp32 copy in the same layout and `policy` its bf16 copy, refreshed after each optimizer step.
+The old policy and the reference are copies of the bf16 policy. The generator receives bf16 weights.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -29,9 +36,12 @@ from executors.trainer.packed_attention import install as install_packed_attenti
 from executors.trainer.packing import auto_shared_prompt, make_micro_batches
 
 
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # the compute dtype; None: the weights' own
+
+
 @dataclass
 class TriModel:
-    policy: nn.Module
+    policy: nn.Module  # what the forwards and backwards run on
     old: nn.Module | None
     reference: nn.Module | None
     mesh: DeviceMesh | None  # ("dp", "tp") over the trainer's ranks; None: one rank, no torch.distributed
@@ -39,6 +49,7 @@ class TriModel:
     cfg: TrainerConfig
     temperature: float
     device: torch.device
+    master: nn.Module  # what the optimizer steps and checkpoints save: the policy itself, or its fp32 master copy
 
     @classmethod
     def build(cls, *, model_path: str | None, dtype: torch.dtype, env: ExecutorEnv, cfg: TrainerConfig,
@@ -47,35 +58,48 @@ class TriModel:
         reference stays the initial model of `model_path`."""
         mesh = (build_mesh(ranks=env.ranks, tp=cfg.tp, device_type=env.device.type, parent=env.group)
                 if dist.is_initialized() else None)
+        compute = PRECISIONS[cfg.precision]
         policy = load_model(str(policy_path) if policy_path else model_path, dtype=dtype,
                             seed=env.seed).to(env.device).train()
+        master = policy
+        if compute is not None and not cfg.fsdp:  # FSDP2 keeps the master weights itself
+            policy = copy.deepcopy(master).to(compute)
         if cfg.activation_checkpointing:  # the copies below are forward-only: checkpointing is a no-op there
             apply_ac(policy)
         initial = policy
         if policy_path and reference:
             initial = load_model(model_path, dtype=dtype, seed=env.seed).to(env.device)
+            initial = initial if cfg.fsdp else initial.to(compute or dtype)
         for model in {id(policy): policy, id(initial): initial}.values():
             if cfg.shared_prompt != "padded":  # packed rows need the block-mask attention (copies inherit it)
                 install_packed_attention(model)
         ref = copy.deepcopy(initial).eval().requires_grad_(False) if reference else None
         old = copy.deepcopy(policy).eval().requires_grad_(False) if snapshot else None
-        for model, forward_only in ((policy, False), (ref, True), (old, True)):
+        copies = ((policy, False), (ref, True), (old, True)) + (((master, True),) if master is not policy else ())
+        for model, forward_only in copies:
             if model is not None and (cfg.tp > 1 or cfg.fsdp):
-                parallelize(model, mesh=mesh, tp=cfg.tp > 1, fsdp=cfg.fsdp, forward_only=forward_only)
-        return cls(policy, old, ref, mesh, load_tokenizer(model_path), cfg, temperature, env.device)
+                parallelize(model, mesh=mesh, tp=cfg.tp > 1, fsdp=cfg.fsdp, forward_only=forward_only,
+                            param_dtype=compute)
+        return cls(policy, old, ref, mesh, load_tokenizer(model_path), cfg, temperature, env.device, master)
+
+    @property
+    def push_dtype(self) -> torch.dtype:
+        """The dtype the generator runs in: the compute dtype (weights are cast once, here)."""
+        return PRECISIONS[self.cfg.precision] or next(self.policy.parameters()).dtype
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.mesh.get_group("dp") if self.mesh is not None else None
 
     def shards(self) -> dict[str, torch.Tensor]:
-        """This rank's local shard of every policy parameter, for the weight push."""
-        return local_shards(self.policy)
+        """This rank's local shard of every policy parameter, for the weight push, in the generator's
+        dtype (FSDP's sharded bf16 master weights are cast here, once per push)."""
+        return {name: t.to(self.push_dtype) for name, t in local_shards(self.policy).items()}
 
     @functools.cached_property
     def specs(self):
         """The policy's parameter layout, for the WEIGHTS channel's plan."""
-        return param_specs(self.policy)
+        return {name: dataclasses.replace(spec, dtype=self.push_dtype) for name, spec in param_specs(self.policy).items()}
 
     def snapshot_(self) -> None:
         """old <- policy: the weights that generate this step's samples (shard by shard)."""
@@ -130,6 +154,6 @@ class TriModel:
     # ---- outputs ------------------------------------------------------------------------------
     def save(self, path, *, leader: bool) -> None:
         """The full policy as an HF directory: every rank gathers its shards, the leader writes."""
-        state = full_state_dict(self.policy, keep=leader)
+        state = full_state_dict(self.master, keep=leader)
         if leader:
-            save_hf(self.policy, self.tokenizer, path, state=state)
+            save_hf(self.master, self.tokenizer, path, state=state)

@@ -1,0 +1,128 @@
+"""trainer.precision=bf16: fp32 master weights, bf16 compute, bf16 pushes.
+
+In-process (one rank) against the fp32 trainer on the same groups; the multi-rank cases (FSDP2's
+mixed precision, sync == periodic bit for bit in bf16, a bf16 generator receiving the pushes) run
+as a whole job at the end.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from algorithms.grpo import GRPOConfig
+from algorithms.registry import get_algorithm
+from controller.schedules import Periodic
+from executors.base import ExecutorEnv
+from executors.hf import load_model
+from executors.trainer.executor import Trainer, TrainerConfig
+from tests.e2e import launch, metrics
+from tests.fixtures import scored_groups
+from tests.test_trainer import _grads_seen, _step
+
+torch.set_num_threads(1)
+
+
+def _trainer(precision: str, **cfg) -> Trainer:
+    cfg = {"lr": 1e-2, "micro_batch_size": 3, "grad_clip": 100.0, **cfg}
+    trainer = Trainer(config=TrainerConfig(precision=precision, **cfg),
+                      model_path=None, dtype=torch.float32, algorithm=get_algorithm("grpo"),
+                      algo_config=GRPOConfig(beta=0.04), temperature=0.9, total_steps=4)
+    trainer.init(ExecutorEnv(name="trainer", ranks=(0,), units=((0,),), rank=0, group=None,
+                             device=torch.device("cpu"), seed=0, output_dir=Path("/nonexistent")))
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def groups():
+    return scored_groups(n=4, G=4)
+
+
+def test_bf16_keeps_fp32_master_weights_and_pushes_bf16(groups):
+    trainer = _trainer("bf16")
+    master, policy = trainer.models.master, trainer.models.policy
+    assert master is not policy
+    assert {p.dtype for p in master.parameters()} == {torch.float32}
+    assert {p.dtype for p in policy.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in trainer.models.reference.parameters()} == {torch.bfloat16}
+    optimized = {id(p) for group in trainer.optim.opt.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in master.parameters()}  # AdamW steps (and keeps state for) fp32
+    _, pushed = _step(trainer, groups)
+    state = trainer.optim.opt.state[next(master.parameters())]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    init = dict(load_model(None, seed=0).named_parameters())
+    for name, p in master.named_parameters():
+        # the compute copy is the stepped master, cast; the push carries it
+        assert torch.equal(dict(policy.named_parameters())[name], p.to(torch.bfloat16))
+        assert pushed[name].dtype == torch.bfloat16 and torch.equal(pushed[name], p.to(torch.bfloat16))
+    assert any(not torch.equal(p, init[n]) for n, p in master.named_parameters())
+
+
+def test_updates_below_bf16_resolution_accumulate_in_the_master(groups):
+    """lr 1e-5: most updates are below half a bf16 ulp of their weight, so bf16 weights would not
+    move; the fp32 master does, and the bf16 copy follows once the sum crosses an ulp."""
+    trainer = _trainer("bf16", lr=1e-5)
+    init = {n: p.detach().clone() for n, p in trainer.models.master.named_parameters()}
+    _step(trainer, groups)
+    moved = lost = 0
+    for n, p in trainer.models.master.named_parameters():
+        changed = p != init[n]
+        moved += int(changed.sum())
+        lost += int((changed & (p.to(torch.bfloat16) == init[n].to(torch.bfloat16))).sum())
+    assert moved > 0 and lost > moved // 2, (moved, lost)  # pure bf16 weights would have kept none of these
+
+
+def test_bf16_step_equals_fp32_step_within_bf16_tolerance(groups):
+    fp32, bf16 = _trainer("fp32"), _trainer("bf16")
+    g32, g16 = _grads_seen(fp32), _grads_seen(bf16)
+    m32, _ = _step(fp32, groups)
+    m16, _ = _step(bf16, groups)
+    assert {g.dtype for g in g16.values()} == {torch.float32}  # the optimizer sees fp32 gradients
+    num = sum(((g16[n] - g32[n]) ** 2).sum() for n in g32).sqrt()
+    den = sum((g ** 2).sum() for g in g32.values()).sqrt()
+    assert num / den < 0.05, (num / den).item()  # bf16 compute: ~3 significant digits per product
+    assert abs(m16.loss - m32.loss) < 0.05 * max(1e-3, abs(m32.loss)) + 1e-3
+    assert m16.logp_mismatch_max > m32.logp_mismatch_max  # the sampler ran fp32 here: bf16 shows
+
+
+def test_bf16_arrival_order_does_not_change_a_bit(groups):
+    _, a = _step(_trainer("bf16"), groups)
+    _, b = _step(_trainer("bf16"), list(reversed(groups)), schedule=Periodic())
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_bf16_activation_checkpointing_and_head_chunks(groups):
+    """Checkpointing replays the same bf16 forward: bit for bit. Head chunks change the bf16 head
+    product's shape, so its rounding: within bf16 tolerance."""
+    trainers = {"plain": _trainer("bf16"), "ac": _trainer("bf16", activation_checkpointing=True),
+                "chunks": _trainer("bf16", logprob_chunk=2)}
+    grads = {k: _grads_seen(t) for k, t in trainers.items()}
+    for t in trainers.values():
+        _step(t, groups)
+    plain = grads["plain"]
+    assert all(torch.equal(grads["ac"][n], g) for n, g in plain.items())
+    err = max(((grads["chunks"][n] - g).abs().max() / g.abs().max()).item() for n, g in plain.items())
+    assert err < 1e-2, err
+
+
+@pytest.fixture(scope="module")
+def bf16_fsdp_runs(tmp_path_factory):
+    """The 4-rank job (trainer dp=2, FSDP2 in bf16 mixed precision) under both schedules."""
+    out = tmp_path_factory.mktemp("bf16")
+    for schedule in ("sync", "periodic"):
+        proc = launch(out / schedule, "--schedule", schedule, "--set", "trainer.precision=bf16",
+                      "--set", "trainer.dp=2", "--set", "trainer.fsdp=true", nproc=4)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_bf16_fsdp_sync_equals_periodic_bit_for_bit(bf16_fsdp_runs):
+    sync, periodic = bf16_fsdp_runs / "sync", bf16_fsdp_runs / "periodic"
+    assert [r["rollout_digest"] for r in metrics(sync)] == [r["rollout_digest"] for r in metrics(periodic)]
+    a, b = load_file(sync / "final/model.safetensors"), load_file(periodic / "final/model.safetensors")
+    assert all(t.dtype == torch.float32 and torch.equal(t, b[n]) for n, t in a.items())  # fp32 master saved
+    rows = metrics(periodic)
+    # the trainer (bf16 FSDP gathers) recomputes what the bf16 generator sampled, within bf16 rounding
+    assert all(0 < r["logp_mismatch_max"] < 0.1 for r in rows), [r["logp_mismatch_max"] for r in rows]
