@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
 from common.files import readable_as_umask
-from executors.embedded import EOS_TOKEN, TOKENIZER_FILE
+from executors.embedded import EOS_TOKEN, MODEL_SIZES, TOKENIZER_FILE
 
 # sdpa: the kernel the trainer's explicit-mask (shared-prompt) path uses too. Measured on the
 # embedded model: eager gives the same samples (log-probs within 1e-6) and no speed gain on CPU.
@@ -26,15 +26,7 @@ ATTN_IMPL = "sdpa"
 
 def embedded_config(*, vocab_size: int, eos_token_id: int) -> Qwen3Config:
     return transformers.Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=384,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
+        **{**MODEL_SIZES, "vocab_size": vocab_size},
         bos_token_id=eos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id,

@@ -131,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         preflight(cfg, resume=args.resume, overwrite=args.overwrite, writes=not args.dry_run)
         if args.dry_run:
             from launch.dryrun import describe
+            from launch.memory import Shape, describe_memory
 
-            print(describe(graph, cfg, recipe))
+            print(describe(graph, cfg, recipe, memory=describe_memory(cfg, Shape.of(cfg.model.path))))
             return 0
         from launch.selflaunch import under_launcher
 

@@ -9,7 +9,8 @@ from recipes.base import Recipe
 from recipes.config import RunConfig
 
 
-def describe(graph: Graph, cfg: RunConfig, recipe: Recipe) -> str:
+def describe(graph: Graph, cfg: RunConfig, recipe: Recipe, *, memory: str = "") -> str:
+    """memory: launch/memory.py's table, printed last."""
     units = placement(graph)
     rows = []
     for ex in graph.executors:
@@ -31,7 +32,7 @@ def describe(graph: Graph, cfg: RunConfig, recipe: Recipe) -> str:
         tabulate(channels, headers=["channel", "kind", "route", "payload", "delivered"]),
         f"each step ({cfg.schedule} schedule, recipe {recipe.name}):\n"
         + tabulate(phases, headers=["phase", "executor", "ranks", "what", "code"], disable_numparse=True),
-    ])
+    ] + ([memory] if memory else []))
 
 
 def _span(ranks: list[int]) -> str:

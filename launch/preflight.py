@@ -23,7 +23,7 @@ def preflight(cfg: RunConfig, *, resume: str | None, overwrite: bool, writes: bo
     """writes=False (--dry-run): only what the run reads; nothing is written, so the output dir may be anything."""
     check_groups(cfg)
     if cfg.data.path is not None:
-        check_data(cfg.data.path)
+        check_data(cfg.data.path, cfg.data.columns)
     if cfg.model.path is not None:
         from executors.hf import check_model_dir  # transformers is imported already by the recipe's executors
 
@@ -37,14 +37,14 @@ def preflight(cfg: RunConfig, *, resume: str | None, overwrite: bool, writes: bo
         check_output(cfg.output_dir, resume=resume, overwrite=overwrite)
 
 
-def check_data(path: str) -> None:
+def check_data(path: str, columns) -> None:
     """The whole file parses (load_prompts names file and line); tokenizing is left to the generator."""
     from executors.generator.data import load_prompts
 
     if Path(path).is_dir():
         raise ValueError(f"data.path: {path} is a directory, not a prompt file")
     try:
-        load_prompts(path)
+        load_prompts(path, columns)
     except UnicodeDecodeError as exc:  # a ValueError too, but one that names neither file nor line
         raise ValueError(f"data.path: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:

@@ -28,9 +28,11 @@ def test_cli_surface_is_frozen():
 def test_dry_run_prints_placement_and_channels():
     proc = _launch("--algo", "grpo", "--dry-run", "--set", "trainer.dp=2", "--set", "generator.replicas=2")
     assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+    out, memory = proc.stdout.split("memory per rank")
     assert "world size 5" in out
     lines = {line.split()[0]: line for line in out.splitlines() if line.split()}
+    # the memory estimate (launch/memory.py), per executor
+    assert "0.9M parameters" in memory and "trainer     weights 3 MB, AdamW state 7 MB" in memory
     assert lines["generator"].split()[2:4] == ["0-1", "0"] and "1" in lines["generator"].split()[4]
     assert lines["reward"].split()[2] == "2"
     assert lines["trainer"].split()[2] == "3-4" and "dp=2" in lines["trainer"]
@@ -43,7 +45,8 @@ def test_dry_run_places_tensor_parallel_units():
                    "--set", "trainer.fsdp=true", "--set", "generator.tp=2")
     assert proc.returncode == 0, proc.stderr
     assert "world size 7" in proc.stdout
-    lines = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()}
+    lines = {line.split()[0]: line.split() for line in proc.stdout.split("memory per rank")[0].splitlines()
+             if line.split()}
     assert lines["generator"][2:4] == ["0-1", "0-1"]  # one replica of 2 tp ranks
     assert lines["trainer"][2:5] == ["3-6", "3-4", "5-6"]  # dp units of 2 tp ranks each
     assert "fsdp=True" in " ".join(lines["trainer"])

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from executors.generator.data import PromptRow, PromptSet, _locate, load_prompts
+from executors.generator.data import Columns, PromptRow, PromptSet, _locate, load_prompts
 
 WORDS = "user assistant the cat sat on a mat dog ran far away one two three four five six seven eight"
 TEMPLATE = ("{% for m in messages %}<s> user {{ m['content'] }}{% endfor %}"
@@ -202,3 +202,20 @@ def test_index_past_the_cap_raises(tokenizer):
         ps.prompts(0, [B], batch_size=B, seed=0, max_topups=0)  # no top-ups allowed at all
     with pytest.raises(ValueError, match="step must be >= 0"):
         ps.prompts(-1, [0], batch_size=B, seed=0, max_topups=CAP)
+
+
+def test_columns_of_other_datasets(tmp_path):
+    """DeepScaleR names its prompt `problem`, GSM8K `question`; a reward reads the answer as
+    sample["answer"] whatever the file calls it."""
+    deepscaler = _write_jsonl(tmp_path / "d.jsonl", [json.dumps({"problem": "1+1?", "answer": "2", "solution": "..."})])
+    assert load_prompts(deepscaler, Columns(prompt="problem")) == [
+        PromptRow("1+1?", {"answer": "2", "solution": "..."})]
+    other = _write_jsonl(tmp_path / "o.jsonl", [json.dumps({"question": "2+2?", "final": 4})])
+    assert load_prompts(other, Columns(prompt="question", answer="final")) == [
+        PromptRow("2+2?", {"final": 4, "answer": 4})]
+    with pytest.raises(ValueError, match=r"o\.jsonl:1: field 'prompt' is missing \(the row has 'question', "
+                                         r"'final'; data.prompt_key names the prompt's column\)"):
+        load_prompts(other)
+    table = pa.table({"problem": ["3+3?"], "answer": ["6"]})
+    pq.write_table(table, tmp_path / "d.parquet")
+    assert load_prompts(str(tmp_path / "d.parquet"), Columns(prompt="problem")) == [PromptRow("3+3?", {"answer": "6"})]

@@ -23,10 +23,18 @@ class ModelConfig(BaseModel):
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str | None = Field(None, description="JSONL or Parquet with a `prompt` column; None = embedded task")
+    prompt_key: str = Field("prompt", description="the data file's prompt column (DeepScaleR: problem, GSM8K: question)")
+    answer_key: str = Field("answer", description="the column rewards read as sample['answer'] (math_verify)")
     prompts_per_step: int = Field(8, ge=1, description="B: prompt groups per optimizer step")
     max_prompt_tokens: int = Field(256, ge=1, description="longer prompts are dropped (counted), never cut")
     chat_template: bool = Field(False, description="apply the tokenizer's chat template to each prompt")
     embedded_prompts: int = Field(4096, ge=1, description="size of the generated embedded prompt set")
+
+    @property
+    def columns(self):
+        from executors.generator.data import Columns
+
+        return Columns(prompt=self.prompt_key, answer=self.answer_key)
 
 
 class VllmConfig(BaseModel):

@@ -23,17 +23,31 @@ class PromptRow:
     extras: dict  # every other column (e.g. `answer`), handed to the reward as `sample`
 
 
-def _row(obj: Any, *, where: str) -> PromptRow:
+@dataclass(frozen=True)
+class Columns:
+    """Which of a data file's columns are the prompt and the answer (DeepScaleR: `problem`, GSM8K:
+    `question`); the answer reaches rewards as `sample["answer"]` whatever its column is called."""
+    prompt: str = "prompt"
+    answer: str = "answer"
+
+
+def _row(obj: Any, *, where: str, columns: Columns) -> PromptRow:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected an object, got {type(obj).__name__}")
-    prompt = obj.get("prompt")
+    key = columns.prompt
+    prompt = obj.get(key)
+    if key not in obj:
+        raise ValueError(f"{where}: field {key!r} is missing (the row has {', '.join(map(repr, list(obj)[:8]))}; "
+                         f"data.prompt_key names the prompt's column)")
     if not isinstance(prompt, str):
-        what = "missing" if "prompt" not in obj else f"of type {type(prompt).__name__}, not a string"
-        raise ValueError(f"{where}: field 'prompt' is {what}")
-    return PromptRow(prompt=prompt, extras={k: v for k, v in obj.items() if k != "prompt"})
+        raise ValueError(f"{where}: field {key!r} is of type {type(prompt).__name__}, not a string")
+    extras = {k: v for k, v in obj.items() if k != key}
+    if columns.answer != "answer" and columns.answer in obj:
+        extras["answer"] = obj[columns.answer]
+    return PromptRow(prompt=prompt, extras=extras)
 
 
-def _load_jsonl(path: Path) -> list[PromptRow]:
+def _load_jsonl(path: Path, columns: Columns) -> list[PromptRow]:
     rows = []
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
@@ -43,26 +57,26 @@ def _load_jsonl(path: Path) -> list[PromptRow]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{line_no}: invalid JSON: {e}") from e
-            rows.append(_row(obj, where=f"{path}:{line_no}"))
+            rows.append(_row(obj, where=f"{path}:{line_no}", columns=columns))
     return rows
 
 
-def _load_parquet(path: Path) -> list[PromptRow]:
+def _load_parquet(path: Path, columns: Columns) -> list[PromptRow]:
     import pyarrow.parquet as pq  # only Parquet users pay for the import
 
     table = pq.read_table(path)
-    return [_row(obj, where=f"{path}: row {i}") for i, obj in enumerate(table.to_pylist(), start=1)]
+    return [_row(obj, where=f"{path}: row {i}", columns=columns) for i, obj in enumerate(table.to_pylist(), start=1)]
 
 
-def load_prompts(path: str) -> list[PromptRow]:
-    """Rows of a `.jsonl`/`.json` (one object per line) or `.parquet` file with a `prompt` column."""
+def load_prompts(path: str, columns: Columns = Columns()) -> list[PromptRow]:
+    """Rows of a `.jsonl`/`.json` (one object per line) or `.parquet` file with a prompt column."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"prompt file {path!r} does not exist")
     if p.suffix in _JSONL_SUFFIXES:
-        rows = _load_jsonl(p)
+        rows = _load_jsonl(p, columns)
     elif p.suffix == ".parquet":
-        rows = _load_parquet(p)
+        rows = _load_parquet(p, columns)
     else:
         raise ValueError(f"prompt file {path!r}: unknown format {p.suffix!r}; use .jsonl, .json or .parquet")
     if not rows:

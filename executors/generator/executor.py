@@ -51,7 +51,7 @@ class Generator(Executor):
         self.tokenizer = load_tokenizer(self.model_cfg.path)
         # the engine, and the WEIGHTS channel's view of it: {name: spec} and {name: local shard}
         self.engine, self.specs, self.shards = {"native": self._native, "vllm": self._vllm}[self.cfg.engine](env)
-        rows = (load_prompts(self.data_cfg.path) if self.data_cfg.path else
+        rows = (load_prompts(self.data_cfg.path, self.data_cfg.columns) if self.data_cfg.path else
                 [PromptRow(prompt=r["prompt"], extras={"answer": r["answer"]})
                  for r in embedded_prompts(self.data_cfg.embedded_prompts, seed=env.seed)])
         self.prompts = PromptSet(rows, tokenizer=self.tokenizer, max_prompt_tokens=self.data_cfg.max_prompt_tokens,
