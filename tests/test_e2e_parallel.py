@@ -23,6 +23,8 @@ STEP0 = "checkpoints/step_000000"  # the weights after one optimizer step
 def _run(out, *args, nproc: int, **kw):
     proc = launch(out, *SIGNAL, *args, nproc=nproc, steps=2, **kw)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # every collective is waited for (an unread tp gather of the chunked LM head's output was not)
+    assert "unwaited collective" not in proc.stderr, proc.stderr[-3000:]
     return out
 
 

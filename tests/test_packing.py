@@ -260,3 +260,39 @@ def test_auto_rule():
     assert auto_shared_prompt(50, [500] * 8)  # saves 0.08
     assert not auto_shared_prompt(10, [500] * 8)  # saves 0.017
     assert not auto_shared_prompt(1000, [10])  # G=1: nothing to share
+
+
+def _fusion_attention_tnd(q_TND, k_TND, v_TND, ends_q, ends_kv, *, scale):
+    """torch_npu.npu_fusion_attention(input_layout="TND", sparse_mode=3) as Ascend documents it
+    (it cannot run here): segment i is rows ends[i-1]:ends[i] of the queries and of the keys; its
+    queries attend its keys causally aligned to the bottom right (query j sees keys up to
+    Skv - Sq + j); fewer key/value heads than query heads are shared in groups (GQA)."""
+    outs, q0, k0 = [], 0, 0
+    for q1, k1 in zip(ends_q, ends_kv):
+        q, k, v = (x.transpose(0, 1) for x in (q_TND[q0:q1], k_TND[k0:k1], v_TND[k0:k1]))  # [N, S, D]
+        groups = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+        Sq, Skv = q.shape[1], k.shape[1]
+        allowed = torch.ones(Sq, Skv, dtype=torch.bool).tril(diagonal=Skv - Sq)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale))
+        q0, k0 = q1, k1
+    return torch.cat(outs, dim=1)  # [N, L, D]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_npu_varlen_layout_equals_the_dense_mask(shared):
+    """The npu backend hands npu_fusion_attention TND segments, not an [L, L] mask; under the
+    kernel's documented semantics those segments give the dense mask's attention exactly."""
+    g = torch.Generator().manual_seed(0)
+    prompt, responses = _group(vocab=96, P=6, lens=(4, 1, 7))
+    mb = pack_group(prompt, responses, token_budget=UNBOUNDED, pad_id=0, device=CPU, shared_prompt=shared)[0]
+    L, H, H_kv, D = mb.pack.seg_L.numel(), 4, 2, 8
+    q = torch.randn(1, H, L, D, generator=g)
+    k, v = torch.randn(1, H_kv, L, D, generator=g), torch.randn(1, H_kv, L, D, generator=g)
+    q_TND, k_TND, v_TND, ends_q, ends_kv = packed_attention.tnd_segments(q, k, v, mb.pack)
+    assert ends_q[-1] == L and k_TND.shape[1] == H_kv  # every query once; KV heads stay grouped
+    if shared:  # the prompt's keys in front of each response's: P + sum(P + R)
+        assert ends_kv[-1] == 6 + sum(6 + R for R in (4, 1, 7))
+    got = _fusion_attention_tnd(q_TND, k_TND, v_TND, ends_q, ends_kv, scale=D ** -0.5)
+    want = packed_attention._dense(q, k, v, H // H_kv, mb.pack, scaling=D ** -0.5, dropout=0.0)[0]
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)

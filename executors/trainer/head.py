@@ -74,7 +74,9 @@ def chunked_head(model: nn.Module, *, select: Callable[[torch.Tensor], torch.Ten
         active[0] = False
         out.append(head_logprobs(module, active.pop(), targets_K, temperature=temperature, chunk=chunk,
                                  entropy=entropy))
-        return None
+        # tensor parallel gathers the head's (one-row) output asynchronously, and nothing reads it:
+        # an op on it waits for the gather, which torch otherwise reports as unwaited at exit
+        return output.clone()
 
     # prepend: see the hidden states before tensor parallelism's input hook turns them into a DTensor
     handles = [head.register_forward_pre_hook(take_input, prepend=True), head.register_forward_hook(compute)]

@@ -7,7 +7,7 @@ each backend turns it into what its kernel wants:
           [prompt, response]), so attention costs ~P² + Σ R_i (P + R_i) instead of L²
   dense:  a boolean [L, L] mask for SDPA (CPU and CUDA), the reference the others are tested against
   flex:   a flex-attention BlockMask (CUDA only: flex has no CPU backward), opt-in
-  npu:    torch_npu.npu_fusion_attention (atten_mask True = masked), the default on Ascend
+  npu:    torch_npu.npu_fusion_attention on varlen TND segments (no [L, L] mask), the default on Ascend
 
 Hook: the model runs under our attention name. transformers builds the mask once per forward
 through the mask function registered for the model's attention name; an unregistered custom name
@@ -17,6 +17,7 @@ both delegate to the stock SDPA mask and kernel, so unpadded/padded calls are bi
 """
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -177,17 +178,40 @@ def _flex(q, k, v, groups, pack, *, scaling, dropout):
     return fn(q, k, v, block_mask=pack._cache[key], scale=scaling, enable_gqa=groups > 1)
 
 
+def tnd_segments(q, k, v, pack: PackMask):
+    """The row in npu_fusion_attention's varlen layout: [tokens, heads, dim] tensors holding every
+    segment back to back, and the cumulative ends of the query and key segments
+    (`actual_seq_qlen`, `actual_seq_kvlen`). Each segment attends its own keys bottom-right causally
+    (sparse_mode 3): a varlen row's segments are plain causal blocks; with a shared prompt the
+    prompt's keys are repeated in front of each response's, so a response sees the whole prompt and
+    its own past. Memory: the keys and values once plus (G-1) prompt copies, instead of an [L, L] mask."""
+    sizes = [e - s for s, e in pack.spans]
+    q_TND, k_TND, v_TND = (x[0].transpose(0, 1) for x in (q, k, v))
+    kv_sizes = sizes
+    if pack.shared:
+        P, ks, vs = sizes[0], k_TND.split(sizes), v_TND.split(sizes)
+        k_TND = torch.cat([ks[0], *(t for k_R in ks[1:] for t in (ks[0], k_R))])
+        v_TND = torch.cat([vs[0], *(t for v_R in vs[1:] for t in (vs[0], v_R))])
+        kv_sizes = [P] + [P + R for R in sizes[1:]]
+    return q_TND, k_TND, v_TND, list(itertools.accumulate(sizes)), list(itertools.accumulate(kv_sizes))
+
+
 def _npu(q, k, v, groups, pack, *, scaling, dropout):
-    # Ascend only, so untested here.
+    # Ascend only: the layout (tnd_segments) is tested on CPU against the documented semantics of
+    # the kernel (tests/test_packing.py), the kernel itself was not run here.
     try:
         import torch_npu
     except ImportError as e:
         raise ValueError("backend 'npu' needs torch_npu") from e
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    # npu_fusion_attention's atten_mask is True where attention is *forbidden*.
-    return torch_npu.npu_fusion_attention(q, k, v, q.shape[1], input_layout="BNSD",
-                                          atten_mask=~pack.dense_LL(q.device), scale=scaling,
-                                          keep_prob=1.0 - dropout)[0]
+    q_TND, k_TND, v_TND, ends_q, ends_kv = tnd_segments(q, k, v, pack)  # k/v keep their KV heads (GQA)
+    key = ("npu-causal", str(q.device))
+    if key not in pack._cache:  # sparse_mode 3 takes this compressed 2048 x 2048 mask (True = masked)
+        pack._cache[key] = torch.ones(2048, 2048, dtype=torch.bool, device=q.device).triu(diagonal=1)
+    out_TND = torch_npu.npu_fusion_attention(
+        q_TND, k_TND, v_TND, q.shape[1], input_layout="TND", atten_mask=pack._cache[key],
+        scale=scaling if scaling is not None else q.shape[-1] ** -0.5, keep_prob=1.0 - dropout,
+        actual_seq_qlen=ends_q, actual_seq_kvlen=ends_kv, sparse_mode=3)[0]
+    return out_TND.transpose(0, 1)[None]
 
 
 _KERNELS = {"blocks": _blocks, "dense": _dense, "flex": _flex, "npu": _npu}
