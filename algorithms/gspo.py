@@ -59,6 +59,8 @@ def gspo_loss(inputs: LossInputs, cfg: GSPOConfig) -> LossOutput:
             "clip_sum": float((low_N | high_N).sum().item()),
             "kl_sum": kl_N.sum().item() if kl_N is not None else 0.0,
             "ratio_sum": torch.where(has_tokens_N, s_N, 0.0).sum().item(),
+            "ratio_token_sum": (s_N * mask_NT.sum(dim=1)).sum().item(),  # each token weighs its sequence's ratio
+            "ratio_max": torch.where(has_tokens_N, s_N, 0.0).max().item() if s_N.numel() else 0.0,
             "adv_sum": adv_N.sum().item(),
         }
     return LossOutput(loss_sum=seq_N.sum(), denom=float(mask_NT.shape[0]), stats=stats)

@@ -88,6 +88,8 @@ def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normali
             "clip_sum": weighted_sum((low_NT | high_NT).to(logp_NT.dtype), per_seq).item(),
             "kl_sum": weighted_sum(kl_NT, per_seq).item() if kl_NT is not None else 0.0,
             "ratio_sum": weighted_sum(ratio_NT, per_seq).item(),
+            "ratio_token_sum": torch.where(mask_NT, ratio_NT, 0.0).sum().item(),  # for a token mean
+            "ratio_max": torch.where(mask_NT, ratio_NT, 0.0).max().item() if mask_NT.numel() else 0.0,
             "adv_sum": adv_N1.sum().item(),
         }
     denom = batch_denominator(normaliser, mask_NT, max_response_tokens=max_response_tokens)

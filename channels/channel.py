@@ -93,11 +93,11 @@ class Sender:
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._on_send = on_send
         self.step, self.deliverable = -1, True
-        self.sent = 0
+        self.sent, self.closed = 0, False
 
     def open_step(self, step: int, *, deliverable: bool = True) -> None:
         """`deliverable=False`: nobody will consume this step (a lagged channel's last step)."""
-        self.step, self.sent, self.deliverable = step, 0, deliverable
+        self.step, self.sent, self.deliverable, self.closed = step, 0, deliverable, False
 
     def send(self, item) -> None:
         """`item` is an instance of the channel's payload or of a subclass; only the payload's fields
@@ -111,6 +111,7 @@ class Sender:
                 why = f", a base class of {payload.__name__} that lacks its field(s) {missing}"
             raise TypeError(f"channel {self.channel.name!r} carries {payload.__name__}, "
                             f"got {type(item).__name__}{why}")
+        assert not self.closed, f"channel {self.channel.name!r}: send after close_step (step {self.step})"
         self.sent += 1
         if not (self.is_leader and self.deliverable):  # the unit's other ranks computed the same item
             return
@@ -127,6 +128,11 @@ class Sender:
             self._on_send(item)
 
     def close_step(self) -> None:
+        """Idempotent: an executor may end one output's stream early (the controller closes every
+        output after the step; a second close sends nothing)."""
+        if self.closed:
+            return
+        self.closed = True
         if self.is_leader and self.deliverable:
             end = json.dumps({"src": self.rank, "end": True})
             for dst in self.route.all_dst_ranks:

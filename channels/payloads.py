@@ -2,7 +2,7 @@
 the parameter specs that describe a WEIGHTS push."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,9 @@ class ScoredGroup(RolloutGroup):
 
     rewards: torch.Tensor  # [G] float32
     reward_failures: int  # rewards that raised / were NaN and were scored 0 (on_error="zero")
+    # each reward function's G scores before weighting, for samples.jsonl; keyword-only, so
+    # subclasses may still add fields without defaults
+    reward_parts: dict[str, list[float]] = field(default_factory=dict, kw_only=True)
 
 
 @dataclass

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -15,8 +16,9 @@ from controller.failure import Watchdog
 from controller.graph import Graph
 from controller.loop import Controller
 from controller.metrics import MetricsWriter
+from controller.metrics_plot import plot_metrics
 from controller.schedules import get_schedule
-from controller.timeline import merge, plot
+from controller.timeline import merge, plot, process_start_time
 from controller.world import build_world, check_world_size, placement, store_client
 from controller.devices import detect_device, init_distributed, pin_threads
 
@@ -43,10 +45,12 @@ class Outcome:
 def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[[], Path],
             start: Callable[[Path], Start] = lambda _: Start(), schedule: str = "periodic",
             cadence: Cadence = Cadence(), timeout_s: float = 1800.0, console_keys: Sequence[str] | None = None,
-            derive: Callable[[dict], dict] | None = None, on_ready: Callable | None = None) -> Outcome:
+            derive: Callable[[dict], dict] | None = None, on_ready: Callable | None = None,
+            tensorboard: bool = False) -> Outcome:
     """Every rank calls this. Raises ValueError before any collective if the world size is wrong, or
     (on every rank alike) when `start` refuses the output dir. `start(output_dir)` runs on rank 0
     only, which prepares the directory; every rank gets its answer."""
+    entered = time.time()
     check_world_size(graph, int(os.environ.get("WORLD_SIZE", "1")))
     pin_threads()
     timeout = timedelta(seconds=timeout_s)
@@ -60,6 +64,8 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
     install_stop_signals(store_client(timeout))
     world = build_world(graph, device=device, seed=seed, output_dir=output_dir, timeout=timeout,
                         resume=Path(begin.checkpoint) if begin.checkpoint else None)
+    started = process_start_time()
+    startup = ((("imports", started, entered),) if started else ()) + (("connect", entered, time.time()),)
     roles = {r: name for name, units in placement(graph).items() for unit in units for r in unit}
     watchdog = Watchdog(rank=rank, roles=roles).start()
     outcome = Outcome(output_dir=output_dir)
@@ -72,8 +78,10 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
         if rank == 0:
             writer = MetricsWriter(executors=[e.name for e in graph.executors], steps=steps_run,
                                    path=output_dir / "metrics.jsonl", console_keys=console_keys,
-                                   timeout=timeout, derive=derive).start()
-        stopped = Controller(world=world, steps=steps_run, schedule=get_schedule(schedule), control=control).run()
+                                   timeout=timeout, derive=derive,
+                                   tensorboard=output_dir / "tensorboard" if tensorboard else None).start()
+        stopped = Controller(world=world, steps=steps_run, schedule=get_schedule(schedule), control=control,
+                             startup=startup).run()
         if stopped is not None:
             # nobody exits before the checkpoint is sealed: torchrun ends the whole group when one exits non-zero
             world.store.wait([f"ckpt/{stopped[0]}/done"])
@@ -83,6 +91,10 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
         dist.barrier(group=world.control_group)  # every rank has saved its timeline
         if rank == 0:
             plot(merge(output_dir), output_dir / "timeline.png")
+            metrics = output_dir / "metrics.jsonl"
+            if metrics.is_file():  # all the run's steps, a resumed run's earlier ones too
+                plot_metrics([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()],
+                             output_dir / "metrics.png")
     except BaseException as exc:
         watchdog.fail(exc)
     watchdog.stop()

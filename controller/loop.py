@@ -33,13 +33,17 @@ class Controller:
     steps: range
     control: StepControl
     schedule: Schedule = field(default_factory=Periodic)
+    startup: tuple[tuple[str, float, float], ...] = ()  # (kind, t0, t1) spans before the loop existed
 
     def run(self) -> tuple[int, int] | None:
         """Run the steps; return (the step the run stopped after, the signal) or None when all ran."""
         executor, env = self.world.local_executor, self.world.env
-        executor.init(env)
         timeline = Timeline.resumed(executor=env.name, rank=env.rank, path=self.timeline_path,
                                     before=self.steps.start)
+        for kind, t0, t1 in self.startup:  # step -1: before the first step
+            timeline.add(kind, t0, t1)
+        with timeline.span("init"):
+            executor.init(env)
         for step in self.steps:
             timeline.step = step
             ctx = self.open(step, timeline)

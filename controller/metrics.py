@@ -20,6 +20,8 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from controller.control import Decision
+from controller.samples import console_line, first_sample
+from controller.tensorboard import TensorBoardLog, tags_of
 from controller.world import store_client
 
 
@@ -29,9 +31,13 @@ def _key(step: int, executor: str) -> str:
 
 class MetricsWriter:
     def __init__(self, *, executors: Sequence[str], steps: range, path: Path,
-                 console_keys: Sequence[str] | None, timeout: timedelta, derive=None):
+                 console_keys: Sequence[str] | None, timeout: timedelta, derive=None,
+                 tensorboard: Path | None = None):
+        """tensorboard: a directory for TensorBoard event files of the rows; None: none."""
         self.executors, self.steps, self.path = list(executors), steps, path
+        self.tensorboard = tensorboard
         self.console_keys, self.derive = console_keys, derive
+        self.samples_path, self._samples_offset = path.parent / "samples.jsonl", 0
         self._store = store_client(timeout)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tidal-metrics", daemon=True)
@@ -46,6 +52,7 @@ class MetricsWriter:
             raise self._error
 
     def _run(self) -> None:
+        board = TensorBoardLog(self.tensorboard, first_step=self.steps.start) if self.tensorboard else None
         try:
             with open(self.path, "a") as f, tqdm(total=len(self.steps), desc="steps", file=sys.stderr,
                                                  dynamic_ncols=True) as bar:
@@ -57,17 +64,26 @@ class MetricsWriter:
                         records[name] = posted["record"]
                         row.update(posted["record"])
                         row[f"{name}_s"] = posted["wall_s"]
-                    if self.derive:
-                        row.update(self.derive(records))
+                    derived = self.derive(records) if self.derive else {}
+                    row.update(derived)
                     f.write(json.dumps(row) + "\n")
                     f.flush()
+                    if board:
+                        board.write(row, tags=tags_of(records, derived))
                     bar.update(1)
                     keys = [k for k in (self.console_keys or row) if k in row]
                     bar.write(tabulate([[row[k] for k in keys]], headers=keys, floatfmt=".4g"))
+                    # the trainer appended the step's samples before it posted its record
+                    sample, self._samples_offset = first_sample(self.samples_path, step, self._samples_offset)
+                    if sample is not None:
+                        bar.write(console_line(sample))
                     if Decision.read(self._store, step).stop:  # decided before any record of the step
                         break
         except BaseException as exc:  # surfaced by join()
             self._error = exc
+        finally:
+            if board:
+                board.close()
 
 
 def post_metrics(store, *, step: int, executor: str, wall_s: float, record: Mapping[str, object]) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +32,11 @@ class Timeline:
             self.events.append({"executor": self.executor, "rank": self.rank, "step": self.step,
                                 "kind": kind, "t0": t0, "t1": time.time(), **attrs})
 
+    def add(self, kind: str, t0: float, t1: float, **attrs) -> None:
+        """A span measured elsewhere (start-up, before this timeline existed)."""
+        self.events.append({"executor": self.executor, "rank": self.rank, "step": self.step,
+                            "kind": kind, "t0": t0, "t1": t1, **attrs})
+
     def mark(self, kind: str, **attrs) -> None:
         now = time.time()
         self.events.append({"executor": self.executor, "rank": self.rank, "step": self.step,
@@ -56,8 +62,10 @@ def merge(run_dir: Path) -> list[dict]:
 
 # kinds drawn as busy spans, and their colours; "step" spans frame each executor's step
 _BUSY = {"generate": "tab:blue", "scored": "tab:orange", "train": "tab:green", "barrier": "tab:red",
-         "push": "tab:purple", "weights_recv": "lightgray", "checkpoint": "tab:brown"}
-_LABEL = {"weights_recv": "waiting for weights"}
+         "push": "tab:purple", "weights_recv": "lightgray", "checkpoint": "tab:brown", "eval": "tab:cyan",
+         "eval_scored": "gold", "imports": "silver", "connect": "darkgray", "init": "dimgray"}
+_LABEL = {"weights_recv": "waiting for weights", "imports": "start-up: python + imports",
+          "connect": "start-up: process groups", "init": "start-up: executor init (model load)"}
 
 
 def plot(events: list[dict], path: Path) -> None:
@@ -92,3 +100,14 @@ def plot(events: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def process_start_time() -> float | None:
+    """Wall clock at which this process started (Linux /proc, 10 ms resolution), for the start-up
+    span; None elsewhere. Both /proc values count from boot, so their difference is the process age."""
+    try:
+        started = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return time.time() - (uptime - started)
+    except (OSError, ValueError, IndexError):
+        return None

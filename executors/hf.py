@@ -117,12 +117,24 @@ def load_config(path: str | None) -> transformers.PretrainedConfig:
     return embedded_config(vocab_size=len(tok), eos_token_id=tok.eos_token_id)
 
 
+def _bare_config(path: str) -> transformers.PretrainedConfig:
+    """config.json as a generic config. AutoTokenizer reads the model type (for per-model fixes) and
+    would otherwise load the model's own config class, which imports transformers' whole model stack:
+    1.3-1.6 s measured, paid by the reward ranks, which need only the tokenizer."""
+    try:
+        fields = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        fields = {}
+    known = {k: fields[k] for k in ("model_type", "tokenizer_class") if isinstance(fields.get(k), str)}
+    return transformers.PretrainedConfig(**known)
+
+
 def load_tokenizer(path: str | None) -> PreTrainedTokenizerFast:
     """A fast tokenizer from a local directory, or the embedded 512-token byte-level BPE."""
     if path is not None:
         _check_dir(path)
         check_tokenizer(path)
-        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, config=_bare_config(path))
     # Left padding: batched prompts must end at the same column so decoding appends in lockstep.
     return transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(TOKENIZER_FILE), eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, padding_side="left"

@@ -76,6 +76,8 @@ def _load_file(path: Path) -> dict:
                          f"{str(exc).splitlines()[0]}") from None
     if data is None:
         return {}
+    if isinstance(data, dict):
+        data.pop("_sources", None)  # a run's config.json, passed back: its record of where values came from
     if not isinstance(data, dict):
         raise ValueError(f"config file {path}: top level must be a mapping, got {type(data).__name__}")
     return data
@@ -94,17 +96,35 @@ def _apply_override(data: dict, spec: str) -> None:
     node[parts[-1]] = yaml.safe_load(raw) if raw else ""
 
 
+def _file_source(path: Path) -> str:
+    """configs/*.yaml of this repository are its presets; any other file is the user's."""
+    presets = Path(__file__).resolve().parents[1] / "configs"
+    return f"preset {path}" if path.resolve().parent == presets else f"file {path}"
+
+
 def resolve(args: argparse.Namespace) -> RunConfig:
+    from recipes import defaults
+
     data = _load_file(args.config) if args.config else {}
+    layers: list[tuple[str, dict]] = [(_file_source(args.config), json.loads(json.dumps(data)))] if args.config else []
     for spec in args.overrides:
         _apply_override(data, spec)
+        layer: dict = {}
+        _apply_override(layer, spec)
+        layers.append(("--set", layer))
     for flag, key in (("steps", "steps"), ("seed", "seed"), ("schedule", "schedule"),
                       ("output_dir", "output_dir")):
         value = getattr(args, flag)
         if value is not None:
             data[key] = str(value) if isinstance(value, Path) else value
+            layers.append((f"--{flag.replace('_', '-')}", {key: data[key]}))
     if args.resume not in (None, "latest") and "output_dir" not in data and _run_of(args.resume) is not None:
         data["output_dir"] = str(_run_of(args.resume))  # continue in the run the checkpoint belongs to
+        layers.append(("--resume", {"output_dir": data["output_dir"]}))
+    layers.append(("--algo", {"algo": args.algo}))
+    pretrained = defaults.pretrained_defaults(data)
+    defaults.apply(data, pretrained)
+    layers.insert(0, (defaults.PRETRAINED_SOURCE, {k: v for k, v in pretrained.items()}))
     source = str(args.config) if args.config else "command line"
     try:
         cfg = RunConfig.model_validate(data).with_algorithm(args.algo)
@@ -113,7 +133,7 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     if args.resume is not None and cfg.output_dir is None:
         raise ValueError("--resume needs --output-dir (the run to continue), or a checkpoint path "
                          "<run>/checkpoints/step_NNNNNN")
-    return cfg
+    return cfg.model_copy(update={"sources": defaults.sources(cfg.resolved(), layers)})
 
 
 def main(argv: list[str] | None = None) -> int:

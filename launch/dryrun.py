@@ -6,7 +6,7 @@ from tabulate import tabulate
 from controller.graph import Graph
 from controller.world import placement, world_size_of
 from recipes.base import Recipe
-from recipes.config import RunConfig
+from recipes.config import RunConfig, non_defaults
 
 
 def describe(graph: Graph, cfg: RunConfig, recipe: Recipe, *, memory: str = "") -> str:
@@ -32,7 +32,15 @@ def describe(graph: Graph, cfg: RunConfig, recipe: Recipe, *, memory: str = "") 
         tabulate(channels, headers=["channel", "kind", "route", "payload", "delivered"]),
         f"each step ({cfg.schedule} schedule, recipe {recipe.name}):\n"
         + tabulate(phases, headers=["phase", "executor", "ranks", "what", "code"], disable_numparse=True),
+        "values not at their default (the rest: README, Config):\n"
+        + tabulate([[k, _short(v), src] for k, v, src in non_defaults(cfg)], headers=["key", "value", "from"],
+                   disable_numparse=True),
     ] + ([memory] if memory else []))
+
+
+def _short(value) -> str:
+    text = str(value)
+    return text if len(text) <= 60 else "..." + text[-57:]
 
 
 def _span(ranks: list[int]) -> str:

@@ -23,7 +23,11 @@ def preflight(cfg: RunConfig, *, resume: str | None, overwrite: bool, writes: bo
     """writes=False (--dry-run): only what the run reads; nothing is written, so the output dir may be anything."""
     check_groups(cfg)
     if cfg.data.path is not None:
-        check_data(cfg.data.path, cfg.data.columns)
+        rows = check_data(cfg.data.path, cfg.data.columns)
+        check_reward_columns(rows, cfg, field="data.path")
+    if cfg.eval.every and cfg.eval.path is not None:
+        rows = check_data(cfg.eval.path, cfg.data.columns, field="eval.path")
+        check_reward_columns(rows, cfg, field="eval.path")
     if cfg.model.path is not None:
         from executors.hf import check_model_dir  # transformers is imported already by the recipe's executors
 
@@ -37,20 +41,39 @@ def preflight(cfg: RunConfig, *, resume: str | None, overwrite: bool, writes: bo
         check_output(cfg.output_dir, resume=resume, overwrite=overwrite)
 
 
-def check_data(path: str, columns) -> None:
-    """The whole file parses (load_prompts names file and line); tokenizing is left to the generator."""
+def check_data(path: str, columns, *, field: str = "data.path") -> list:
+    """The whole file parses (load_prompts names file and line); tokenizing is left to the generator.
+    Returns its rows."""
     from executors.generator.data import load_prompts
 
     if Path(path).is_dir():
-        raise ValueError(f"data.path: {path} is a directory, not a prompt file")
+        raise ValueError(f"{field}: {path} is a directory, not a prompt file")
     try:
-        load_prompts(path, columns)
+        return load_prompts(path, columns)
     except UnicodeDecodeError as exc:  # a ValueError too, but one that names neither file nor line
-        raise ValueError(f"data.path: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raise ValueError(f"{field}: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
-        raise ValueError(f"data.path: cannot read {path}: {exc.strerror or exc}") from None
+        raise ValueError(f"{field}: cannot read {path}: {exc.strerror or exc}") from None
     except ValueError as exc:  # pyarrow's errors are ValueErrors too, some over several lines
-        raise ValueError(f"data.path: {str(exc).strip().splitlines()[0]}") from None
+        raise ValueError(f"{field}: {str(exc).strip().splitlines()[0]}") from None
+
+
+def check_reward_columns(rows: list, cfg: RunConfig, *, field: str, first: int = 5) -> None:
+    """The columns each reward declares it reads (`fn.columns`, e.g. math_verify's 'answer') are in
+    the file's first rows, after data.prompt_key/answer_key: a missing one fails here, not after the
+    first generation."""
+    from executors.reward.functions import resolve_reward
+
+    path = getattr(cfg.eval if field == "eval.path" else cfg.data, "path")
+    for spec in cfg.reward_functions:
+        for column in getattr(resolve_reward(spec), "columns", ()):
+            for i, row in enumerate(rows[:first], start=1):
+                if column not in row.extras:
+                    hint = (f"set data.answer_key to the column that holds the answer" if column == "answer"
+                            else f"add the column or choose another reward")
+                    has = ", ".join(repr(k) for k in [cfg.data.prompt_key, *row.extras][:8])
+                    raise ValueError(f"{field}: reward {spec!r} reads the column {column!r}, which row {i} of {path} "
+                                     f"lacks (it has {has}); {hint}, or set reward.functions")
 
 
 def check_output(output_dir: str | None, *, resume: str | None, overwrite: bool) -> None:

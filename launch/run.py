@@ -23,7 +23,8 @@ from recipes.base import Recipe
 from recipes.config import RunConfig
 
 # what a run writes into its output dir; a fresh start (or --overwrite) removes the previous run's
-RUN_OUTPUTS = ("config.json", "metrics.jsonl", "timeline.jsonl", "timeline.png", "checkpoints", "final", "timeline")
+RUN_OUTPUTS = ("config.json", "metrics.jsonl", "samples.jsonl", "eval_samples.jsonl", "timeline.jsonl", "timeline.png",
+               "metrics.png", "tensorboard", "checkpoints", "final", "timeline")
 
 
 def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = None, overwrite: bool = False) -> int:
@@ -34,14 +35,18 @@ def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = No
 
     def write_config(world) -> None:
         if dist.get_rank() == 0:
-            (world.env.output_dir / "config.json").write_text(json.dumps(cfg.resolved(), indent=2))
+            # _sources: where each value came from (default, pretrained default, preset, file, --set, a flag);
+            # the file can be passed back as --config, which ignores that key
+            record = {**cfg.resolved(), "_sources": cfg.sources}
+            (world.env.output_dir / "config.json").write_text(json.dumps(record, indent=2))
 
     derive = partial(recipe.derive, world_size=world_size_of(graph)) if recipe.derive else None
     cadence = Cadence(every=cfg.checkpoint_every, minutes=cfg.checkpoint_minutes, keep=cfg.checkpoint_keep,
                       config=cfg.resolved())
     outcome = run_job(graph, steps=cfg.steps, seed=cfg.seed, output_dir=output_dir, schedule=cfg.schedule,
                       start=partial(start, cfg=cfg, resume=resume), cadence=cadence, timeout_s=cfg.timeout_s,
-                      console_keys=recipe.console, on_ready=write_config, derive=derive)
+                      console_keys=recipe.console, on_ready=write_config, derive=derive,
+                      tensorboard=cfg.logging.tensorboard)
     if outcome.stopped_after is not None and os.environ.get("RANK", "0") == "0":
         print(f"tidal: stopped at step {outcome.stopped_after} (checkpoint saved); resume with: "
               f"{resume_command(outcome.output_dir)}", file=sys.stderr, flush=True)
@@ -72,11 +77,16 @@ def start(out: Path, *, cfg: RunConfig, resume: str | None) -> Start:
     if found.step + 1 >= cfg.steps:
         raise ValueError(f"--resume: checkpoint {found.path} holds step {found.step}, the last of steps={cfg.steps}; "
                          f"raise --steps to train further")
-    metrics = out / "metrics.jsonl"
-    if metrics.is_file():  # rows past the checkpoint are redone: keep each step once
-        rows = [line for line in metrics.read_text().splitlines() if line.strip()]
-        metrics.write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= found.step))
+    for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):  # steps past the checkpoint are redone
+        keep_steps_up_to(out / name, found.step)
     return Start(step=found.step + 1, checkpoint=str(found.path))
+
+
+def keep_steps_up_to(path: Path, step: int) -> None:
+    """Drop the lines of steps after `step` from a JSONL log, so a resumed run writes each step once."""
+    if path.is_file():
+        rows = [line for line in path.read_text().splitlines() if line.strip()]
+        path.write_text("".join(r + "\n" for r in rows if json.loads(r)["step"] <= step))
 
 
 def resume_command(output_dir: Path | None) -> str:

@@ -43,9 +43,9 @@ def check_engine(cfg: RunConfig) -> None:
         return
     from executors.generator.vllm_engine import check_tp_fits_vllm, vllm_available
 
-    if g.top_p < 1.0:
-        raise ValueError("generator.engine=vllm needs generator.top_p=1: under top-p vLLM's log-probs are "
-                         "renormalised over the nucleus, the trainer's (and the KL's) are not")
+    if g.top_p < 1.0 or g.top_k > 0:
+        raise ValueError("generator.engine=vllm needs generator.top_p=1 and generator.top_k=0: under top-p/top-k "
+                         "vLLM's log-probs are renormalised over the kept tokens, the trainer's (and the KL's) are not")
     if not vllm_available():
         raise ValueError("generator.engine=vllm: vLLM is not installed in this environment (CPU: `make install-vllm` "
                          "builds .venv-vllm, run with .venv-vllm/bin/torchrun; GPU: pip install vllm; see README)")
@@ -63,3 +63,19 @@ def check_groups(cfg: RunConfig) -> None:
         raise ValueError(f"generator.samples_per_prompt={g} with --algo {cfg.algo}: its advantages compare each "
                          f"sample with the others of its prompt's group, so every advantage would be 0 and nothing "
                          f"would train; set generator.samples_per_prompt to 2 or more")
+    if g >= 2 and cfg.generator.temperature == 0 and cfg.algo_config is not None and cfg.algo_config.group_relative:
+        raise ValueError(f"generator.temperature=0 (greedy) with --algo {cfg.algo}: the {g} samples of a prompt are "
+                         f"the same text, so every group-relative advantage would be 0 and nothing would train; "
+                         f"sample with a temperature > 0 (greedy suits evaluation)")
+
+
+def check_eval(cfg: RunConfig) -> None:
+    e = cfg.eval
+    if not e.every:
+        return
+    if e.path is None and cfg.data.path is not None:
+        raise ValueError("eval.every needs eval.path with a data file: the held-out split without one is the "
+                         "embedded task's")
+    if e.samples > 1 and e.temperature == 0:
+        raise ValueError(f"eval.samples={e.samples} with eval.temperature=0: greedy samples are all the same text; "
+                         f"set eval.temperature > 0 for pass@{e.samples}, or eval.samples=1")

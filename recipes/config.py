@@ -12,9 +12,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from algorithms.base import AlgoConfig
 from algorithms.registry import get_algorithm
-from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig
+from executors.generator.config import DataConfig, EvalConfig, GeneratorConfig, ModelConfig
 from executors.reward.config import RewardConfig
 from executors.trainer.config import TrainerConfig
+
+
+class LoggingConfig(BaseModel):
+    """What a run writes besides metrics.jsonl (README, Outputs)."""
+
+    model_config = ConfigDict(extra="forbid")
+    samples_every: int = Field(1, ge=0, description="samples.jsonl: every sample of every N-th step (prompt, "
+                               "response, rewards, advantage, length); 0: never")
+    tensorboard: bool = Field(False, description="also write TensorBoard event files to <output_dir>/tensorboard")
 
 
 class RunConfig(BaseModel):
@@ -34,10 +43,14 @@ class RunConfig(BaseModel):
     generator: GeneratorConfig = GeneratorConfig()
     reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
     algorithm: dict = Field(default_factory=dict, description="options of --algo's config class")
 
     algo: str = Field("", exclude=True)
     algo_config: AlgoConfig | None = Field(None, exclude=True)
+    sources: dict[str, str] = Field(default_factory=dict, exclude=True,
+                                    description="where each dotted key's value came from (launch/cli.py)")
 
     def with_algorithm(self, name: str) -> "RunConfig":
         algorithm = get_algorithm(name)  # ValueError listing the known names
@@ -55,12 +68,26 @@ class RunConfig(BaseModel):
             return self.model.model_copy(update={"dtype": "bfloat16"})
         return self.model
 
+    @property
+    def reward_functions(self) -> list[str]:
+        """reward.functions, or the default for the task: the embedded reward, or math_verify for a data file."""
+        return self.reward.functions or (["math_verify"] if self.data.path else ["embedded"])
+
     def resolved(self) -> dict:
         """Everything the run used, algorithm defaults included (written to config.json)."""
         data = self.model_dump(mode="json")
         data["algo"] = self.algo
         data["algorithm"] = self.algo_config.model_dump(mode="json") if self.algo_config else self.algorithm
         return data
+
+
+def non_defaults(cfg: RunConfig) -> list[tuple[str, object, str]]:
+    """(dotted key, value, source) of every value a run took from somewhere else than the classes'
+    defaults, for --dry-run and the start of a run."""
+    from recipes.defaults import flatten
+
+    return [(key, value, cfg.sources.get(key, "default")) for key, value in flatten(cfg.resolved()).items()
+            if cfg.sources.get(key, "default") != "default"]
 
 
 def config_error(exc: ValidationError, source: str, *, prefix: str = "") -> str:

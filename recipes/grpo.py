@@ -24,7 +24,7 @@ from executors.reward.executor import Reward
 from executors.trainer.executor import Trainer
 from executors.trainer.stats import TrainerMetrics
 from recipes.base import Phase, Recipe
-from recipes.checks import check_engine, check_tp, check_trainer
+from recipes.checks import check_engine, check_eval, check_tp, check_trainer
 from recipes.config import RunConfig
 
 PHASES = (
@@ -44,13 +44,16 @@ def build(cfg: RunConfig) -> Graph:
     check_trainer(cfg, dynamic_sampling=dynamic)
     check_tp(cfg)
     check_engine(cfg)
+    check_eval(cfg)
     keep = (lambda rewards_G: algorithm.keeps_group(rewards_G, algo_cfg)) if dynamic else None
-    functions = cfg.reward.functions or (["math_verify"] if cfg.data.path else ["embedded"])
+    functions = cfg.reward_functions
     executors = [  # placed on contiguous ranks in this order
-        Generator(config=cfg.generator, model=cfg.generator_model, data=cfg.data, dynamic_sampling=dynamic),
-        Reward(config=cfg.reward, functions=functions, tokenizer_path=cfg.model.path, keep=keep),
+        Generator(config=cfg.generator, model=cfg.generator_model, data=cfg.data, dynamic_sampling=dynamic,
+                  evaluation=cfg.eval),
+        Reward(config=cfg.reward, functions=functions, tokenizer_path=cfg.model.path, keep=keep, evaluation=cfg.eval),
         Trainer(config=cfg.trainer, model_path=cfg.model.path, dtype=cfg.model.torch_dtype, algorithm=algorithm,
-                algo_config=algo_cfg, temperature=cfg.generator.temperature, total_steps=cfg.steps),
+                algo_config=algo_cfg, temperature=cfg.generator.logprob_temperature, total_steps=cfg.steps,
+                samples_every=cfg.logging.samples_every),
     ]
     channels = [
         Channel("rollouts", "generator", "reward", Kind.SCATTER, RolloutGroup),
@@ -59,6 +62,8 @@ def build(cfg: RunConfig) -> Graph:
         # lag 1: what the trainer pushes at step k's barrier, the generator receives at step k+1's start
         Channel("weights", "trainer", "generator", Kind.WEIGHTS, WeightsUpdate),
     ]
+    if cfg.eval.every:  # held-out prompts, sampled after the step's rollouts and scored into eval/* metrics
+        channels.append(Channel("eval", "generator", "reward", Kind.SCATTER, RolloutGroup))
     if dynamic:  # verdicts close a same-step cycle: the generator reads them only after each round
         channels.append(Channel("verdicts", "reward", "generator", Kind.BROADCAST, GroupVerdict, feedback=True))
     return Graph(executors, channels)
@@ -80,4 +85,5 @@ def step_figures(records: dict, world_size: int) -> dict:
 
 RECIPE = Recipe(name="grpo", build=build, phases=PHASES, derive=step_figures,
                 console=("step", "reward_mean", "reward_std", "response_len_mean", "loss", "kl", "entropy", "grad_norm",
-                         "gen_s", "train_s", "push_s", "step_s", "first_group_s", "tpspd"))
+                         "gen_s", "train_s", "push_s", "step_s", "first_group_s", "tpspd", "eval/reward_mean",
+                         "eval/pass@1"))

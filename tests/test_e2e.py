@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from tests.e2e import REQUIRED, launch, metrics
+from tests.test_metrics_outputs import scalars
 
 
 @pytest.fixture(scope="module")
@@ -15,6 +16,7 @@ def periodic_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("periodic")
     proc = launch(out, "--schedule", "periodic")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (out.parent / f"{out.name}.stderr").write_text(proc.stderr)  # the console, beside the run dir
     return out
 
 
@@ -25,9 +27,14 @@ def test_run_outputs(periodic_run):
         assert REQUIRED <= row.keys(), REQUIRED - row.keys()
         assert row["tokens"] > 0 and row["tpspd"] > 0 and row["groups"] == 4
         assert row["logp_mismatch_max"] < 1e-4  # the trainer recomputes what the generator sampled
+        assert row["ratio_mean"] == pytest.approx(1.0) and row["ratio_max"] == pytest.approx(1.0)  # one pass: on-policy
+        assert 0 < row["entropy"] < 6.3  # nats, below log(512) of the embedded vocabulary
     assert len({r["rollout_digest"] for r in rows}) == 3
     config = json.loads((periodic_run / "config.json").read_text())
     assert config["algo"] == "grpo" and config["algorithm"]["clip_low"] == 0.2 and config["steps"] == 3
+    sources = config["_sources"]  # where each value came from
+    assert sources["steps"] == "--steps" and sources["data.prompts_per_step"] == "--set"
+    assert sources["trainer.lr"] == "default" and sources.keys() >= {"seed", "trainer.betas", "algorithm.clip_low"}
     model = AutoModelForCausalLM.from_pretrained(periodic_run / "final")
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert (periodic_run / "final" / "tokenizer.json").is_file()
@@ -38,10 +45,71 @@ def _same_run(a: Path, b: Path) -> None:
     assert (a / "final/model.safetensors").read_bytes() == (b / "final/model.safetensors").read_bytes()
 
 
-def test_sync_equals_periodic_bit_for_bit(periodic_run, tmp_path):
-    proc = launch(tmp_path, "--schedule", "sync")
+# evaluation at steps 0 and 2 on 8 held-out prompts, 2 samples each at T=1 (pass@2)
+EVAL = ["--set", "eval.every=2", "--set", "eval.prompts=8", "--set", "eval.samples=2", "--set", "eval.temperature=1"]
+
+
+def _eval_rows(out: Path) -> dict[int, dict]:
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in metrics(out)}
+
+
+@pytest.fixture(scope="module")
+def sync_eval_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sync_eval")
+    proc = launch(out, "--schedule", "sync", *EVAL, "--set", "logging.tensorboard=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _same_run(periodic_run, tmp_path)
+    return out
+
+
+def test_sync_equals_periodic_bit_for_bit(periodic_run, sync_eval_run):
+    # the sync run also evaluates: evaluation changes no bit of training
+    _same_run(periodic_run, sync_eval_run)
+
+
+def test_samples_log(periodic_run):
+    """samples.jsonl: every sample of every step, with what it was scored and its advantage."""
+    lines = [json.loads(line) for line in (periodic_run / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompt_index"], r["sample"]) for r in lines] == \
+        [(s, i, j) for s in range(3) for i in range(4) for j in range(4)]
+    for step, row in enumerate(metrics(periodic_run)):
+        mine = [r for r in lines if r["step"] == step]
+        assert sum(r["reward"] for r in mine) / 16 == pytest.approx(row["reward_mean"], abs=1e-6)
+        assert sum(r["length"] for r in mine) / 16 == pytest.approx(row["response_len_mean"], abs=1e-6)
+        for i in range(4):  # GRPO: a group's advantages are its rewards, centred (and scaled)
+            group = [r for r in mine if r["prompt_index"] == i]
+            assert sum(r["advantage"] for r in group) == pytest.approx(0, abs=1e-5)
+            assert all(r["rewards"] == {"embedded": r["reward"]} for r in group)
+    console = (periodic_run.parent / f"{periodic_run.name}.stderr").read_text()
+    for step in range(3):  # one sample under each step's table: prompt 0's first response
+        first = lines[16 * step]
+        assert f"sample (prompt 0, reward {first['reward']:.3g}, advantage {first['advantage']:.3g}" in console
+    assert console.count("\n  response: ") == 3
+    for r in lines:
+        assert 1 <= r["length"] <= 4 and (r["finished"] or r["length"] == 4)  # only EOS ends a sample early
+        assert r["prompt"].endswith(" answer:") and isinstance(r["response"], str)
+
+
+def test_evaluation_metrics(sync_eval_run):
+    """eval/* at steps 0 and 2 only, equal to what eval_samples.jsonl holds."""
+    evals = _eval_rows(sync_eval_run)
+    assert not evals[1] and evals[0].keys() == evals[2].keys() == {
+        "eval/reward_mean", "eval/pass@1", "eval/pass@2", "eval/response_len_mean", "eval/finished_frac", "eval/prompts"}
+    lines = [json.loads(line) for line in (sync_eval_run / "eval_samples.jsonl").read_text().splitlines()]
+    for step in (0, 2):
+        mine = [r for r in lines if r["step"] == step]
+        assert sorted((r["prompt_index"], r["sample"]) for r in mine) == [(i, j) for i in range(8) for j in range(2)]
+        assert evals[step]["eval/prompts"] == 8
+        assert evals[step]["eval/reward_mean"] == pytest.approx(sum(r["reward"] for r in mine) / 16, abs=1e-6)
+        solved = {i: [r["reward"] >= 1.0 for r in mine if r["prompt_index"] == i] for i in range(8)}
+        assert evals[step]["eval/pass@1"] == pytest.approx(sum(sum(s) / 2 for s in solved.values()) / 8)
+        assert evals[step]["eval/pass@2"] == pytest.approx(sum(any(s) for s in solved.values()) / 8)
+    board = scalars(sync_eval_run / "tensorboard")  # what TensorBoard shows
+    assert board["trainer/loss"] == pytest.approx({s: r["loss"] for s, r in enumerate(metrics(sync_eval_run))},
+                                                  rel=1e-6, abs=1e-12)  # stored as float32
+    assert board["eval/pass@2"].keys() == {0, 2} and board["time/trainer_s"].keys() == {0, 1, 2}
+    assert (sync_eval_run / "metrics.png").stat().st_size > 10_000
+    train_prompts = {json.loads(line)["prompt"] for line in (sync_eval_run / "samples.jsonl").read_text().splitlines()}
+    assert not train_prompts & {r["prompt"] for r in lines}  # held out
 
 
 def test_sync_equals_periodic_with_two_trainer_ranks(tmp_path):
@@ -51,10 +119,11 @@ def test_sync_equals_periodic_with_two_trainer_ranks(tmp_path):
     _same_run(tmp_path / "sync", tmp_path / "periodic")
 
 
-def test_slow_reward_changes_timing_not_results(periodic_run, tmp_path):
-    proc = launch(tmp_path, "--set", "reward.functions=[tests.rewards:slow_embedded]")
+def test_slow_reward_changes_timing_not_results(periodic_run, sync_eval_run, tmp_path):
+    proc = launch(tmp_path, "--set", "reward.functions=[tests.rewards:slow_embedded]", *EVAL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _same_run(periodic_run, tmp_path)
+    assert _eval_rows(tmp_path) == _eval_rows(sync_eval_run)  # evaluation is deterministic, whatever the schedule
     # periodic: the trainer starts on the first scored group while the others are still being scored.
     # Scoring a group takes >= 0.2 s here, so the check has >= 0.6 s of margin; a check against the
     # fast embedded reward raced the trainer's wake-up with a 7 ms generation tail and failed on CI.
@@ -65,6 +134,10 @@ def test_slow_reward_changes_timing_not_results(periodic_run, tmp_path):
         trained = [e["t0"] for e in events if e["step"] == step and e["kind"] == "train"]
         assert len(scored) == 4 and len(trained) == 4
         assert min(trained) < max(scored), f"step {step}: training waited for the whole batch"
+    for step in (0, 2):  # the evaluation (>= 16 x 0.05 s of scoring) runs beside the trainer's barrier
+        barrier = next(e for e in events if e["step"] == step and e["kind"] == "barrier")
+        eval_scored = [e["t1"] for e in events if e["step"] == step and e["kind"] == "eval_scored"]
+        assert len(eval_scored) == 8 and barrier["t0"] < max(eval_scored), f"step {step}: the barrier waited"
 
 
 def test_bad_data_file_names_file_and_line(tmp_path):
@@ -118,6 +191,7 @@ def test_several_optimizer_steps_per_batch_keep_schedules_identical(tmp_path):
     _same_run(tmp_path / "sync", tmp_path / "periodic")
     rows = metrics(tmp_path / "periodic")
     assert all(r["optimizer_steps"] == 4 and r["clip_frac"] > 0 for r in rows)
+    assert all(r["ratio_max"] > 1.0 and r["ratio_mean"] != 1.0 for r in rows)  # later passes move off-policy
 
 
 def test_dynamic_sampling_tops_up_to_full_batches(tmp_path):

@@ -7,6 +7,7 @@ from executors.generator.engine import (
     NativeEngine,
     PromptRequest,
     SamplingParams,
+    _top_k_mask,
     _top_p_mask,
     sample_tokens,
 )
@@ -129,6 +130,46 @@ def test_tiny_top_p_is_greedy(model, tok, requests):
         torch.testing.assert_close(greedy[i].logprobs[0], nucleus[i].logprobs[0], atol=1e-6, rtol=0)
 
 
+def test_greedy_equals_argmax_decoding(model, tok, requests):
+    """temperature=0 is plain argmax decoding: each token is the argmax of a full forward of the text so
+    far (no cache, no batch), every sample of a group is that one text, and the seed does not matter."""
+    params = SamplingParams(n=2, max_new_tokens=6, seed=0, temperature=0.0)
+    groups = _run(_engine(model, tok, max_batch_prompts=4), requests[:5], params)
+    assert _same(groups, _run(_engine(model, tok), requests[:5], SamplingParams(n=2, max_new_tokens=6, seed=7,
+                                                                               temperature=0.0)))
+    with torch.no_grad():
+        for r in requests[:5]:
+            ids = torch.as_tensor(r.prompt_ids)
+            for _ in range(params.max_new_tokens):
+                nxt = model(ids[None]).logits[0, -1].argmax()
+                ids = torch.cat([ids, nxt[None]])
+                if nxt == tok.eos_token_id:
+                    break
+            expect = ids[len(r.prompt_ids):]
+            for resp in groups[r.index].response_ids:
+                assert torch.equal(resp, expect)
+
+
+def test_top_k_mask_and_sampling():
+    z = torch.tensor([[2.0, 1.0, 1.0, 0.0, -1.0]])
+    assert _top_k_mask(z, 1).tolist() == [[False, True, True, True, True]]
+    assert _top_k_mask(z, 2).tolist() == [[False, False, False, True, True]]  # a tie with the k-th stays in
+    assert _top_k_mask(z, 10).tolist() == [[False] * 5]
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    R = 20000
+    tok_R, logp_R = sample_tokens(probs.log().expand(R, 4), seeds_R=torch.arange(R) * 7919 + 13, t=4,
+                                  temperature=1.0, top_p=1.0, top_k=2)
+    freq = torch.bincount(tok_R, minlength=4).float() / R
+    torch.testing.assert_close(freq, torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=0.015, rtol=0)
+    torch.testing.assert_close(logp_R, probs.log()[tok_R], atol=1e-6, rtol=0)  # not renormalised
+
+
+def test_top_k_1_is_greedy(model, tok, requests):
+    greedy = _run(_engine(model, tok), requests, SamplingParams(n=2, max_new_tokens=6, seed=0, temperature=0.0))
+    top1 = _run(_engine(model, tok), requests, SamplingParams(n=2, max_new_tokens=6, seed=3, top_k=1))
+    assert _same(greedy, top1)
+
+
 def test_top_p_mask_and_sampling_distribution():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     assert _top_p_mask(probs.log(), 0.7).tolist() == [[False, False, True, True]]
@@ -151,7 +192,7 @@ def test_no_inference_mode_leaks_to_the_consumer(model, tok, requests):
 
 
 def test_bad_arguments(model, tok, requests):
-    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(n=0), dict(max_new_tokens=0)):
+    for bad in (dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(n=0), dict(max_new_tokens=0)):
         with pytest.raises(ValueError):
             SamplingParams(**{"n": 2, "max_new_tokens": 4, "seed": 0, **bad})
     with pytest.raises(ValueError, match="duplicate"):

@@ -94,3 +94,33 @@ def test_embedded_prompts_are_deterministic():
 def test_embedded_reward(response, reward):
     sample = {"prompt": "eli sees 7 keys . how many ? answer:", "answer": "7"}
     assert embedded_reward(sample["prompt"], response, sample) == reward
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_tokenizer_loads_without_the_model_stack(tmp_path, family):
+    """load_tokenizer gives AutoTokenizer's tokenizer without importing the model's config class and
+    with it transformers' model stack (the reward ranks need only the tokenizer: start-up)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = load_model(None)
+    if family == "llama":
+        cfg = LlamaConfig(vocab_size=model.config.vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                          num_attention_heads=3, num_key_value_heads=1, head_dim=16)
+        model = AutoModelForCausalLM.from_config(cfg)
+    save_hf(model, load_tokenizer(None), tmp_path)
+    ours, ref = load_tokenizer(str(tmp_path)), AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert type(ours) is type(ref)
+    for text in ("ana has 3 cats . how many ? answer:", "x<|endoftext|> 12+3", ""):
+        ids = ref(text).input_ids
+        assert ours(text).input_ids == ids
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+    assert (ours.eos_token_id, ours.pad_token_id, ours.padding_side) == (ref.eos_token_id, ref.pad_token_id,
+                                                                           ref.padding_side)
+    root = Path(__file__).resolve().parents[1]
+    probe = (f"import sys; from executors.hf import load_tokenizer; load_tokenizer({str(tmp_path)!r}); "
+             f"print(sorted(m for m in sys.modules if m.endswith(('core_model_loading', 'modeling_utils', "
+             f"'configuration_{family}'))))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]

@@ -90,13 +90,23 @@ def _case(name: str, tmp: Path, model_dir: Path) -> tuple[list[str], str]:
         return ["--set", "generator.samples_per_prompt=1"], (
             "error: generator.samples_per_prompt=1 with --algo grpo: its advantages compare each sample with the "
             "others of its prompt's group, so every advantage would be 0 and nothing would train")
+    if name == "reward_column_missing":  # DeepScaleR-style rows, prompt column mapped, answer column not
+        data = tmp / "deepscaler.jsonl"
+        data.write_text('{"problem": "1+1?", "solution": "2"}\n')
+        return ["--set", f"data.path={data}", "--set", "data.prompt_key=problem"], (
+            f"error: data.path: reward 'math_verify' reads the column 'answer', which row 1 of {data} lacks (it has "
+            f"'problem', 'solution'); set data.answer_key to the column that holds the answer, or set reward.functions")
+    if name == "greedy_groups":
+        return ["--set", "generator.temperature=0"], (
+            "error: generator.temperature=0 (greedy) with --algo grpo: the 16 samples of a prompt are the same text")
     if name == "resume_and_overwrite":
         return ["--output-dir", str(tmp), "--resume", "--overwrite"], "error: --resume and --overwrite together"
     raise KeyError(name)
 
 
 CASES = ["missing_data", "bad_jsonl_line", "model_without_config", "model_without_weights", "model_without_tokenizer",
-         "output_dir_is_a_file", "output_dir_holds_a_run", "one_sample_per_prompt", "resume_and_overwrite"]
+         "output_dir_is_a_file", "output_dir_holds_a_run", "one_sample_per_prompt", "greedy_groups", "reward_column_missing",
+         "resume_and_overwrite"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -224,3 +234,15 @@ def test_self_launch_exits_143_on_sigterm(tmp_path):
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     _no_launcher_noise(stderr)
+
+
+def test_reward_columns_checked_by_dry_run_and_mapping_fixes_it(tmp_path):
+    """--dry-run runs the data checks too; mapping the answer's column (MATH-style `solution`) passes."""
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"problem": "1+1?", "solution": "2"}\n')
+    args = ["--dry-run", "--set", f"data.path={data}", "--set", "data.prompt_key=problem"]
+    refused, _ = _launch(*args)
+    assert refused.returncode == 2 and "reward 'math_verify' reads the column 'answer'" in refused.stderr
+    mapped, _ = _launch(*args, "--set", "data.answer_key=solution")
+    assert mapped.returncode == 0, mapped.stderr[-2000:]
+    assert "data.answer_key" in mapped.stdout and "--set" in mapped.stdout  # the sources table

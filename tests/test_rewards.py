@@ -1,10 +1,11 @@
-"""Rule rewards: math_verify, reward resolution, and how reward failures are reported."""
+"""Rule rewards: math_simple (math_verify: test_math_verify.py), reward resolution, and how reward
+failures are reported."""
 import math
 
 import pytest
 
 from executors.reward.functions import (
-    REWARDS, RewardError, extract_answer, math_verify, resolve_reward, score_group,
+    REWARDS, RewardError, extract_answer, math_simple, math_verify, resolve_reward, score_group,
 )
 
 
@@ -28,8 +29,8 @@ from executors.reward.functions import (
     ("I do not know.", "42", 0.0),
     ("\\boxed{\\text{A}}", "b", 0.0),
 ])
-def test_math_verify(response, answer, expected):
-    assert math_verify("q", response, {"answer": answer}) == expected
+def test_math_simple(response, answer, expected):
+    assert math_simple("q", response, {"answer": answer}) == expected
 
 
 def test_extract_answer_handles_nested_braces():
@@ -37,16 +38,16 @@ def test_extract_answer_handles_nested_braces():
     assert extract_answer("no numbers here") is None
 
 
-def test_math_verify_missing_answer_names_field():
+def test_math_simple_missing_answer_names_field():
     with pytest.raises(ValueError, match="'answer'"):
-        math_verify("q", "\\boxed{1}", {"solution": "1"})
+        math_simple("q", "\\boxed{1}", {"solution": "1"})
 
 
 def test_resolve_reward():
     assert resolve_reward("math_verify") is math_verify
     assert resolve_reward("math:floor") is math.floor
     assert "math_verify" in REWARDS.names()
-    with pytest.raises(ValueError, match="unknown reward 'nope'; known: embedded, math_verify"):
+    with pytest.raises(ValueError, match="unknown reward 'nope'; known: embedded, math_simple, math_verify"):
         resolve_reward("nope")
     with pytest.raises(ValueError, match="'no_such_module_xyz:f'.*cannot import"):
         resolve_reward("no_such_module_xyz:f")

@@ -23,20 +23,33 @@ TEMPLATES = (
 )
 
 
+def _prompt(key: str) -> dict:
+    # One Random per prompt, keyed by a string, so a prompt never depends on how many were asked for.
+    rng = random.Random(key)
+    d = rng.randrange(10)
+    name, other = rng.sample(NAMES, 2)
+    text = rng.choice(TEMPLATES).format(name=name, other=other, verb=rng.choice(VERBS), noun=rng.choice(NOUNS), d=d)
+    return {"prompt": text + " answer:", "answer": str(d)}
+
+
 def embedded_prompts(n: int, *, seed: int) -> list[dict]:
     """`n` prompts with their answers, a pure function of (n, seed): prompt i is the same for any n > i."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    out = []
-    for i in range(n):
-        # One Random per prompt, keyed by (seed, i), so a prompt never depends on how many were asked for.
-        rng = random.Random(f"tidal-embedded/{seed}/{i}")
-        d = rng.randrange(10)
-        name, other = rng.sample(NAMES, 2)
-        text = rng.choice(TEMPLATES).format(
-            name=name, other=other, verb=rng.choice(VERBS), noun=rng.choice(NOUNS), d=d
-        )
-        out.append({"prompt": text + " answer:", "answer": str(d)})
+    return [_prompt(f"tidal-embedded/{seed}/{i}") for i in range(n)]
+
+
+def held_out_prompts(n: int, *, seed: int, train: int) -> list[dict]:
+    """`n` evaluation prompts, none of which is among the first `train` training prompts of `seed`
+    (drawn from their own stream; the task has ~1.1M distinct prompts, so few are skipped)."""
+    seen = {p["prompt"] for p in embedded_prompts(train, seed=seed)}
+    out, i = [], 0
+    while len(out) < n:
+        p = _prompt(f"tidal-embedded-eval/{seed}/{i}")
+        i += 1
+        if p["prompt"] not in seen:
+            seen.add(p["prompt"])  # no duplicate within the split either
+            out.append(p)
     return out
 
 

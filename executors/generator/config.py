@@ -37,6 +37,21 @@ class DataConfig(BaseModel):
         return Columns(prompt=self.prompt_key, answer=self.answer_key)
 
 
+class EvalConfig(BaseModel):
+    """Evaluation on held-out prompts, by the generator and the reward between steps (README, Evaluation)."""
+
+    model_config = ConfigDict(extra="forbid")
+    every: int = Field(0, ge=0, description="evaluate at steps 0, N, 2N, ... with the weights that step samples "
+                       "with; 0: never")
+    path: str | None = Field(None, description="held-out JSONL/Parquet, columns as data.prompt_key/answer_key; "
+                             "None: the embedded task's held-out split (embedded task only)")
+    prompts: int = Field(64, ge=1, description="the embedded split's size; with a file, its first N prompts")
+    samples: int = Field(1, ge=1, description="k responses per prompt; pass@k is logged when k > 1")
+    temperature: float = Field(0.0, ge=0, description="0: greedy")
+    max_new_tokens: int | None = Field(None, ge=1, description="None: generator.max_new_tokens")
+    pass_threshold: float = Field(1.0, description="a response solves its prompt when its reward is at least this")
+
+
 class VllmConfig(BaseModel):
     """Options of the vLLM engine (`generator.engine=vllm`); the native engine ignores them."""
 
@@ -59,10 +74,17 @@ class GeneratorConfig(BaseModel):
     replicas: int = Field(1, ge=1, description="generator data-parallel replicas")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per replica (independent of trainer.tp)")
     samples_per_prompt: int = Field(16, ge=1, description="G: responses sampled per prompt")
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, ge=0, description="0: greedy (argmax; the log-probs are then those of "
+                               "the raw logits, and the trainer's too)")
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="sample among the k most likely tokens only; 0: all")
     max_new_tokens: int = Field(8, ge=1)
     max_batch_prompts: int = Field(16, ge=1, description="prompts decoded together in one inference chunk")
     engine: Literal["native", "vllm"] = Field("native", description="native: batched HF decoding, "
                                               "always there; vllm: vLLM (see README, engines by device)")
     vllm: VllmConfig = Field(default_factory=VllmConfig)
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the log-probs both sides compute: greedy samples score the raw logits."""
+        return self.temperature if self.temperature > 0 else 1.0

@@ -148,6 +148,11 @@ class PromptSet:
             self._perms[key] = order
         return self._perms[key]
 
+    def at(self, position: int) -> tuple[PromptRow, list[int]]:
+        """The prompt at `position` in file order (evaluation walks the set once, unshuffled)."""
+        row, ids = self._items[position]
+        return row, list(ids)
+
     def prompts(self, step: int, indices: Sequence[int], *, batch_size: int, seed: int,
                 max_topups: int) -> list[tuple[int, PromptRow, list[int]]]:
         """Prompts `indices` of `step`, in the order asked, as (index in step, row, prompt token ids).

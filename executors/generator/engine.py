@@ -31,6 +31,7 @@ class SamplingParams:
     n: int  # G samples per prompt
     temperature: float = 1.0  # 0 means greedy (log-probs are then those of the raw logits)
     top_p: float = 1.0
+    top_k: int = 0  # 0: every token
     max_new_tokens: int
     seed: int  # run seed
 
@@ -41,6 +42,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: every token), got {self.top_k}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,10 +103,17 @@ def _top_p_mask(z_RV: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(z_RV, dtype=torch.bool).scatter_(-1, order_RV, before_RV >= top_p)
 
 
+def _top_k_mask(z_RV: torch.Tensor, top_k: int) -> torch.Tensor:
+    """True on tokens below each row's k-th largest logit (ties with it stay in)."""
+    kth_R1 = z_RV.topk(min(top_k, z_RV.shape[-1]), dim=-1).values[:, -1:]
+    return z_RV < kth_R1
+
+
 def sample_tokens(
-    logits_RV: torch.Tensor, *, seeds_R: torch.Tensor, t: int, temperature: float, top_p: float
+    logits_RV: torch.Tensor, *, seeds_R: torch.Tensor, t: int, temperature: float, top_p: float, top_k: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [R] and their float32 sampling log-probs [R] (before top-p renormalisation)."""
+    """Token ids [R] and their float32 sampling log-probs [R] (before top-p / top-k renormalisation,
+    which is what the trainer computes)."""
     z_RV = logits_RV.float() / (temperature if temperature > 0 else 1.0)
     logp_RV = torch.log_softmax(z_RV, dim=-1)
     if temperature == 0:
@@ -112,6 +122,8 @@ def sample_tokens(
         score_RV = z_RV + gumbel_noise(seeds_R, t, z_RV.shape[-1])
         if top_p < 1.0:
             score_RV = score_RV.masked_fill(_top_p_mask(z_RV, top_p), float("-inf"))
+        if top_k > 0:
+            score_RV = score_RV.masked_fill(_top_k_mask(z_RV, top_k), float("-inf"))
         tok_R = score_RV.argmax(dim=-1)
     return tok_R, logp_RV.gather(-1, tok_R[:, None])[:, 0]
 
@@ -224,7 +236,7 @@ class _Chunk:
         """Sample token t of every live row and feed it; return the chunk positions of finished groups."""
         p, eng, t = self.params, self.engine, self.t
         tok_B, logp_B = sample_tokens(self.logits_BV, seeds_R=self.seeds_B, t=t,
-                                      temperature=p.temperature, top_p=p.top_p)
+                                      temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
         tok_B, logp_B = tok_B.cpu(), logp_B.cpu()
         writing_B = ~self.done_R[self.rows_B]  # rows already past EOS keep their pad filler
         rows = self.rows_B[writing_B]

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from channels.payloads import GroupVerdict, RolloutGroup, WeightsUpdate
 from executors.base import Executor, ExecutorEnv, StepContext
-from executors.embedded.task import embedded_prompts
-from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig
+from executors.embedded.task import embedded_prompts, held_out_prompts
+from executors.generator.config import DataConfig, EvalConfig, GeneratorConfig, ModelConfig
 from executors.generator.data import PromptRow, PromptSet, load_prompts
 from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams
 
@@ -22,6 +22,10 @@ class GeneratorMetrics:
     gen_end_t: float
     prompts_generated: int  # B, plus the top-ups of dynamic sampling
     sampling_rounds: int
+    eval_gen_s: float = 0.0  # generating the held-out prompts' responses (evaluation steps only)
+
+
+EVAL_SEED = 0x5EED_E7A1
 
 
 class Generator(Executor):
@@ -29,14 +33,20 @@ class Generator(Executor):
     outputs = {"rollouts": RolloutGroup}
 
     def __init__(self, *, name: str = "generator", config: GeneratorConfig, model: ModelConfig,
-                 data: DataConfig, dynamic_sampling: bool = False, max_rounds: int = 16):
+                 data: DataConfig, dynamic_sampling: bool = False, max_rounds: int = 16,
+                 evaluation: EvalConfig | None = None):
         """`dynamic_sampling`: after each round, wait for the reward's verdicts and sample
-        B - kept more prompts (indices B, B+1, ...) with the same weights, until B groups are kept."""
+        B - kept more prompts (indices B, B+1, ...) with the same weights, until B groups are kept.
+        `evaluation` (every > 0): on evaluation steps, after the step's rollouts, sample the held-out
+        prompts with the same weights and send them on the `eval` output."""
         super().__init__(name=name, units=config.replicas, ranks_per_unit=config.tp)
         self.cfg, self.model_cfg, self.data_cfg = config, model, data
         self.dynamic, self.max_rounds = dynamic_sampling, max_rounds
+        self.eval_cfg = evaluation if evaluation is not None and evaluation.every > 0 else None
         if dynamic_sampling:
             self.inputs = {**self.inputs, "verdicts": GroupVerdict}
+        if self.eval_cfg:
+            self.outputs = {**self.outputs, "eval": RolloutGroup}
 
     def describe(self):
         return {"replicas": self.cfg.replicas, "tp": self.cfg.tp, "G": self.cfg.samples_per_prompt,
@@ -60,7 +70,22 @@ class Generator(Executor):
             print(f"tidal: {self.prompts.dropped} of {len(rows)} prompts are longer than "
                   f"max_prompt_tokens={self.data_cfg.max_prompt_tokens} and were dropped", flush=True)
         self.params = SamplingParams(n=self.cfg.samples_per_prompt, max_new_tokens=self.cfg.max_new_tokens,
-                                     seed=env.seed, temperature=self.cfg.temperature, top_p=self.cfg.top_p)
+                                     seed=env.seed, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                     top_k=self.cfg.top_k)
+        if self.eval_cfg:
+            self._init_eval(env)
+
+    def _init_eval(self, env: ExecutorEnv) -> None:
+        e = self.eval_cfg
+        rows = (load_prompts(e.path, self.data_cfg.columns)[:e.prompts] if e.path else
+                [PromptRow(prompt=r["prompt"], extras={"answer": r["answer"]})
+                 for r in held_out_prompts(e.prompts, seed=env.seed, train=self.data_cfg.embedded_prompts)])
+        self.eval_prompts = PromptSet(rows, tokenizer=self.tokenizer, max_prompt_tokens=self.data_cfg.max_prompt_tokens,
+                                      apply_chat_template=self.data_cfg.chat_template)
+        # its own noise stream (the seed of a sample is a hash of run seed, step, index, sample)
+        self.eval_params = SamplingParams(n=e.samples, max_new_tokens=e.max_new_tokens or self.cfg.max_new_tokens,
+                                          seed=env.seed ^ EVAL_SEED, temperature=e.temperature,
+                                          top_p=self.cfg.top_p, top_k=self.cfg.top_k)
 
     def _native(self, env: ExecutorEnv):
         from executors.hf import load_model
@@ -88,7 +113,8 @@ class Generator(Executor):
             engine = VllmEngine(
                 model_dir=model_dir, ranks=env.ranks, tp=self.cfg.tp, tp_rank=tp_rank,
                 dtype=self.model_cfg.dtype, eos_token_id=self.tokenizer.eos_token_id, seed=env.seed,
-                max_model_len=self.cfg.vllm.max_model_len or self.data_cfg.max_prompt_tokens + self.cfg.max_new_tokens,
+                max_model_len=self.cfg.vllm.max_model_len or self.data_cfg.max_prompt_tokens + max(
+                    self.cfg.max_new_tokens, (self.eval_cfg.max_new_tokens or 0) if self.eval_cfg else 0),
                 config=self.cfg.vllm, device_type=env.device.type)
         if env.is_leader:
             print(f"tidal: vLLM engine ready in {engine.init_s:.1f} s", flush=True)
@@ -124,12 +150,32 @@ class Generator(Executor):
                                      f"step {ctx.step} have reward variance; the batch cannot be filled")
                 indices = list(range(next_index, next_index + B - kept))
                 next_index += B - kept
-        gen_s = time.perf_counter() - t0
+        gen_s, gen_end_t, eval_s = time.perf_counter() - t0, time.time(), 0.0
+        if self.eval_cfg and ctx.step % self.eval_cfg.every == 0:
+            # the step's rollouts are complete: end their stream first, so the reward and the trainer
+            # finish the step while the held-out prompts are sampled with the same weights
+            ctx.outbound["rollouts"].close_step()
+            t0 = time.perf_counter()
+            with ctx.timeline.span("eval"):
+                self._evaluate(ctx)
+            eval_s = time.perf_counter() - t0
         return GeneratorMetrics(gen_s=gen_s, gen_tokens_per_s=tokens / max(gen_s, 1e-9), gen_start_t=start_t,
-                                gen_end_t=time.time(), prompts_generated=next_index, sampling_rounds=rounds + 1)
+                                gen_end_t=gen_end_t, prompts_generated=next_index, sampling_rounds=rounds + 1,
+                                eval_gen_s=eval_s)
 
     def finalize(self, output_dir) -> None:
         self.engine.close()
+
+    def _evaluate(self, ctx: StepContext) -> None:
+        """This replica's share of the held-out prompts (index i: replica i % replicas), all of them."""
+        mine = [i for i in range(len(self.eval_prompts)) if i % self.units == self.env.unit_index]
+        rows = {i: self.eval_prompts.at(i) for i in mine}
+        requests = [PromptRequest(index=i, prompt_ids=ids) for i, (_, ids) in rows.items()]
+        for done in self.engine.generate(requests, self.eval_params, step=ctx.step):
+            row = rows[done.index][0]
+            ctx.outbound["eval"].send(RolloutGroup(
+                step=ctx.step, index=done.index, prompt=row.prompt, extras=row.extras, prompt_ids=done.prompt_ids_P,
+                responses=done.response_ids, logprobs=done.logprobs, finished=done.finished_G))
 
     def _generate(self, ctx: StepContext, indices: list[int]) -> int:
         """Sample this replica's share of `indices` and send each group the moment it is done."""

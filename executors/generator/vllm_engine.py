@@ -123,8 +123,9 @@ class VllmEngine:
         indices = [r.index for r in requests]
         if len(set(indices)) != len(indices):
             raise ValueError(f"duplicate prompt indices in one generate call: {sorted(indices)}")
-        if params.top_p < 1.0:
-            raise ValueError("the vLLM engine samples with top_p = 1 only (see executors/generator/vllm_engine.py)")
+        if params.top_p < 1.0 or params.top_k > 0:
+            raise ValueError("the vLLM engine samples with top_p = 1 and top_k = 0 only (see "
+                             "executors/generator/vllm_engine.py)")
         engine = self.llm.llm_engine
         owner: dict[str, tuple[int, int]] = {}
         prompts = {}

@@ -57,8 +57,8 @@ def combine(rule: ScoredGroup, model: ScoredGroup, *, rule_weight: float, model_
                          f"{len(model.responses)})")
     # float64 then one rounding: the sum is a fixed expression of the two scores, whoever came first
     rewards_G = (rule_weight * rule.rewards.double() + model_weight * model.rewards.double()).float()
-    return dataclasses.replace(rule, rewards=rewards_G,
-                               reward_failures=rule.reward_failures + model.reward_failures)
+    return dataclasses.replace(rule, rewards=rewards_G, reward_failures=rule.reward_failures + model.reward_failures,
+                               reward_parts={**rule.reward_parts, **model.reward_parts})
 
 
 @dataclass(frozen=True)

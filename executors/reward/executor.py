@@ -1,14 +1,18 @@
 """The reward executor: scores each rollout group as it arrives and forwards it to the trainer."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from channels.payloads import GroupVerdict, RolloutGroup, ScoredGroup
+from common.files import append_jsonl
 from executors.base import Executor, ExecutorEnv, StepContext
+from executors.generator.config import EvalConfig
 from executors.reward.config import RewardConfig
 from executors.reward.functions import resolve_reward, score_group
 
@@ -25,13 +29,18 @@ class Reward(Executor):
     outputs = {"scored": ScoredGroup}
 
     def __init__(self, *, name: str = "reward", config: RewardConfig, functions: list[str],
-                 tokenizer_path: str | None, keep: Callable[[torch.Tensor], bool] | None = None):
+                 tokenizer_path: str | None, keep: Callable[[torch.Tensor], bool] | None = None,
+                 evaluation: EvalConfig | None = None):
         """`keep`: dynamic sampling's group filter; dropped groups never reach the trainer and each
-        group's verdict goes back to the generator, which tops the batch up."""
+        group's verdict goes back to the generator, which tops the batch up. `evaluation` (every > 0):
+        score the held-out groups of the `eval` input with the same functions, into eval/* metrics."""
         super().__init__(name=name, units=config.replicas)
         self.cfg, self.specs, self.tokenizer_path, self.keep = config, functions, tokenizer_path, keep
+        self.eval_cfg = evaluation if evaluation is not None and evaluation.every > 0 else None
         if keep is not None:
             self.outputs = {**self.outputs, "verdicts": GroupVerdict}
+        if self.eval_cfg:
+            self.inputs = {**self.inputs, "eval": RolloutGroup}
         self.fns = [resolve_reward(spec) for spec in functions]  # fail at build time, before any rank blocks
 
     def describe(self):
@@ -44,21 +53,28 @@ class Reward(Executor):
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.weights = self.cfg.weights or [1.0] * len(self.fns)
 
+    def _score(self, group: RolloutGroup) -> tuple[list[str], torch.Tensor, dict[str, list[float]], int]:
+        """(texts, the weighted reward [G], each function's scores, failures) of one group."""
+        texts = self.tokenizer.batch_decode(group.responses, skip_special_tokens=True)
+        total_G = torch.zeros(len(texts), dtype=torch.float32)
+        failures, parts = 0, {}
+        for spec, fn, w in zip(self.specs, self.fns, self.weights):
+            scores, failed = score_group(fn, name=spec, prompt=group.prompt, responses=texts, sample=group.extras,
+                                         prompt_index=group.index, on_error=self.cfg.on_error,
+                                         timeout_s=self.cfg.timeout_s)
+            total_G += w * torch.tensor(scores, dtype=torch.float32)
+            failures += failed
+            parts[spec] = scores
+        return texts, total_G, parts, failures
+
     def step(self, ctx: StepContext):
-        busy, failures, groups = 0.0, 0, 0
+        busy, failures = 0.0, 0
         for group in ctx.inbound["rollouts"]:
             t0 = time.perf_counter()
             with ctx.timeline.span("scored", index=group.index):
-                texts = self.tokenizer.batch_decode(group.responses, skip_special_tokens=True)
-                total_G = torch.zeros(len(texts), dtype=torch.float32)
-                group_failures = 0
-                for spec, fn, w in zip(self.specs, self.fns, self.weights):
-                    scores, failed = score_group(fn, name=spec, prompt=group.prompt, responses=texts,
-                                                 sample=group.extras, prompt_index=group.index,
-                                                 on_error=self.cfg.on_error, timeout_s=self.cfg.timeout_s)
-                    total_G += w * torch.tensor(scores, dtype=torch.float32)
-                    group_failures += failed
-                scored = ScoredGroup(**vars(group), rewards=total_G, reward_failures=group_failures)
+                _, total_G, parts, group_failures = self._score(group)
+                scored = ScoredGroup(**vars(group), rewards=total_G, reward_failures=group_failures,
+                                     reward_parts=parts)
             failures += group_failures
             if self.keep is None:
                 ctx.outbound["scored"].send(scored)
@@ -68,5 +84,42 @@ class Reward(Executor):
                     ctx.outbound["scored"].send(scored)
                 ctx.outbound["verdicts"].send(GroupVerdict(index=group.index, kept=kept))
             busy += time.perf_counter() - t0
-            groups += 1
-        return RewardMetrics(score_s=busy)
+        record = RewardMetrics(score_s=busy)
+        if not self.eval_cfg:
+            return record
+        for sender in ctx.outbound.values():  # the trainer's step ends now, not after the evaluation
+            sender.close_step()
+        scores = self._evaluate(ctx)
+        return {**dataclasses.asdict(record), **scores} if scores else record
+
+    def _evaluate(self, ctx: StepContext) -> dict:
+        """Score the held-out groups (none on other steps); eval/* over all replicas, and
+        eval_samples.jsonl lines for this replica's groups."""
+        e, G = self.eval_cfg, self.eval_cfg.samples
+        # reward sum, samples, length sum, finished, pass@1 sum, pass@k sum, prompts (float64: exact counts)
+        sums_7 = torch.zeros(7, dtype=torch.float64)
+        rows = []
+        for group in ctx.inbound["eval"]:
+            with ctx.timeline.span("eval_scored", index=group.index):
+                texts, total_G, parts, _ = self._score(group)
+            solved = int((total_G >= e.pass_threshold).sum())
+            lengths = [r.numel() for r in group.responses]
+            sums_7 += torch.tensor([total_G.double().sum().item(), G, sum(lengths), int(group.finished.sum()),
+                                    solved / G, float(solved > 0), 1], dtype=torch.float64)
+            rows += [{"step": group.step, "prompt_index": group.index, "sample": j, "prompt": group.prompt,
+                      "response": texts[j], "reward": float(total_G[j]), "rewards": {k: v[j] for k, v in parts.items()},
+                      "length": lengths[j], "finished": bool(group.finished[j])} for j in range(G)]
+        if ctx.step % e.every:
+            return {}
+        append_jsonl(self.env.output_dir / "eval_samples.jsonl", sorted(rows, key=lambda r: (r["prompt_index"], r["sample"])))
+        if self.units > 1:  # each replica scored a share; the leader reports the whole set
+            sums_7 = sums_7.to(self.env.device)
+            dist.all_reduce(sums_7, group=self.env.group)
+            sums_7 = sums_7.cpu()
+        reward, n, length, finished, pass1, passk, prompts = sums_7.tolist()
+        out = {"eval/reward_mean": reward / max(n, 1), "eval/pass@1": pass1 / max(prompts, 1),
+               "eval/response_len_mean": length / max(n, 1), "eval/finished_frac": finished / max(n, 1),
+               "eval/prompts": int(prompts)}
+        if G > 1:
+            out[f"eval/pass@{G}"] = passk / max(prompts, 1)
+        return out

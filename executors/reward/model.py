@@ -61,7 +61,8 @@ class RewardModel(Executor):
             t0 = time.perf_counter()
             with ctx.timeline.span("scored", index=group.index):
                 rewards_G = self.score(group)
-            ctx.outbound["scored"].send(ScoredGroup(**vars(group), rewards=rewards_G, reward_failures=0))
+            ctx.outbound["scored"].send(ScoredGroup(**vars(group), rewards=rewards_G, reward_failures=0,
+                                                        reward_parts={"reward_model": rewards_G.tolist()}))
             busy += time.perf_counter() - t0
             total, n = total + rewards_G.double().sum().item(), n + rewards_G.numel()
         # own key names: the metrics of all executors share one row per step

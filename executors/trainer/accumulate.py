@@ -38,6 +38,8 @@ class LossSums:
     entropy_sum: float = 0.0  # the policy's token entropy, summed over the response tokens trained on
     entropy_tokens: float = 0.0
     mismatch: float = 0.0  # max |trainer - sampler| log-prob of a sampled token: a max, not a sum
+    ratio_sum: float = 0.0  # the policy / old-policy ratio summed over tokens (/ entropy_tokens: a mean)
+    ratio_max: float = 0.0  # its largest token (sequence, for GSPO) value: a max
 
     def __iadd__(self, other: "LossSums") -> "LossSums":
         for name in Pass:
@@ -48,18 +50,22 @@ class LossSums:
         self.entropy_sum += other.entropy_sum
         self.entropy_tokens += other.entropy_tokens
         self.mismatch = max(self.mismatch, other.mismatch)
+        self.ratio_sum += other.ratio_sum
+        self.ratio_max = max(self.ratio_max, other.ratio_max)
         return self
 
     def all_reduce(self, *, group: dist.ProcessGroup | None) -> "LossSums":
         if group is None or dist.get_world_size(group) == 1:
             return self
         sums = torch.tensor([*(self.loss[n] for n in Pass), self.denom, self.kl_sum, self.clip_sum,
-                             self.entropy_sum, self.entropy_tokens], dtype=torch.float64)
-        mismatch = torch.tensor([self.mismatch], dtype=torch.float64)
+                             self.entropy_sum, self.entropy_tokens, self.ratio_sum], dtype=torch.float64)
+        maxima = torch.tensor([self.mismatch, self.ratio_max], dtype=torch.float64)
         dist.all_reduce(sums, group=group)
-        dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=group)
-        *loss, denom, kl_sum, clip_sum, entropy_sum, entropy_tokens = sums.tolist()
-        return LossSums(dict(zip(Pass, loss)), denom, kl_sum, clip_sum, entropy_sum, entropy_tokens, mismatch.item())
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        *loss, denom, kl_sum, clip_sum, entropy_sum, entropy_tokens, ratio_sum = sums.tolist()
+        mismatch, ratio_max = maxima.tolist()
+        return LossSums(dict(zip(Pass, loss)), denom, kl_sum, clip_sum, entropy_sum, entropy_tokens, mismatch,
+                        ratio_sum, ratio_max)
 
 
 @dataclass

@@ -65,6 +65,8 @@ class OptimizerStep:
     grad_norm: float  # before clipping
     mismatch: float
     lr: float
+    ratio_sum: float = 0.0
+    ratio_max: float = 0.0
 
 
 class Barrier:
@@ -118,7 +120,7 @@ class Barrier:
         if self.compute is not None:  # the bf16 weights of the next forwards, cast from the stepped master
             copy_params_(self.compute, self.policy)
         return OptimizerStep(loss, sums.denom, sums.kl_sum, sums.clip_sum, sums.entropy_sum, sums.entropy_tokens,
-                             grad_norm, sums.mismatch, lr)
+                             grad_norm, sums.mismatch, lr, sums.ratio_sum, sums.ratio_max)
 
     def end_of_batch(self) -> None:
         self.sched.step()

@@ -37,8 +37,10 @@ class Trainer(Executor):
 
     def __init__(self, *, name: str = "trainer", config: TrainerConfig, model_path: str | None,
                  dtype: torch.dtype, algorithm: Algorithm, algo_config: AlgoConfig, temperature: float,
-                 total_steps: int):
+                 total_steps: int, samples_every: int = 0):
+        """samples_every: write samples.jsonl every N steps (0: never)."""
         super().__init__(name=name, units=config.dp, ranks_per_unit=config.tp)
+        self.samples_every = samples_every
         self.cfg, self.model_path, self.dtype = config, model_path, dtype
         self.algo, self.algo_cfg, self.temperature, self.total_steps = algorithm, algo_config, temperature, total_steps
         # FSDP over several dp units: they hold shards of one copy and train in lockstep rounds (order.py)
@@ -102,6 +104,8 @@ class Trainer(Executor):
             state.digests[group.index] = group_digest(group)
             if self.passes > 1:
                 state.held.append(group)
+            if self._logs_samples(ctx.step):
+                state.logged.append(group)
         # reference log-probs: for the loss, or for a KL in the reward the batch moments need now
         refs = (self.models.ref_logprobs(work.micro_batches, pad_to=work.steps)
                 if train or (self.batch_scope and kl_in_reward(self.algo_cfg)) else None)
@@ -110,6 +114,11 @@ class Trainer(Executor):
         if train:
             with ctx.timeline.span("train", index=group.index if group is not None else -1):
                 state.sums += self._train(work, refs, state, first_pass=True)
+
+    def _logs_samples(self, step: int) -> bool:
+        """This step's samples are logged, by each unit's first rank (its tp ranks see the same groups)."""
+        unit = self.env.units[self.env.unit_index]
+        return self.samples_every > 0 and step % self.samples_every == 0 and self.env.rank == unit[0]
 
     def _scores(self, state: StepState, group: ScoredGroup, mbs, refs) -> torch.Tensor:
         """The algorithm's advantages of one group (batch scope: the scores), once per step."""
@@ -179,6 +188,8 @@ class Trainer(Executor):
                     sums.denom += out.denom
                     sums.kl_sum += out.stats.get("kl_sum", 0.0)
                     sums.clip_sum += out.stats.get("clip_sum", 0.0)
+                    sums.ratio_sum += out.stats.get("ratio_token_sum", 0.0)
+                    sums.ratio_max = max(sums.ratio_max, out.stats.get("ratio_max", 0.0))
             loss.backward(retain_graph=not recompute and k < len(passes) - 1)
             self.optim.grads.add_from_params_(name)
         return logp_NT
@@ -192,6 +203,8 @@ class Trainer(Executor):
             steps = [self.optim.step(state.sums, passes=self.first_passes, mu_scale=mu_scale)]
             steps += self._later_passes(state, mu_scale)
             self.optim.end_of_batch()
+        if state.logged:
+            self._log_samples(state, mu_scale)
         train_s = state.train_s + time.perf_counter() - t0
         t0 = time.perf_counter()
         with ctx.timeline.span("push"):
@@ -199,6 +212,13 @@ class Trainer(Executor):
             ctx.outbound["weights"].flush()
         return TrainerMetrics.of(record, steps, digests, train_s=train_s, push_s=time.perf_counter() - t0,
                                  first_train_t=state.first_train_t, push_end_t=time.time())
+
+    def _log_samples(self, state: StepState, mu_scale) -> None:
+        from executors.trainer.samples import append_samples
+
+        advantages = {g.index: batch_normalise(state.scores[g.index], mu=mu_scale[0], scale=mu_scale[1])
+                      if self.batch_scope else state.scores[g.index] for g in state.logged}
+        append_samples(self.env.output_dir / "samples.jsonl", state.logged, advantages, self.models.tokenizer)
 
     def _gather(self, state: StepState):
         """Per-group records, digests and score moments over dp, once per step."""

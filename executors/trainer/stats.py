@@ -23,6 +23,7 @@ class StepState:
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     moments: dict[int, torch.Tensor] = field(default_factory=dict)  # batch scope: score moments per group
     held: list[ScoredGroup] = field(default_factory=list)  # for later mini-batches and epochs
+    logged: list[ScoredGroup] = field(default_factory=list)  # for samples.jsonl, on a logging step
     train_s: float = 0.0
     first_train_t: float | None = None  # wall clock of the first group trained
 
@@ -37,6 +38,8 @@ class TrainerMetrics:
     loss: float
     kl: float
     clip_frac: float
+    ratio_mean: float  # policy / old policy over the step's loss passes: 1 on a step's first pass
+    ratio_max: float
     entropy: float  # the policy's mean token entropy (at the sampling temperature) over the tokens trained on
     grad_norm: float  # mean over the step's optimizer steps, before clipping
     lr: float
@@ -60,6 +63,7 @@ class TrainerMetrics:
         return cls(reward_mean=mean, reward_std=math.sqrt(max(0.0, record.reward_sq_sum / n - mean * mean)),
                    response_len_mean=record.len_sum / n, loss=sum(s.loss for s in steps) / denom,
                    kl=sum(s.kl_sum for s in steps) / denom, clip_frac=sum(s.clip_sum for s in steps) / denom,
+                   ratio_mean=sum(s.ratio_sum for s in steps) / max(1.0, sum(s.entropy_tokens for s in steps)), ratio_max=max(s.ratio_max for s in steps),
                    entropy=sum(s.entropy_sum for s in steps) / max(1.0, sum(s.entropy_tokens for s in steps)),
                    grad_norm=sum(s.grad_norm / len(steps) for s in steps), lr=steps[-1].lr,
                    logp_mismatch_max=max(s.mismatch for s in steps), groups=int(record.groups),

@@ -1,0 +1,57 @@
+"""metrics.png: the run's curves at a glance, drawn by rank 0 at the end from metrics.jsonl (so a
+resumed run draws all its steps). A panel whose keys no row has is left out."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+# panel title -> the row keys drawn in it
+PANELS = {
+    "reward": ("reward_mean", "eval/reward_mean"),
+    "eval pass rate": ("eval/pass@1",),  # + eval/pass@k, added from the rows
+    "response length (tokens)": ("response_len_mean", "eval/response_len_mean"),
+    "KL to the reference": ("kl",),
+    "entropy (nats)": ("entropy",),
+    "grad norm (before clipping)": ("grad_norm",),
+    "step time split (s)": ("step_s", "gen_s", "train_s", "push_s", "eval_gen_s"),
+}
+
+
+def _panels(rows: list[dict]) -> dict[str, list[str]]:
+    keys = {k for row in rows for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    panels = {title: [k for k in wanted if k in keys] for title, wanted in PANELS.items()}
+    panels["eval pass rate"] += sorted(k for k in keys if k.startswith("eval/pass@") and k != "eval/pass@1")
+    return {title: ks for title, ks in panels.items() if ks}
+
+
+def plot_metrics(rows: list[dict], path: Path) -> bool:
+    """Write metrics.png; False (and nothing written) when no row has a key to draw."""
+    panels = _panels(rows)
+    if not panels:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = 2
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(11, 2.8 * nrows), squeeze=False)
+    for ax, (title, keys) in zip(axes.flat, panels.items()):
+        for key in keys:
+            if key.startswith("eval/"):  # on evaluation steps only: points joined
+                points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+                ax.plot([s for s, _ in points], [v for _, v in points], marker="o", label=key)
+            else:  # a None (a non-finite value) is a gap
+                ax.plot([r["step"] for r in rows], [r[key] if r.get(key) is not None else math.nan for r in rows],
+                        label=key)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
