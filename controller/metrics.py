@@ -35,7 +35,9 @@ class MetricsWriter:
                  tensorboard: Path | None = None):
         """tensorboard: a directory for TensorBoard event files of the rows; None: none."""
         self.executors, self.steps, self.path = list(executors), steps, path
-        self.tensorboard = tensorboard
+        # made here, on the caller's thread: a failure (no tensorboard package, a read-only dir)
+        # stops the job before step 0 instead of silently ending the metrics thread
+        self.board = TensorBoardLog(tensorboard, first_step=steps.start) if tensorboard else None
         self.console_keys, self.derive = console_keys, derive
         self.samples_path, self._samples_offset = path.parent / "samples.jsonl", 0
         self._store = store_client(timeout)
@@ -52,7 +54,7 @@ class MetricsWriter:
             raise self._error
 
     def _run(self) -> None:
-        board = TensorBoardLog(self.tensorboard, first_step=self.steps.start) if self.tensorboard else None
+        board = self.board
         try:
             with open(self.path, "a") as f, tqdm(total=len(self.steps), desc="steps", file=sys.stderr,
                                                  dynamic_ncols=True) as bar:

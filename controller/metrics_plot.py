@@ -10,6 +10,7 @@ PANELS = {
     "reward": ("reward_mean", "eval/reward_mean"),
     "eval pass rate": ("eval/pass@1",),  # + eval/pass@k, added from the rows
     "response length (tokens)": ("response_len_mean", "eval/response_len_mean"),
+    "loss": ("loss",),
     "KL to the reference": ("kl",),
     "entropy (nats)": ("entropy",),
     "grad norm (before clipping)": ("grad_norm",),
@@ -33,6 +34,7 @@ def plot_metrics(rows: list[dict], path: Path) -> bool:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     cols = 2
     nrows = math.ceil(len(panels) / cols)
@@ -42,11 +44,12 @@ def plot_metrics(rows: list[dict], path: Path) -> bool:
             if key.startswith("eval/"):  # on evaluation steps only: points joined
                 points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
                 ax.plot([s for s, _ in points], [v for _, v in points], marker="o", label=key)
-            else:  # a None (a non-finite value) is a gap
+            else:  # a None (a non-finite value) is a gap; the dots keep a lone value between gaps visible
                 ax.plot([r["step"] for r in rows], [r[key] if r.get(key) is not None else math.nan for r in rows],
-                        label=key)
+                        marker=".", markersize=3, label=key)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:

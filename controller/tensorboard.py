@@ -15,7 +15,8 @@ class TensorBoardLog:
     def write(self, row: dict, *, tags: dict[str, str]) -> None:
         """tags: row key -> tag (e.g. loss -> trainer/loss); keys without one keep their name."""
         for key, value in row.items():
-            if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            # wall-clock stamps (gen_start_t, push_end_t, ...) are not curves
+            if key == "step" or key.endswith("_t") or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             self.writer.add_scalar(tags.get(key, key), value, global_step=row["step"])
         self.writer.flush()

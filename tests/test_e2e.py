@@ -16,7 +16,7 @@ def periodic_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("periodic")
     proc = launch(out, "--schedule", "periodic")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (out.parent / f"{out.name}.stderr").write_text(proc.stderr)  # the console, beside the run dir
+    (out.parent / f"{out.name}.console").write_text(proc.stdout + proc.stderr)  # beside the run dir
     return out
 
 
@@ -79,7 +79,7 @@ def test_samples_log(periodic_run):
             group = [r for r in mine if r["prompt_index"] == i]
             assert sum(r["advantage"] for r in group) == pytest.approx(0, abs=1e-5)
             assert all(r["rewards"] == {"embedded": r["reward"]} for r in group)
-    console = (periodic_run.parent / f"{periodic_run.name}.stderr").read_text()
+    console = (periodic_run.parent / f"{periodic_run.name}.console").read_text()
     for step in range(3):  # one sample under each step's table: prompt 0's first response
         first = lines[16 * step]
         assert f"sample (prompt 0, reward {first['reward']:.3g}, advantage {first['advantage']:.3g}" in console

@@ -37,7 +37,8 @@ def test_tensorboard_tags_and_a_resumed_run_writes_each_step_once(tmp_path):
                     "loss": "trainer/loss", "score_s": "reward/score_s", "eval/pass@1": "eval/pass@1"}
     first = TensorBoardLog(tmp_path, first_step=0)
     for step in range(3):
-        first.write({"step": step, "loss": float(step), "done": True, "rollout_digest": "x"}, tags=tags)
+        first.write({"step": step, "loss": float(step), "done": True, "rollout_digest": "x", "push_end_t": 1e9},
+                    tags=tags)
     first.close()
     resumed = TensorBoardLog(tmp_path, first_step=1)  # steps 1 and 2 are redone, with other values
     for step in (1, 2, 3):
