@@ -69,13 +69,20 @@ class LossInputs:
 
     `old_logp_NT` is the log-prob under the weights that generated the samples; with one optimizer
     step per batch it is `logp_NT.detach()`. `ref_logp_NT` is None when the KL coefficient is 0.
+    Advantages: `adv_N`, one per sample (the critic-free algorithms), or `adv_NT`, one per token
+    (GAE with a learned value function, algorithms/gae.py); exactly one of the two.
     """
 
     logp_NT: torch.Tensor
     old_logp_NT: torch.Tensor
     ref_logp_NT: torch.Tensor | None
-    adv_N: torch.Tensor
     mask_NT: torch.Tensor  # bool, True on real response tokens
+    adv_N: torch.Tensor | None = field(default=None, kw_only=True)
+    adv_NT: torch.Tensor | None = field(default=None, kw_only=True)
+
+    def token_advantages(self) -> torch.Tensor:
+        """[N, T] (per-sample advantages as [N, 1], which broadcasts), at least float32."""
+        return upcast(self.adv_NT) if self.adv_NT is not None else upcast(self.adv_N).unsqueeze(1)
 
 
 @dataclass(frozen=True)
@@ -160,7 +167,11 @@ def check_loss_inputs(inputs: LossInputs) -> None:
     for name, t in named.items():
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} like logp_NT")
-    if tuple(inputs.adv_N.shape) != shape[:1]:
+    if (inputs.adv_N is None) == (inputs.adv_NT is None):
+        raise ValueError("give exactly one of adv_N (per sample) and adv_NT (per token)")
+    if inputs.adv_N is not None and tuple(inputs.adv_N.shape) != shape[:1]:
         raise ValueError(f"adv_N has shape {tuple(inputs.adv_N.shape)}, expected ({shape[0]},)")
+    if inputs.adv_NT is not None and tuple(inputs.adv_NT.shape) != shape:
+        raise ValueError(f"adv_NT has shape {tuple(inputs.adv_NT.shape)}, expected {shape} like logp_NT")
     if inputs.mask_NT.dtype != torch.bool:
         raise ValueError(f"mask_NT must be bool, got {inputs.mask_NT.dtype}")

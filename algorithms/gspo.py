@@ -39,6 +39,8 @@ def gspo_loss(inputs: LossInputs, cfg: GSPOConfig) -> LossOutput:
     inv_len_N = 1.0 / len_N.clamp(min=1).to(logp_NT.dtype)
     log_ratio_NT = torch.where(mask_NT, logp_NT - upcast(inputs.old_logp_NT), 0.0)
     s_N = torch.exp(log_ratio_NT.sum(dim=1) * inv_len_N)
+    if inputs.adv_NT is not None:
+        raise ValueError("GSPO's ratio is per sequence: it takes one advantage per sample (adv_N), not adv_NT")
     adv_N = upcast(inputs.adv_N)
     pg_N, low_N, high_N = clipped_surrogate(s_N, adv_N, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
     seq_N = torch.where(has_tokens_N, pg_N, 0.0)

@@ -62,8 +62,8 @@ def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normali
     # never turns into NaN in the forward or the backward.
     logp_NT = upcast(inputs.logp_NT)
     ratio_NT = torch.exp(torch.where(mask_NT, logp_NT - upcast(inputs.old_logp_NT), 0.0))
-    adv_N1 = upcast(inputs.adv_N).unsqueeze(1)
-    tok_NT, low_NT, high_NT = clipped_surrogate(ratio_NT, adv_N1, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    adv_NT = inputs.token_advantages()  # [N, 1] for per-sample advantages
+    tok_NT, low_NT, high_NT = clipped_surrogate(ratio_NT, adv_NT, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
 
     kl_NT = None
     if inputs.ref_logp_NT is not None:
@@ -90,7 +90,7 @@ def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normali
             "ratio_sum": weighted_sum(ratio_NT, per_seq).item(),
             "ratio_token_sum": torch.where(mask_NT, ratio_NT, 0.0).sum().item(),  # for a token mean
             "ratio_max": torch.where(mask_NT, ratio_NT, 0.0).max().item() if mask_NT.numel() else 0.0,
-            "adv_sum": adv_N1.sum().item(),
+            "adv_sum": adv_NT.sum().item() if inputs.adv_NT is None else weighted_sum(adv_NT, True).item(),
         }
     denom = batch_denominator(normaliser, mask_NT, max_response_tokens=max_response_tokens)
     return LossOutput(loss_sum=loss_sum, denom=denom, stats=stats)
