@@ -82,6 +82,9 @@ class Generator(Executor):
                  for r in held_out_prompts(e.prompts, seed=env.seed, train=self.data_cfg.embedded_prompts)])
         self.eval_prompts = PromptSet(rows, tokenizer=self.tokenizer, max_prompt_tokens=self.data_cfg.max_prompt_tokens,
                                       apply_chat_template=self.data_cfg.chat_template)
+        if self.eval_prompts.dropped and env.is_leader:
+            print(f"tidal: {self.eval_prompts.dropped} of {len(rows)} evaluation prompts are longer than "
+                  f"max_prompt_tokens={self.data_cfg.max_prompt_tokens} and were dropped", flush=True)
         # its own noise stream (the seed of a sample is a hash of run seed, step, index, sample)
         self.eval_params = SamplingParams(n=e.samples, max_new_tokens=e.max_new_tokens or self.cfg.max_new_tokens,
                                           seed=env.seed ^ EVAL_SEED, temperature=e.temperature,

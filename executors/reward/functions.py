@@ -24,7 +24,7 @@ class RewardError(ValueError):
     """A reward function raised or returned something that is not a finite number."""
 
 
-# ---- math_verify -------------------------------------------------------------------------------
+# ---- math_simple: the hand-written verifier ------------------------------------------------------
 
 _BOXED = "\\boxed{"
 # One candidate number in free text; longer forms come first so "3/4" is not read as "3".
@@ -94,16 +94,21 @@ def extract_answer(response: str) -> str | None:
     return matches[-1] if matches else None
 
 
+def _answer(sample: dict, reward: str) -> str:
+    """The row's gold answer as text (a number column compares as its text)."""
+    if "answer" not in sample:
+        raise ValueError(f"{reward} needs the data column 'answer'; the row has {sorted(sample)}")
+    return str(sample["answer"])
+
+
 def math_simple(prompt: str, response: str, sample: dict) -> float:
     """1.0 when the response's final answer (the last \\boxed{}, else the last number) equals
     `sample["answer"]`: exact numbers (0.75 == 3/4, 1/3 != 0.333), else the normalised text. No
     dependency, ~100x faster than math_verify, blind to sets, intervals and symbolic forms."""
-    if "answer" not in sample:
-        raise ValueError(f"math_verify needs the data column 'answer'; the row has {sorted(sample)}")
+    gold = _answer(sample, "math_simple")
     pred = extract_answer(response)
     if pred is None:
         return 0.0
-    gold = str(sample["answer"])
     gold = _last_boxed(gold) or gold
     pred_num, gold_num = _to_number(pred), _to_number(gold)
     if pred_num is not None and gold_num is not None:
@@ -111,7 +116,11 @@ def math_simple(prompt: str, response: str, sample: dict) -> float:
     return float(_normalise(pred).lower() == _normalise(gold).lower())
 
 
+# ---- math_verify: Hugging Face's math-verify ---------------------------------------------------
+
 _MATH_VERIFY = None
+# a gold already in math mode: \boxed{}, an unescaped $ (not the currency sign \$), \( or \[
+_IN_MATH_MODE = re.compile(r"\\boxed|(?<!\\)\$|\\\(|\\\[")
 
 
 def _math_verify_module():
@@ -133,18 +142,28 @@ def math_verify(prompt: str, response: str, sample: dict) -> float:
     """1.0 when the response's final answer is mathematically equal to `sample["answer"]`, by Hugging
     Face's math-verify (what TRL and open-r1 use): LaTeX and plain expressions, fractions, sets,
     intervals, symbolic forms. A bare gold ("3/4", "\\frac{1}{2}", "[1,2)") is read as one LaTeX
-    expression; a gold with \\boxed{} or $...$ as written."""
-    if "answer" not in sample:
-        raise ValueError(f"math_verify needs the data column 'answer'; the row has {sorted(sample)}")
+    expression; a gold with \\boxed{} or $...$ (a worked solution) as written. ValueError for a
+    gold it cannot read."""
+    gold_text = _answer(sample, "math_verify")
     mv = _math_verify_module()
-    gold_text = str(sample["answer"])
-    if "\\boxed" not in gold_text and "$" not in gold_text:
-        gold_text = f"${gold_text}$"
-    gold = mv.parse(gold_text, parsing_timeout=None)
+    gold = _parse_gold(mv, gold_text)
+    # timeouts None: math-verify's are SIGALRM-based and raise outside the main thread
     pred = mv.parse(response, parsing_timeout=None)
-    if not gold or not pred:
+    if not pred:  # no answer found in the response
         return 0.0
     return float(mv.verify(gold, pred, timeout_seconds=None))
+
+
+def _parse_gold(mv, gold_text: str) -> list:
+    """A bare gold is wrapped in $...$ so that math-verify reads all of it as one LaTeX expression:
+    unwrapped, its extraction (made for free text) finds nothing at all in "[1,2)", "{1,2}" or
+    "\\sqrt{2}/2". A gold it cannot read is a data error, not a 0 reward: every sample of the prompt
+    would score 0, silently."""
+    wrapped = gold_text if _IN_MATH_MODE.search(gold_text) else f"${gold_text}$"
+    gold = mv.parse(wrapped, parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"math_verify cannot read the answer {gold_text!r}: math-verify finds no expression in it")
+    return gold
 
 
 # ---- registry and resolution -------------------------------------------------------------------
