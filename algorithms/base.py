@@ -11,7 +11,9 @@ What the trainer does with the optional fields of `Algorithm`, per group as it a
   3. if not algo.keeps_group(rewards_G, cfg): drop the group (no loss, no denom) and have the
      generator top the batch up with further prompts                (DAPO's dynamic sampling)
   4. adv_G = algo.advantages(rewards_G, cfg); with advantage_scope "batch" this is only the
-     score that is normalised over the batch at the barrier (see algorithms/batch_scope.py)
+     score that is normalised over the batch at the barrier (see algorithms/batch_scope.py).
+     An algorithm with `advantages=None` (PPO) takes per-token advantages a critic sent with the
+     group instead of steps 1-4; batch scope then whitens them over the batch's tokens.
 `normaliser` needs nothing new from the trainer: whatever it counts, `denom` is additive over
 micro-batches, groups and data-parallel ranks, so summing and all-reducing it stays correct.
 """
@@ -110,7 +112,9 @@ def keep_every_group(rewards_G: torch.Tensor, cfg: AlgoConfig) -> bool:
 class Algorithm:
     name: str
     config_cls: type[AlgoConfig]
-    advantages: AdvantageFn
+    # None: the advantages arrive with each group, one per token, from a learned value function
+    # (the critic of recipes/ppo.py); the trainer then takes them instead of computing them
+    advantages: AdvantageFn | None
     loss: LossFn
     normaliser: Normaliser = "sequences"
     advantage_scope: AdvantageScope = "group"

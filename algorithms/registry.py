@@ -5,6 +5,7 @@ from algorithms.base import Algorithm
 from algorithms.dapo import DAPO
 from algorithms.dr_grpo import DR_GRPO
 from algorithms.grpo import GRPO
+from algorithms.ppo import PPO
 from algorithms.gspo import GSPO
 from algorithms.reinforce_pp import REINFORCE_PP
 from algorithms.rloo import RLOO
@@ -17,6 +18,7 @@ ALGORITHMS.register("dapo", DAPO)
 ALGORITHMS.register("rloo", RLOO)
 ALGORITHMS.register("reinforce_pp", REINFORCE_PP)
 ALGORITHMS.register("gspo", GSPO)
+ALGORITHMS.register("ppo", PPO)
 
 
 def get_algorithm(name: str) -> Algorithm:

@@ -1,4 +1,4 @@
-"""Payload types carried by the GRPO-family graphs (ragged token data as lists of 1-D tensors), and
+"""Payload types carried by the GRPO-family and PPO graphs (ragged token data as lists of 1-D tensors), and
 the parameter specs that describe a WEIGHTS push."""
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ class ScoredGroup(RolloutGroup):
     # each reward function's G scores before weighting, for samples.jsonl; keyword-only, so
     # subclasses may still add fields without defaults
     reward_parts: dict[str, list[float]] = field(default_factory=dict, kw_only=True)
+
+
+@dataclass
+class AdvantagedGroup(ScoredGroup):
+    """A scored group with a critic's advantage for every response token (critic -> trainer, PPO)."""
+
+    advantages: list[torch.Tensor]  # G x [R_i] float32, GAE advantages (not yet whitened over the batch)
 
 
 @dataclass

@@ -11,7 +11,9 @@ PANELS = {
     "eval pass rate": ("eval/pass@1",),  # + eval/pass@k, added from the rows
     "response length (tokens)": ("response_len_mean", "eval/response_len_mean"),
     "loss": ("loss",),
-    "KL to the reference": ("kl",),
+    "critic: value loss": ("value_loss",),  # PPO's critic
+    "critic: explained variance": ("explained_variance",),
+    "KL to the reference": ("kl", "reward_kl"),
     "entropy (nats)": ("entropy",),
     "grad norm (before clipping)": ("grad_norm",),
     "step time split (s)": ("step_s", "gen_s", "train_s", "push_s", "eval_gen_s"),

@@ -63,8 +63,8 @@ def merge(run_dir: Path) -> list[dict]:
 # kinds drawn as busy spans, and their colours; "step" spans frame each executor's step
 _BUSY = {"generate": "tab:blue", "scored": "tab:orange", "train": "tab:green", "barrier": "tab:red",
          "push": "tab:purple", "weights_recv": "lightgray", "checkpoint": "tab:brown", "eval": "tab:cyan",
-         "eval_scored": "gold", "imports": "silver", "connect": "darkgray", "init": "dimgray"}
-_LABEL = {"weights_recv": "waiting for weights", "imports": "start-up: python + imports",
+         "eval_scored": "gold", "values": "tab:olive", "imports": "silver", "connect": "darkgray", "init": "dimgray"}
+_LABEL = {"weights_recv": "waiting for weights", "values": "values + advantages", "imports": "start-up: python + imports",
           "connect": "start-up: process groups", "init": "start-up: executor init (model load)"}
 
 

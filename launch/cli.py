@@ -122,7 +122,9 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         data["output_dir"] = str(_run_of(args.resume))  # continue in the run the checkpoint belongs to
         layers.append(("--resume", {"output_dir": data["output_dir"]}))
     layers.append(("--algo", {"algo": args.algo}))
-    pretrained = defaults.pretrained_defaults(data)
+    from algorithms.registry import get_algorithm
+
+    pretrained = defaults.pretrained_defaults(data, critic=get_algorithm(args.algo).advantages is None)
     defaults.apply(data, pretrained)
     layers.insert(0, (defaults.PRETRAINED_SOURCE, {k: v for k, v in pretrained.items()}))
     source = str(args.config) if args.config else "command line"
@@ -153,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             from launch.dryrun import describe
             from launch.memory import Shape, describe_memory
 
-            print(describe(graph, cfg, recipe, memory=describe_memory(cfg, Shape.of(cfg.model.path))))
+            memory = describe_memory(cfg, Shape.of(cfg.model.path), executors=tuple(e.name for e in graph.executors))
+            print(describe(graph, cfg, recipe, memory=memory))
             return 0
         from launch.selflaunch import under_launcher
 

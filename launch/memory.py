@@ -19,6 +19,7 @@ from tabulate import tabulate
 from algorithms.kl import kl_in_loss
 from algorithms.registry import get_algorithm
 from executors.embedded import MODEL_SIZES
+from executors.training.config import LearnerConfig
 from recipes.config import RunConfig
 
 
@@ -61,17 +62,13 @@ class Shape:
         return cls(params, h, i, layers, vocab, kv * d)
 
 
-def trainer_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
-    """Bytes per trainer rank, by part."""
-    t = cfg.trainer
+def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passes: int, head: bool) -> dict[str, float]:
+    """Bytes per rank of a model trained on groups (the trainer's policy, the critic's value model), by
+    part. copies: forward-only copies (reference, old policy); passes: gradient accumulators; head:
+    LM-head logits in chunks (the policy's log-probs, or a reference's)."""
     shard = t.tp * (t.dp if t.fsdp else 1)
-    stored = _BYTES[cfg.model.dtype]  # the weights as loaded: the optimizer's (master) weights
     compute_copy = t.precision == "bf16" and not t.fsdp  # a bf16 copy beside the fp32 master
     copy_bytes = 2 if compute_copy else stored  # reference / old policy: copies of the compute weights
-    algo = cfg.algo_config
-    copies = int(algo.needs_reference) + int(t.epochs * t.mini_batches > 1)
-    # a batch-scope algorithm's first pass keeps 2 gradients (3 with a KL in the loss): trainer/executor.py
-    passes = 1 if get_algorithm(cfg.algo).advantage_scope != "batch" else 2 + int(kl_in_loss(algo))
     act_bytes = 2 if t.precision == "bf16" or stored == 2 else 4
     per_token_layer = (8 * m.hidden + 5 * m.intermediate) * act_bytes / t.tp
     tokens = t.token_budget
@@ -79,8 +76,9 @@ def trainer_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
         activations = tokens * (m.layers * m.hidden * act_bytes + per_token_layer)
     else:
         activations = tokens * m.layers * per_token_layer
-    head_rows = min(t.logprob_chunk or tokens, tokens)
-    activations += 3 * head_rows * m.vocab * 4  # logits, log-probs, their gradient: fp32
+    if head:
+        head_rows = min(t.logprob_chunk or tokens, tokens)
+        activations += 3 * head_rows * m.vocab * 4  # logits, log-probs, their gradient: fp32
     return {
         "weights": m.params * (stored + (2 if compute_copy else 0)) / shard,
         "ref/old copies": copies * m.params * copy_bytes / shard,
@@ -88,6 +86,21 @@ def trainer_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
         "grad accumulators": passes * m.params * (8 if t.fp64_grad_accumulation else 4) / shard,
         "activations (rough)": activations,
     }
+
+
+def trainer_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
+    t, algo = cfg.trainer, cfg.algo_config
+    # a batch-scope algorithm's first pass keeps 2 gradients (3 with a KL in the loss): trainer/executor.py
+    passes = 1 if get_algorithm(cfg.algo).advantage_scope != "batch" else 2 + int(kl_in_loss(algo))
+    return learner_parts(t, m, stored=_BYTES[cfg.model.dtype], passes=passes, head=True,
+                         copies=int(algo.needs_reference) + int(t.epochs * t.mini_batches > 1))
+
+
+def critic_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
+    """The value model (its head is one number per token: no logits) and, for a KL in the reward, the
+    reference. The decoder's count stands for the value model's (its head is smaller than an LM head)."""
+    reference = cfg.algo_config.critic_reference  # a critic runs with PPOConfig
+    return learner_parts(cfg.critic, m, stored=_BYTES[cfg.model.dtype], copies=int(reference), passes=1, head=reference)
 
 
 def generator_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
@@ -102,9 +115,14 @@ def generator_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
     return parts
 
 
-def describe_memory(cfg: RunConfig, m: Shape) -> str:
+PARTS = {"generator": generator_parts, "critic": critic_parts, "trainer": trainer_parts}  # executors that hold a model
+
+
+def describe_memory(cfg: RunConfig, m: Shape, *, executors: tuple[str, ...] = ("generator", "trainer")) -> str:
+    """The table of --dry-run for the graph's `executors` (those of them that hold a model)."""
     rows = []
-    for name, parts in (("generator", generator_parts(cfg, m)), ("trainer", trainer_parts(cfg, m))):
+    for name in (e for e in executors if e in PARTS):
+        parts = PARTS[name](cfg, m)
         shown = ", ".join(f"{k} {_size(v)}" for k, v in parts.items() if v)
         total = _size(sum(parts.values()))
         if name == "generator" and cfg.generator.engine == "vllm":

@@ -20,9 +20,19 @@ def check_trainer(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
                          "(kept prompt indices are not contiguous, so a mini-batch could be empty)")
 
 
-def check_tp(cfg: RunConfig) -> None:
+def check_critic(cfg: RunConfig) -> None:
+    c = cfg.critic
+    if c.mini_batches * c.dp > cfg.data.prompts_per_step:
+        raise ValueError(f"critic.mini_batches ({c.mini_batches}) x critic.dp ({c.dp}) exceeds "
+                         f"data.prompts_per_step ({cfg.data.prompts_per_step}): a mini-batch would be empty")
+    if c.precision == "bf16" and cfg.model.dtype != "float32":
+        raise ValueError("critic.precision=bf16 keeps float32 master weights: it needs model.dtype=float32 "
+                         f"(got {cfg.model.dtype})")
+
+
+def check_tp(cfg: RunConfig, *, critic: bool = False) -> None:
     """tp sizes against the model (the world size is checked at launch)."""
-    sizes = {"trainer.tp": cfg.trainer.tp, "generator.tp": cfg.generator.tp}
+    sizes = {"trainer.tp": cfg.trainer.tp, "generator.tp": cfg.generator.tp} | ({"critic.tp": cfg.critic.tp} if critic else {})
     if all(tp == 1 for tp in sizes.values()):
         return
     from executors.hf import load_config  # reads config.json only: no model code

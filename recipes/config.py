@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from algorithms.base import AlgoConfig
 from algorithms.registry import get_algorithm
+from executors.critic.config import CriticConfig
 from executors.generator.config import DataConfig, EvalConfig, GeneratorConfig, ModelConfig
 from executors.reward.config import RewardConfig
 from executors.trainer.config import TrainerConfig
@@ -43,6 +44,7 @@ class RunConfig(BaseModel):
     generator: GeneratorConfig = GeneratorConfig()
     reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
+    critic: CriticConfig = CriticConfig()  # --algo ppo's value model; other algorithms have none
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
     algorithm: dict = Field(default_factory=dict, description="options of --algo's config class")

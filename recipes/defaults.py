@@ -17,6 +17,11 @@ PRETRAINED: dict[str, object] = {
     "generator.max_new_tokens": 256,
     "data.max_prompt_tokens": 512,
 }
+# a value model's decoder is pretrained but its head is new: verl's and OpenRLHF's critic lr is ~10x the actor's
+PRETRAINED_CRITIC: dict[str, object] = {
+    "critic.lr": 1e-5,
+    "critic.warmup_steps": 10,
+}
 PRETRAINED_SOURCE = "pretrained default"
 
 
@@ -59,12 +64,13 @@ def _has_chat_template(model_path: str) -> bool:
     return (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file()
 
 
-def pretrained_defaults(data: dict) -> dict[str, object]:
-    """The values a pretrained model.path gets for what `data` (file + --set + flags) leaves unset."""
+def pretrained_defaults(data: dict, *, critic: bool = False) -> dict[str, object]:
+    """The values a pretrained model.path gets for what `data` (file + --set + flags) leaves unset;
+    critic: the algorithm trains a value model too (its section's values are listed only then)."""
     model_path = (data.get("model") or {}).get("path") if isinstance(data.get("model"), dict) else None
     if not model_path:
         return {}
-    chosen = dict(PRETRAINED)
+    chosen = dict(PRETRAINED) | (dict(PRETRAINED_CRITIC) if critic else {})
     if _has_chat_template(str(model_path)):
         chosen["data.chat_template"] = True
     return {key: value for key, value in chosen.items() if not _is_set(data, key)}

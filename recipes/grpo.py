@@ -46,27 +46,45 @@ def build(cfg: RunConfig) -> Graph:
     check_engine(cfg)
     check_eval(cfg)
     keep = (lambda rewards_G: algorithm.keeps_group(rewards_G, algo_cfg)) if dynamic else None
-    functions = cfg.reward_functions
     executors = [  # placed on contiguous ranks in this order
-        Generator(config=cfg.generator, model=cfg.generator_model, data=cfg.data, dynamic_sampling=dynamic,
-                  evaluation=cfg.eval),
-        Reward(config=cfg.reward, functions=functions, tokenizer_path=cfg.model.path, keep=keep, evaluation=cfg.eval),
-        Trainer(config=cfg.trainer, model_path=cfg.model.path, dtype=cfg.model.torch_dtype, algorithm=algorithm,
-                algo_config=algo_cfg, temperature=cfg.generator.logprob_temperature, total_steps=cfg.steps,
-                samples_every=cfg.logging.samples_every),
+        generator(cfg, dynamic_sampling=dynamic),
+        reward(cfg, keep=keep),
+        trainer(cfg, algorithm=algorithm, algo_cfg=algo_cfg),
     ]
     channels = [
         Channel("rollouts", "generator", "reward", Kind.SCATTER, RolloutGroup),
         # scheduled: periodic hands each scored group to the trainer as it lands, sync the whole step
         Channel("scored", "reward", "trainer", Kind.SCATTER, ScoredGroup, scheduled=True),
-        # lag 1: what the trainer pushes at step k's barrier, the generator receives at step k+1's start
-        Channel("weights", "trainer", "generator", Kind.WEIGHTS, WeightsUpdate),
-    ]
-    if cfg.eval.every:  # held-out prompts, sampled after the step's rollouts and scored into eval/* metrics
-        channels.append(Channel("eval", "generator", "reward", Kind.SCATTER, RolloutGroup))
+        WEIGHTS,
+    ] + eval_channels(cfg)
     if dynamic:  # verdicts close a same-step cycle: the generator reads them only after each round
         channels.append(Channel("verdicts", "reward", "generator", Kind.BROADCAST, GroupVerdict, feedback=True))
     return Graph(executors, channels)
+
+
+# lag 1: what the trainer pushes at step k's barrier, the generator receives at step k+1's start
+WEIGHTS = Channel("weights", "trainer", "generator", Kind.WEIGHTS, WeightsUpdate)
+
+
+def generator(cfg: RunConfig, *, dynamic_sampling: bool = False) -> Generator:
+    return Generator(config=cfg.generator, model=cfg.generator_model, data=cfg.data, dynamic_sampling=dynamic_sampling,
+                     evaluation=cfg.eval)
+
+
+def reward(cfg: RunConfig, *, keep=None) -> Reward:
+    return Reward(config=cfg.reward, functions=cfg.reward_functions, tokenizer_path=cfg.model.path, keep=keep,
+                  evaluation=cfg.eval)
+
+
+def trainer(cfg: RunConfig, *, algorithm, algo_cfg) -> Trainer:
+    return Trainer(config=cfg.trainer, model_path=cfg.model.path, dtype=cfg.model.torch_dtype, algorithm=algorithm,
+                   algo_config=algo_cfg, temperature=cfg.generator.logprob_temperature, total_steps=cfg.steps,
+                   samples_every=cfg.logging.samples_every)
+
+
+def eval_channels(cfg: RunConfig) -> list[Channel]:
+    """Held-out prompts, sampled after the step's rollouts and scored into eval/* metrics."""
+    return [Channel("eval", "generator", "reward", Kind.SCATTER, RolloutGroup)] if cfg.eval.every else []
 
 
 def step_figures(records: dict, world_size: int) -> dict:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from executors.parallel import apply_ac, has_ac
-from executors.trainer.packing import make_micro_batches
+from executors.training.packing import make_micro_batches
 from tests.test_parallel import tiny
 
 

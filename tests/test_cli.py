@@ -76,7 +76,7 @@ def test_config_errors_name_the_field(args, message):
 
 def test_unknown_algo_lists_known():
     proc = _launch("--algo", "ppo9000", "--dry-run")
-    known = "dapo, dr_grpo, grpo, gspo, reinforce_pp, rloo"
+    known = "dapo, dr_grpo, grpo, gspo, ppo, reinforce_pp, rloo"
     assert proc.returncode == 2 and f"unknown algo 'ppo9000'; known: {known}" in proc.stderr
 
 

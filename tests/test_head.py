@@ -1,4 +1,4 @@
-"""The LM head in chunks (executors/trainer/head.py) against the whole-vocabulary reference.
+"""The LM head in chunks (executors/training/head.py) against the whole-vocabulary reference.
 
 Chunked log-probs, entropy and the gradients they give equal the whole head's (one [K, V] logits
 tensor, as the trainer computed before chunking) within 1e-6 (relative) in fp32, for padded, varlen and
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.trainer.packing import make_micro_batches
+from executors.training.packing import make_micro_batches
 from tests.test_parallel import tiny
 
 TEMP = 0.7

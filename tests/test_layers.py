@@ -32,7 +32,15 @@ ALLOWED = {
 NARROW = {
     ("executors", "channels"): {"channels.payloads"},
 }
-ALGORITHM_USERS = ("executors/trainer/",)
+ALGORITHM_USERS = ("executors/trainer/", "executors/critic/")
+# executors talk through channels, never by importing each other (DESIGN.md "Layout"): an executor's
+# package may import the shared ones, and another executor's light config classes only
+SHARED_EXECUTOR_PACKAGES = {"base", "hf", "parallel", "training", "embedded"}
+
+
+def _executor_package(rel: str) -> str | None:
+    parts = rel.split("/")
+    return parts[1].removesuffix(".py") if parts[0] == "executors" and len(parts) > 1 else None
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -60,7 +68,23 @@ def _violations() -> list[str]:
                 elif narrow and module not in narrow:
                     bad.append(f"{rel}:{line} imports {module} ({layer} may import only {sorted(narrow)} of {top})")
                 elif layer == "executors" and top == "algorithms" and not rel.startswith(ALGORITHM_USERS):
-                    bad.append(f"{rel}:{line} imports {module} (only the trainer runs algorithms)")
+                    bad.append(f"{rel}:{line} imports {module} (only the trainer and the critic run algorithms)")
+            if layer == "executors":
+                bad += _cross_executor(rel, path)
+    return bad
+
+
+def _cross_executor(rel: str, path: Path) -> list[str]:
+    mine, bad = _executor_package(rel), []
+    for line, module in _imports(path):
+        parts = module.split(".")
+        if parts[0] != "executors" or len(parts) < 2:
+            continue
+        theirs = parts[1]
+        if theirs in (mine, *SHARED_EXECUTOR_PACKAGES) or parts[2:] == ["config"]:
+            continue
+        bad.append(f"{rel}:{line} imports {module} (an executor imports no other executor; shared code "
+                   f"goes to executors/training or executors/parallel)")
     return bad
 
 
@@ -69,12 +93,19 @@ def test_every_import_follows_the_layers():
 
 
 def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
-    """The rules can fail: a channels module importing an executor is reported with its line."""
+    """The rules can fail: a channels module importing an executor, and an executor importing another
+    executor's code (its config is allowed), are reported with their lines."""
     fake = tmp_path / "channels"
     fake.mkdir()
     (fake / "bad.py").write_text("import torch\n\nfrom executors.base import Executor\n")
+    (tmp_path / "executors" / "critic").mkdir(parents=True)
+    (tmp_path / "executors" / "critic" / "bad.py").write_text(
+        "from executors.trainer.config import TrainerConfig\nfrom executors.trainer.models import TriModel\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert _violations() == ["channels/bad.py:3 imports executors.base (channels may not import executors)"]
+    assert _violations() == [
+        "channels/bad.py:3 imports executors.base (channels may not import executors)",
+        "executors/critic/bad.py:2 imports executors.trainer.models (an executor imports no other executor; shared "
+        "code goes to executors/training or executors/parallel)"]
 
 
 _PROBE = """
@@ -83,7 +114,7 @@ from launch.cli import main
 with contextlib.redirect_stdout(io.StringIO()) as out:
     code = main(sys.argv[1:])
 heavy = [m for m in ("transformers", "torch.distributed.tensor", "executors.trainer.models",
-                     "executors.trainer.packed_attention") if m in sys.modules]
+                     "executors.training.packed_attention") if m in sys.modules]
 print(code, "phases" if "1. prompts" in out.getvalue() else "no-phases", heavy)
 """
 

@@ -7,11 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers.masking_utils import AttentionMaskInterface
 
-import executors.trainer.packed_attention as packed_attention
+import executors.training.packed_attention as packed_attention
 from executors.hf import load_model
-from executors.trainer.batching import MicroBatch, split_group
-from executors.trainer.packed_attention import ATTN_NAME, PackMask, install
-from executors.trainer.packing import (
+from executors.training.batching import MicroBatch, split_group
+from executors.training.packed_attention import ATTN_NAME, PackMask, install
+from executors.training.packing import (
     PackedMicroBatch,
     auto_shared_prompt,
     make_micro_batches,

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from executors.parallel import (apply_ac, build_mesh, check_divisible, clip_grad_norm_, copy_params_, local,
                                 param_specs, parallelize, tp_plan)
 from executors.parallel.tp import apply_tp
-from executors.trainer.batching import response_logprobs, split_group
+from executors.training.batching import response_logprobs, split_group
 from controller.spawn import spawn
 
 TOL = 1e-5

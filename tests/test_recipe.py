@@ -75,3 +75,24 @@ def test_grpo_recipe_names_what_runs_where_and_in_which_order():
     for ph in recipe.phases:  # every phase points at real code
         path, qualname = ph.where.split(":")
         assert f"def {qualname.split('.')[-1]}(" in (ROOT / path).read_text()
+
+
+def test_ppo_recipe_puts_a_critic_between_reward_and_trainer():
+    recipe, cfg = recipe_for("ppo"), small_config("ppo", critic={"dp": 2})
+    graph = recipe.build(cfg)
+    assert [ex.name for ex in graph.executors] == ["generator", "reward", "critic", "trainer"]
+    assert [(ch.name, ch.src, ch.dst, ch.payload.__name__) for ch in graph.channels] == [
+        ("rollouts", "generator", "reward", "RolloutGroup"), ("scored", "reward", "critic", "ScoredGroup"),
+        ("advantaged", "critic", "trainer", "AdvantagedGroup"), ("weights", "trainer", "generator", "WeightsUpdate")]
+    assert [ch.name for ch in graph.channels if ch.scheduled] == ["scored", "advantaged"]  # both learners stream
+    assert [ph.name for ph in recipe.phases] == ["prompts", "generate", "score", "values", "train", "critic barrier",
+                                                 "barrier", "push"]
+    text = describe(graph, cfg, recipe, memory="")
+    critic = next(line for line in text.splitlines() if line.startswith("critic "))
+    assert " 2-3 " in critic and "dp=2" in critic  # critic dp=2 on ranks 2-3, the trainer on 4
+    assert next(line for line in text.splitlines() if line.startswith("trainer ")).split()[2] == "4"
+    for ph in recipe.phases:
+        path, qualname = ph.where.split(":")
+        assert f"def {qualname.split('.')[-1]}(" in (ROOT / path).read_text()
+    with pytest.raises(ValueError, match=r"critic.mini_batches \(4\) x critic.dp \(2\) exceeds"):
+        recipe.build(small_config("ppo", critic={"dp": 2, "mini_batches": 4}))

@@ -79,3 +79,14 @@ def test_vocabulary_vllm_cannot_split_is_refused_before_start(tmp_path):
     assert proc.returncode == 2
     assert "generator.engine=vllm with generator.tp=2 needs a vocabulary size that is a multiple of 64; this " \
            "model's is 500" in proc.stderr
+
+
+def test_ppo_with_the_vllm_engine(tmp_path):
+    """The critic needs nothing of the engine: `--algo ppo` on vLLM trains both models with exact log-probs."""
+    proc = launch(tmp_path, *VLLM, "--set", "reward.functions=[tests.rewards:length_parity]", nproc=4, algo="ppo",
+                  timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["logp_mismatch_max"] < 1e-4 and r["value_loss"] > 0 for r in rows)
+    assert (tmp_path / "final/critic/model.safetensors").is_file()

@@ -98,7 +98,11 @@ PLANS: dict[str, dict[str, ParallelStyle]] = {
 
 
 def tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
-    return _family_plan(model.config)
+    plan = _family_plan(model.config)
+    if model.get_output_embeddings() is None:  # a value model (token classification): a replicated scalar head
+        del plan["lm_head"]
+        plan["score"] = ReplicateParallel()
+    return plan
 
 
 def _family_plan(config) -> dict[str, ParallelStyle]:
@@ -129,7 +133,8 @@ def check_divisible(config, *, tp: int) -> None:
 def apply_tp(model: nn.Module, *, mesh: DeviceMesh, plan: dict[str, ParallelStyle] | None = None) -> nn.Module:
     """Shard `model` in place over the 1-D tp `mesh` with its family's plan (or `plan`)."""
     check_divisible(model.config, tp=mesh.size())
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
     parallelize_module(model, mesh, plan if plan is not None else tp_plan(model))
     if tied:  # each style distributed its own copy of the shared weight; both are Shard(0)
         model.get_output_embeddings().weight = model.get_input_embeddings().weight

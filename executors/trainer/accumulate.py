@@ -8,7 +8,6 @@ arrive and all-reduces them once, at the barrier.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from channels.payloads import ScoredGroup
+from executors.training.sums import Sums
 
 
 class Pass(str, Enum):
@@ -69,7 +69,7 @@ class LossSums:
 
 
 @dataclass
-class GroupRecord:
+class GroupRecord(Sums):
     """What the groups of a step sampled and scored, and the tokens one pass trains on."""
 
     reward_sum: float = 0.0
@@ -89,14 +89,4 @@ class GroupRecord:
         return cls(rewards.sum().item(), (rewards ** 2).sum().item(), float(len(group.responses)), responses,
                    1.0, float(group.reward_failures), tokens)
 
-    def __iadd__(self, other: "GroupRecord") -> "GroupRecord":
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-        return self
 
-    def all_reduce(self, *, group: dist.ProcessGroup | None) -> "GroupRecord":
-        if group is None or dist.get_world_size(group) == 1:
-            return self
-        packed = torch.tensor(dataclasses.astuple(self), dtype=torch.float64)
-        dist.all_reduce(packed, group=group)
-        return GroupRecord(*packed.tolist())

@@ -6,8 +6,9 @@
                          schedule, then the weight push to the generator
 
 Its parts: models.py (policy, old policy, reference and their log-probs), accumulate.py (gradients,
-loss sums and group records as typed values), order.py (which group a rank takes when, under each
-layout), barrier.py (normalise, clip, step), stats.py (the step's state and its metrics record).
+loss sums and group records as typed values), barrier.py (combine, normalise, step), stats.py (the
+step's state and its metrics record); what it shares with the critic is in executors/training/
+(micro-batches, the order groups are taken in under each layout, the optimizer).
 Parallel layout: a ("dp", "tp") mesh over the trainer's ranks; a unit (one dp slot) is tp ranks.
 """
 from __future__ import annotations
@@ -21,17 +22,19 @@ import torch.distributed as dist
 from algorithms.base import Algorithm, AlgoConfig, LossInputs
 from algorithms.batch_scope import batch_mean_scale, batch_normalise, linear_passes, score_moments
 from algorithms.kl import kl_in_loss, kl_in_reward, kl_penalised_rewards
-from channels.payloads import ScoredGroup, WeightsUpdate
-from executors.base import Executor, ExecutorEnv, StepContext
+from channels.payloads import AdvantagedGroup, ScoredGroup, WeightsUpdate
+from executors.base import ExecutorEnv, StepContext
 from executors.trainer.accumulate import GroupRecord, LossSums, Pass
 from executors.trainer.config import TrainerConfig
-from executors.trainer.order import Work, in_index_order, work_units
-from executors.trainer.stats import StepState, TrainerMetrics, group_digest, sampled_logprobs
+from executors.trainer.stats import StepState, TrainerMetrics, group_digest
+from executors.training.batching import sampled_logprobs
+from executors.training.learner import Learner
+from executors.training.order import Work
 
 __all__ = ["Trainer", "TrainerConfig"]
 
 
-class Trainer(Executor):
+class Trainer(Learner):
     inputs = {"scored": ScoredGroup}
     outputs = {"weights": WeightsUpdate}
 
@@ -39,18 +42,17 @@ class Trainer(Executor):
                  dtype: torch.dtype, algorithm: Algorithm, algo_config: AlgoConfig, temperature: float,
                  total_steps: int, samples_every: int = 0):
         """samples_every: write samples.jsonl every N steps (0: never)."""
-        super().__init__(name=name, units=config.dp, ranks_per_unit=config.tp)
+        super().__init__(name=name, config=config)
         self.samples_every = samples_every
-        self.cfg, self.model_path, self.dtype = config, model_path, dtype
+        self.model_path, self.dtype = model_path, dtype
         self.algo, self.algo_cfg, self.temperature, self.total_steps = algorithm, algo_config, temperature, total_steps
-        # FSDP over several dp units: they hold shards of one copy and train in lockstep rounds (order.py)
-        self.shards_over_units = config.fsdp and config.dp > 1
-        self.ordered = config.tp > 1 or self.shards_over_units
         self.batch_scope = algorithm.advantage_scope == "batch"
         # the first pass of a batch-scope algorithm evaluates the loss at s, 1 (and 0 with a KL in it)
         self.first_passes = ((Pass.SCORE, Pass.ONE) + ((Pass.ZERO,) if kl_in_loss(algo_config) else ())
                              if self.batch_scope else (Pass.SCORE,))
-        self.passes = config.epochs * config.mini_batches  # optimizer steps per batch
+        self.token_advantages = algorithm.advantages is None
+        if self.token_advantages:  # they arrive with each group, one per response token (PPO's critic)
+            self.inputs = {"scored": AdvantagedGroup}
 
     def describe(self):
         return {"dp": self.cfg.dp, "tp": self.cfg.tp, "fsdp": self.cfg.fsdp, "algo": self.algo.name,
@@ -78,23 +80,11 @@ class Trainer(Executor):
         weights); later mini-batches and epochs wait for the barrier."""
         self.models.snapshot_()  # the weights that generated this step's samples
         state = StepState()
-        groups = ctx.inbound["scored"]  # as the schedule hands them over
-        if self.ordered:
-            groups = in_index_order(groups, first=self.env.unit_index, stride=self.units)
-        for work in self._work(groups):
+        for work in self._work(self._in_order(ctx.inbound["scored"])):  # as the schedule hands them over
             t0 = time.perf_counter()
             self._take(work, state, ctx)
             state.train_s += time.perf_counter() - t0
         return state
-
-    def _work(self, groups):
-        return work_units(groups, micro_batches=self.models.micro_batches, mini_batch_of=self._mini_batch,
-                          mini_batches=self.cfg.mini_batches,
-                          lockstep=self.models.dp_group if self.shards_over_units else None)
-
-    def _mini_batch(self, index: int) -> int:
-        # groups i and i + dp land on different dp ranks; stepping over dp keeps mini-batches balanced
-        return (index // self.units) % self.cfg.mini_batches
 
     def _take(self, work: Work, state: StepState, ctx: StepContext) -> None:
         group, train = work.group, work.mini_batch == 0
@@ -110,7 +100,9 @@ class Trainer(Executor):
         refs = (self.models.ref_logprobs(work.micro_batches, pad_to=work.steps)
                 if train or (self.batch_scope and kl_in_reward(self.algo_cfg)) else None)
         if self.batch_scope and group is not None:  # every group's scores are needed at the barrier
-            state.moments[group.index] = score_moments(self._scores(state, group, work.micro_batches, refs))
+            score = self._scores(state, group, work.micro_batches, refs)
+            # per-token scores: the moments of the real tokens, not of the padding
+            state.moments[group.index] = score_moments(score if score.dim() == 1 else torch.cat(group.advantages))
         if train:
             with ctx.timeline.span("train", index=group.index if group is not None else -1):
                 state.sums += self._train(work, refs, state, first_pass=True)
@@ -121,8 +113,12 @@ class Trainer(Executor):
         return self.samples_every > 0 and step % self.samples_every == 0 and self.env.rank == unit[0]
 
     def _scores(self, state: StepState, group: ScoredGroup, mbs, refs) -> torch.Tensor:
-        """The algorithm's advantages of one group (batch scope: the scores), once per step."""
+        """The algorithm's advantages of one group (batch scope: the scores), once per step: [G], or
+        [G, longest response] when they came per token with the group."""
         if group.index in state.scores:
+            return state.scores[group.index]
+        if self.token_advantages:
+            state.scores[group.index] = torch.nn.utils.rnn.pad_sequence(group.advantages, batch_first=True)
             return state.scores[group.index]
         lengths_G = torch.tensor([r.numel() for r in group.responses])
         rewards_G = self.algo.shape_rewards(group.rewards, lengths_G, self.algo_cfg)
@@ -157,31 +153,31 @@ class Trainer(Executor):
                 sums.mismatch = max(sums.mismatch, ((logp_NT.detach() - sampled_NT).abs() * mb.mask_NT).max().item())
         return sums
 
-    def _micro_step(self, mb, ref_NT, score_N, *, first_pass: bool, linear: bool, sums: LossSums) -> torch.Tensor:
-        """One micro-batch: policy (and old) forward, then one backward per loss pass.
-        score_N None: a lockstep dummy, its loss multiplied by 0."""
-        logp_NT, entropy_NT = self.models.policy_logprobs(mb, entropy=score_N is not None)
+    def _micro_step(self, mb, ref_NT, score, *, first_pass: bool, linear: bool, sums: LossSums) -> torch.Tensor:
+        """One micro-batch: policy (and old) forward, then one backward per loss pass. score: the
+        advantages of its samples, [N] or per token [N, R]; None: a lockstep dummy, its loss multiplied by 0."""
+        logp_NT, entropy_NT = self.models.policy_logprobs(mb, entropy=score is not None)
         if entropy_NT is not None:
             sums.entropy_sum += entropy_NT[mb.mask_NT].sum().item()
             sums.entropy_tokens += mb.mask_NT.sum().item()
         old_NT = self.models.old_logprobs(mb, policy_NT=logp_NT, first_pass=first_pass)
-        if score_N is None:  # a dummy: the same passes, no advantages
+        if score is None:  # a dummy: the same passes, no advantages
             passes = dict.fromkeys(self.first_passes if linear else (Pass.SCORE,))
         elif linear:  # batch scope: the loss at s, 1 (and 0), combined at the barrier (algorithms/batch_scope.py)
-            passes = {Pass(name): adv_N for name, adv_N in linear_passes(score_N, self.algo_cfg).items()}
+            passes = {Pass(name): adv for name, adv in linear_passes(score, self.algo_cfg).items()}
         else:
-            passes = {Pass.SCORE: score_N}
+            passes = {Pass.SCORE: score}
         # FSDP frees the gathered weights after each backward, so a second backward over the same
         # graph would read freed storage: recompute the forward per pass instead of retain_graph
         recompute = self.cfg.fsdp
-        for k, (name, adv_N) in enumerate(passes.items()):
+        for k, (name, adv) in enumerate(passes.items()):
             if k and recompute:
                 logp_NT = self.models.policy_logprobs(mb).logp_NT
-            if adv_N is None:
+            if adv is None:
                 loss = (logp_NT * 0).sum()
             else:
                 out = self.algo.loss(LossInputs(logp_NT=logp_NT, old_logp_NT=old_NT, ref_logp_NT=ref_NT,
-                                                adv_N=adv_N.to(logp_NT), mask_NT=mb.mask_NT), self.algo_cfg)
+                                                mask_NT=mb.mask_NT, **_advantages(adv, like=logp_NT)), self.algo_cfg)
                 loss = out.loss_sum
                 sums.loss[name] += out.loss_sum.item()
                 if name is Pass.SCORE:
@@ -216,8 +212,8 @@ class Trainer(Executor):
     def _log_samples(self, state: StepState, mu_scale) -> None:
         from executors.trainer.samples import append_samples
 
-        advantages = {g.index: batch_normalise(state.scores[g.index], mu=mu_scale[0], scale=mu_scale[1])
-                      if self.batch_scope else state.scores[g.index] for g in state.logged}
+        advantages = {g.index: _per_sample(batch_normalise(state.scores[g.index], mu=mu_scale[0], scale=mu_scale[1])
+                                           if self.batch_scope else state.scores[g.index], g) for g in state.logged}
         append_samples(self.env.output_dir / "samples.jsonl", state.logged, advantages, self.models.tokenizer)
 
     def _gather(self, state: StepState):
@@ -259,3 +255,17 @@ class Trainer(Executor):
 
     def finalize(self, output_dir: Path) -> None:
         self.models.save(output_dir / "final", leader=self.env.is_leader)
+
+
+def _advantages(adv: torch.Tensor, *, like: torch.Tensor) -> dict:
+    """LossInputs' adv_N (one per sample), or adv_NT (one per token, padded to the group's longest
+    response: cut to this micro-batch's T)."""
+    adv = adv.to(like)
+    return {"adv_N": adv} if adv.dim() == 1 else {"adv_NT": adv[:, : like.shape[1]]}
+
+
+def _per_sample(adv: torch.Tensor, group: ScoredGroup) -> torch.Tensor:
+    """[G] for samples.jsonl: per-token advantages as each response's mean over its tokens."""
+    if adv.dim() == 1:
+        return adv
+    return torch.stack([adv[g, : max(1, r.numel())].mean() for g, r in enumerate(group.responses)])

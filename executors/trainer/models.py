@@ -22,25 +22,21 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from channels.payloads import ScoredGroup
 from executors.base import ExecutorEnv
-from executors.hf import load_model, load_tokenizer, save_hf
-from executors.parallel import (apply_ac, build_mesh, copy_params_, full_state_dict, local_shards, param_specs,
-                                parallelize)
+from executors.hf import load_model, load_tokenizer
+from executors.parallel import copy_params_, local_shards, param_specs
 from executors.trainer.config import TrainerConfig
-from executors.trainer.packed_attention import install as install_packed_attention
-from executors.trainer.packing import auto_shared_prompt, make_micro_batches
-
-
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # the compute dtype; None: the weights' own
+from executors.training.models import (PRECISIONS, LearnerModels, frozen_logprobs, lay_out, learner_mesh, save_full,
+                                       shares_prompt, trainable_copy)
+from executors.training.packed_attention import install as install_packed_attention
 
 
 @dataclass
-class TriModel:
+class TriModel(LearnerModels):
     policy: nn.Module  # what the forwards and backwards run on
     old: nn.Module | None
     reference: nn.Module | None
@@ -56,16 +52,11 @@ class TriModel:
               temperature: float, reference: bool, snapshot: bool, policy_path=None) -> "TriModel":
         """policy_path: a checkpoint's HF directory to take the policy from (a resumed run); the
         reference stays the initial model of `model_path`."""
-        mesh = (build_mesh(ranks=env.ranks, tp=cfg.tp, device_type=env.device.type, parent=env.group)
-                if dist.is_initialized() else None)
+        mesh = learner_mesh(env, cfg)
         compute = PRECISIONS[cfg.precision]
-        policy = load_model(str(policy_path) if policy_path else model_path, dtype=dtype,
+        master = load_model(str(policy_path) if policy_path else model_path, dtype=dtype,
                             seed=env.seed).to(env.device).train()
-        master = policy
-        if compute is not None and not cfg.fsdp:  # FSDP2 keeps the master weights itself
-            policy = copy.deepcopy(master).to(compute)
-        if cfg.activation_checkpointing:  # the copies below are forward-only: checkpointing is a no-op there
-            apply_ac(policy)
+        policy = trainable_copy(master, cfg)  # the copies below are forward-only: checkpointing is a no-op there
         initial = policy
         if policy_path and reference:
             initial = load_model(model_path, dtype=dtype, seed=env.seed).to(env.device)
@@ -75,21 +66,14 @@ class TriModel:
                 install_packed_attention(model)
         ref = copy.deepcopy(initial).eval().requires_grad_(False) if reference else None
         old = copy.deepcopy(policy).eval().requires_grad_(False) if snapshot else None
-        copies = ((policy, False), (ref, True), (old, True)) + (((master, True),) if master is not policy else ())
-        for model, forward_only in copies:
-            if model is not None and (cfg.tp > 1 or cfg.fsdp):
-                parallelize(model, mesh=mesh, tp=cfg.tp > 1, fsdp=cfg.fsdp, forward_only=forward_only,
-                            param_dtype=compute)
+        lay_out([(policy, False), (ref, True), (old, True)] + ([(master, True)] if master is not policy else []),
+                mesh=mesh, cfg=cfg)
         return cls(policy, old, ref, mesh, load_tokenizer(model_path), cfg, temperature, env.device, master)
 
     @property
     def push_dtype(self) -> torch.dtype:
         """The dtype the generator runs in: the compute dtype (weights are cast once, here)."""
         return PRECISIONS[self.cfg.precision] or next(self.policy.parameters()).dtype
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh.get_group("dp") if self.mesh is not None else None
 
     def shards(self) -> dict[str, torch.Tensor]:
         """This rank's local shard of every policy parameter, for the weight push, in the generator's
@@ -106,26 +90,8 @@ class TriModel:
         if self.old is not None:
             copy_params_(self.old, self.policy)
 
-    # ---- micro-batches ----------------------------------------------------------------------
     def shares_prompt(self, group: ScoredGroup) -> bool:
-        mode = self.cfg.shared_prompt
-        return mode == "on" or (mode == "auto" and auto_shared_prompt(
-            group.prompt_ids.numel(), [r.numel() for r in group.responses]))
-
-    def micro_batches(self, group: ScoredGroup) -> list:
-        # fixed by the group alone (sample index order), never by arrival: determinism rule 2
-        return self._micro_batches_of(group.prompt_ids, group.responses)
-
-    @functools.cached_property
-    def dummy(self):
-        """A one-token micro-batch for lockstep padding: it runs every collective a real one does."""
-        pad = torch.tensor([self.tokenizer.pad_token_id])
-        return self._micro_batches_of(pad, [pad])[0]
-
-    def _micro_batches_of(self, prompt_ids_P, responses) -> list:
-        return make_micro_batches(prompt_ids_P, responses, mode=self.cfg.shared_prompt,
-                                  token_budget=self.cfg.token_budget, micro_batch_size=self.cfg.micro_batch_size,
-                                  pad_id=self.tokenizer.pad_token_id, device=self.device)
+        return shares_prompt(self.cfg, group.prompt_ids, group.responses)
 
     # ---- log-probs ----------------------------------------------------------------------------
     def policy_logprobs(self, mb, *, entropy: bool = False):
@@ -143,17 +109,10 @@ class TriModel:
 
     def ref_logprobs(self, mbs: list, *, pad_to: int) -> list:
         """Reference log-probs per micro-batch (None without a reference), then lockstep dummies."""
-        if self.reference is None:
-            return [None] * len(mbs)
-        with torch.no_grad():  # frozen: no graph
-            refs = [self._logprobs(self.reference, mb) for mb in mbs]
-            for _ in range(pad_to - len(mbs)):
-                self._logprobs(self.reference, self.dummy)
-        return refs
+        return frozen_logprobs(self.reference, mbs, pad_to=pad_to, dummy=self.dummy, temperature=self.temperature,
+                               chunk=self.cfg.logprob_chunk)
 
     # ---- outputs ------------------------------------------------------------------------------
     def save(self, path, *, leader: bool) -> None:
-        """The full policy as an HF directory: every rank gathers its shards, the leader writes."""
-        state = full_state_dict(self.master, keep=leader)
-        if leader:
-            save_hf(self.master, self.tokenizer, path, state=state)
+        """The full policy (its master weights) as an HF directory."""
+        save_full(self.master, self.tokenizer, path, leader=leader)

@@ -71,14 +71,6 @@ class TrainerMetrics:
                    optimizer_steps=len(steps), rollout_digest=digest, **timing)
 
 
-def sampled_logprobs(group: ScoredGroup, idx: list[int], *, like: torch.Tensor) -> torch.Tensor:
-    """The generator's sampling log-probs of samples `idx`, padded like a micro-batch's [N, T]."""
-    out_NT = torch.zeros_like(like)
-    for n, i in enumerate(idx):
-        out_NT[n, : group.logprobs[i].numel()] = group.logprobs[i]
-    return out_NT
-
-
 def group_digest(group: ScoredGroup) -> str:
     h = hashlib.sha256(f"{group.index}:{group.prompt_ids.tolist()}".encode())
     for r in group.responses:

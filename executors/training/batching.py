@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from executors.trainer.head import TokenLogprobs, chunked_head
+from executors.training.head import TokenLogprobs, chunked_head
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class MicroBatch:
 
     def forward(self, model, *, temperature: float, chunk: int = 0, entropy: bool = False) -> ResponseLogprobs:
         """Log-probs (and entropy) of the response tokens, [N, T] float32, 0 where masked; the LM head
-        runs on `chunk` tokens at a time (executors/trainer/head.py)."""
+        runs on `chunk` tokens at a time (executors/training/head.py)."""
         T = self.targets_NT.shape[1]
         out = []
         # the token at position P + t is predicted by the hidden state at P + t - 1
@@ -41,6 +41,14 @@ class MicroBatch:
                           temperature=temperature, chunk=chunk, entropy=entropy, out=out):
             model(input_ids=self.input_ids_NL, attention_mask=self.attention_mask_NL, logits_to_keep=keep, use_cache=False)
         return ResponseLogprobs.scatter(out[0], self.mask_NT)
+
+    def values(self, model) -> torch.Tensor:
+        """A one-output head's value (the critic's) at each position that predicts a response token,
+        [N, T] float32, 0 where masked: the value of the state "prompt and the tokens before t"."""
+        T = self.targets_NT.shape[1]
+        out_NL1 = model(input_ids=self.input_ids_NL, attention_mask=self.attention_mask_NL, use_cache=False).logits
+        v_NT = out_NL1[:, self.prompt_len - 1: self.prompt_len - 1 + T, 0].float()
+        return torch.where(self.mask_NT, v_NT, 0.0)
 
 
 def split_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, micro_batch_size: int,
@@ -78,6 +86,14 @@ class ResponseLogprobs(NamedTuple):
             return torch.zeros(mask_NT.shape, dtype=x_K.dtype, device=x_K.device).masked_scatter(mask_NT, x_K)
 
         return cls(place(tokens.logp_K), None if tokens.entropy_K is None else place(tokens.entropy_K))
+
+
+def sampled_logprobs(group, idx: list[int], *, like: torch.Tensor) -> torch.Tensor:
+    """The generator's sampling log-probs of samples `idx` of a rollout group, padded like a micro-batch's [N, T]."""
+    out_NT = torch.zeros_like(like)
+    for n, i in enumerate(idx):
+        out_NT[n, : group.logprobs[i].numel()] = group.logprobs[i]
+    return out_NT
 
 
 def response_logprobs(model, mb: MicroBatch, *, temperature: float, chunk: int = 0) -> torch.Tensor:

@@ -15,9 +15,9 @@ from typing import Literal
 
 import torch
 
-from executors.trainer.batching import MicroBatch, ResponseLogprobs, split_group
-from executors.trainer.head import chunked_head
-from executors.trainer.packed_attention import BACKENDS, Backend, PackMask, install, packed_forward
+from executors.training.batching import MicroBatch, ResponseLogprobs, split_group
+from executors.training.head import chunked_head
+from executors.training.packed_attention import BACKENDS, Backend, PackMask, install, packed_forward
 
 Mode = Literal["on", "off", "auto", "padded"]
 MODES = ("on", "off", "auto", "padded")
@@ -48,7 +48,7 @@ class PackedMicroBatch:
 
     def forward(self, model, *, temperature: float, chunk: int = 0, entropy: bool = False) -> ResponseLogprobs:
         """Log-probs (and entropy) of the response tokens, [N, T] float32, 0 where masked; the LM head
-        runs on `chunk` tokens at a time (executors/trainer/head.py)."""
+        runs on `chunk` tokens at a time (executors/training/head.py)."""
         install(model)
         out = []
         head = chunked_head(model, select=lambda h_1KH: h_1KH[0], targets_K=self.targets_NT[self.mask_NT],
@@ -58,6 +58,15 @@ class PackedMicroBatch:
             model(input_ids=self.input_ids_1L, position_ids=self.position_ids_1L, logits_to_keep=self.rows_K,
                   use_cache=False)
         return ResponseLogprobs.scatter(out[0], self.mask_NT)
+
+    def values(self, model) -> torch.Tensor:
+        """A one-output head's value (the critic's) at each position that predicts a response token,
+        [N, T] float32, 0 where masked (MicroBatch.values of the unpacked rows)."""
+        install(model)
+        with packed_forward(self.pack):
+            out_1L1 = model(input_ids=self.input_ids_1L, position_ids=self.position_ids_1L, use_cache=False).logits
+        v_K = out_1L1[0, self.rows_K, 0].float()
+        return torch.zeros(self.mask_NT.shape, dtype=v_K.dtype, device=v_K.device).masked_scatter(self.mask_NT, v_K)
 
 
 def _chunks(costs: list[int], *, fixed: int, token_budget: int) -> list[tuple[int, ...]]:

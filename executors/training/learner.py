@@ -1,0 +1,38 @@
+"""What an executor that trains a model on prompt groups (the trainer, the critic) does alike: its
+layout's units, the order it takes its groups in, and the units of work they become."""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+from executors.base import Executor
+from executors.training.config import LearnerConfig
+from executors.training.order import Work, in_index_order, work_units
+
+
+class Learner(Executor):
+    """A dp x tp layout of one model (and its copies), training each group as it is handed over.
+
+    Subclasses set `self.models` in `init`: an object with `micro_batches(group)` and `dp_group`
+    (executors/training/models.py LearnerModels).
+    """
+
+    def __init__(self, *, name: str, config: LearnerConfig):
+        super().__init__(name=name, units=config.dp, ranks_per_unit=config.tp)
+        self.cfg = config
+        # FSDP over several dp units: they hold shards of one copy and train in lockstep rounds (order.py)
+        self.shards_over_units = config.fsdp and config.dp > 1
+        self.ordered = config.tp > 1 or self.shards_over_units
+        self.passes = config.epochs * config.mini_batches  # optimizer steps per batch
+
+    def _in_order(self, groups: Iterable) -> Iterable:
+        """Arrival order, or index order where this rank's peers must take the same groups (order.py)."""
+        return in_index_order(groups, first=self.env.unit_index, stride=self.units) if self.ordered else groups
+
+    def _work(self, groups: Iterable) -> Iterator[Work]:
+        return work_units(groups, micro_batches=self.models.micro_batches, mini_batch_of=self._mini_batch,
+                          mini_batches=self.cfg.mini_batches,
+                          lockstep=self.models.dp_group if self.shards_over_units else None)
+
+    def _mini_batch(self, index: int) -> int:
+        # groups i and i + dp land on different dp ranks; stepping over dp keeps mini-batches balanced
+        return (index // self.units) % self.cfg.mini_batches

@@ -1,0 +1,104 @@
+"""How a learner's model is laid out: its mesh, the copy its forwards run on, its parallel transforms,
+and a prompt group's micro-batches. The trainer's tri-model and the critic's value model both build
+from these, so a layout means the same on both.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from executors.base import ExecutorEnv
+from executors.hf import save_hf
+from executors.parallel import apply_ac, build_mesh, full_state_dict, parallelize
+from executors.training.config import LearnerConfig
+from executors.training.packing import auto_shared_prompt, make_micro_batches
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # the compute dtype; None: the weights' own
+
+
+def learner_mesh(env: ExecutorEnv, cfg: LearnerConfig) -> DeviceMesh | None:
+    """("dp", "tp") over the executor's own ranks; None: one process without torch.distributed."""
+    if not dist.is_initialized():
+        return None
+    return build_mesh(ranks=env.ranks, tp=cfg.tp, device_type=env.device.type, parent=env.group)
+
+
+def trainable_copy(master: nn.Module, cfg: LearnerConfig) -> nn.Module:
+    """The model the forwards and backwards run on: `master` itself, or under precision=bf16 without
+    FSDP its bf16 copy (FSDP2 casts the sharded master itself); each decoder layer checkpointed
+    with activation_checkpointing (forward-only copies made from it later are unaffected)."""
+    compute = PRECISIONS[cfg.precision]
+    model = copy.deepcopy(master).to(compute) if compute is not None and not cfg.fsdp else master
+    if cfg.activation_checkpointing:
+        apply_ac(model)
+    return model
+
+
+def lay_out(models: list[tuple[nn.Module | None, bool]], *, mesh: DeviceMesh | None, cfg: LearnerConfig) -> None:
+    """Tensor parallel and/or FSDP2 on each (model, forward_only), in place; the copies of one learner
+    share its layout, so one micro-batch feeds all of them on the same ranks."""
+    for model, forward_only in models:
+        if model is not None and (cfg.tp > 1 or cfg.fsdp):
+            parallelize(model, mesh=mesh, tp=cfg.tp > 1, fsdp=cfg.fsdp, forward_only=forward_only,
+                        param_dtype=PRECISIONS[cfg.precision])
+
+
+def shares_prompt(cfg: LearnerConfig, prompt_ids_P: torch.Tensor, responses: list[torch.Tensor]) -> bool:
+    mode = cfg.shared_prompt
+    return mode == "on" or (mode == "auto" and auto_shared_prompt(prompt_ids_P.numel(), [r.numel() for r in responses]))
+
+
+def micro_batches(cfg: LearnerConfig, prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, pad_id: int,
+                  device: torch.device) -> list:
+    """A group's micro-batches: fixed by the group alone (sample index order), never by arrival
+    (DESIGN.md determinism rule 2)."""
+    return make_micro_batches(prompt_ids_P, responses, mode=cfg.shared_prompt, token_budget=cfg.token_budget,
+                              micro_batch_size=cfg.micro_batch_size, pad_id=pad_id, device=device)
+
+
+class LearnerModels:
+    """What the trainer's and the critic's model holders share: a group's micro-batches, the
+    lockstep dummy, the dp group. Subclasses are dataclasses with `cfg`, `tokenizer`, `device`, `mesh`."""
+
+    cfg: LearnerConfig
+    mesh: DeviceMesh | None
+    device: torch.device
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.get_group("dp") if self.mesh is not None else None
+
+    def micro_batches(self, group) -> list:
+        return micro_batches(self.cfg, group.prompt_ids, group.responses, pad_id=self.tokenizer.pad_token_id,
+                             device=self.device)
+
+    @functools.cached_property
+    def dummy(self):
+        """A one-token micro-batch for lockstep padding: it runs every collective a real one does."""
+        pad = torch.tensor([self.tokenizer.pad_token_id])
+        return micro_batches(self.cfg, pad, [pad], pad_id=pad.item(), device=self.device)[0]
+
+
+@torch.no_grad()
+def frozen_logprobs(model: nn.Module | None, mbs: list, *, pad_to: int, dummy, temperature: float,
+                    chunk: int) -> list:
+    """A frozen model's (the reference's) log-probs per micro-batch, then forwards of lockstep dummies
+    up to `pad_to` micro-steps; [None] * len(mbs) without a model."""
+    if model is None:
+        return [None] * len(mbs)
+    refs = [mb.logprobs(model, temperature=temperature, chunk=chunk) for mb in mbs]
+    for _ in range(pad_to - len(mbs)):
+        dummy.logprobs(model, temperature=temperature, chunk=chunk)
+    return refs
+
+
+def save_full(model: nn.Module, tokenizer, path, *, leader: bool) -> None:
+    """The full model as an HF directory: every rank gathers its shards, the leader writes."""
+    state = full_state_dict(model, keep=leader)
+    if leader:
+        save_hf(model, tokenizer, path, state=state)

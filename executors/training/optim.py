@@ -1,0 +1,119 @@
+"""AdamW over a model trained on prompt groups: the lr schedule, order-independent gradient
+accumulators, shard-aware clipping, and the optimizer's checkpoint.
+
+Gradients of a step are summed in accumulators (float64 by default) as micro-batches come, and
+divided once, at the step, by the batch denominator (DESIGN.md "Normalisation that survives
+streaming"); a float64 sum of float32 terms cannot depend on their order (DESIGN.md "Determinism",
+rule 3). The trainer's barrier (executors/trainer/barrier.py) combines several accumulators first;
+the critic steps on one.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Hashable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from executors.parallel import clip_grad_norm_, copy_params_, local
+from executors.training.config import LearnerConfig, lr_factor
+
+
+class Gradients:
+    """Gradient buffers per loss pass (a name: the trainer's Pass, or one for the critic) over the
+    trainable parameters' local shards."""
+
+    def __init__(self, params: list[torch.Tensor], *, passes: tuple[Hashable, ...], dtype: torch.dtype | None):
+        self.params = params
+        self.by_pass = {name: [torch.zeros_like(local(p), dtype=dtype or p.dtype) for p in params] for name in passes}
+
+    @property
+    def passes(self) -> tuple[Hashable, ...]:
+        return tuple(self.by_pass)
+
+    def add_from_params_(self, name: Hashable) -> None:
+        """Move the parameters' .grad into pass `name`'s buffers (with FSDP: the dp sum of this shard)."""
+        for acc, p in zip(self.by_pass[name], self.params):
+            if p.grad is not None:
+                acc += local(p.grad)
+                p.grad = None
+
+    def all_reduce_(self, passes, *, group: dist.ProcessGroup) -> None:
+        for name in passes:
+            for acc in self.by_pass[name]:
+                dist.all_reduce(acc, group=group)
+
+    def zero_(self) -> None:
+        for accs in self.by_pass.values():
+            for acc in accs:
+                acc.zero_()
+
+
+class Optimizer:
+    """AdamW with warm-up / cosine schedule and shard-aware clipping over a model's parameters."""
+
+    def __init__(self, model: torch.nn.Module, *, cfg: LearnerConfig, total_steps: int, mesh, dp_group,
+                 passes: tuple[Hashable, ...], replicated_dp: bool, compute: torch.nn.Module | None = None):
+        """model: the weights the optimizer steps. compute: their lower-precision copy that the
+        forwards and backwards run on (its gradients are accumulated; it is refreshed after each
+        step); None: the model itself."""
+        self.model, self.compute = model, compute if compute is not model else None
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.cfg, self.mesh, self.dp_group = cfg, mesh, dp_group
+        self.replicated_dp = replicated_dp  # dp replicas hold full copies: their gradients need a sum
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                                     weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(
+            s, warmup=cfg.warmup_steps, schedule=cfg.lr_schedule, total=total_steps, floor=cfg.min_lr_ratio))
+        compute_params = [p for p in self.compute.parameters() if p.requires_grad] if self.compute else self.params
+        self.grads = Gradients(compute_params, passes=passes,
+                               dtype=torch.float64 if cfg.fp64_grad_accumulation else torch.float32)
+
+    def reduce_(self, passes) -> None:
+        """Sum the accumulators of `passes` over dp replicas (FSDP reduce-scattered each micro-step's already)."""
+        if self.replicated_dp and self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            self.grads.all_reduce_(passes, group=self.dp_group)
+
+    def apply(self, grads: list[torch.Tensor], *, denom: float) -> tuple[float, float]:
+        """Step on the summed gradients `grads` / denom: clip, AdamW, refresh the compute copy; zero
+        every accumulator. Returns (the gradient norm before clipping, the lr stepped with)."""
+        assert denom > 0, "optimizer step with an empty mini-batch"
+        for grad, p in zip(grads, self.params):
+            g = (grad / denom).to(p.dtype)
+            p.grad = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                        run_check=False) if isinstance(p, DTensor) else g
+        self.grads.zero_()
+        grad_norm = clip_grad_norm_(self.params, self.cfg.grad_clip, mesh=self.mesh)
+        lr = self.opt.param_groups[0]["lr"]
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.compute is not None:  # the bf16 weights of the next forwards, cast from the stepped master
+            copy_params_(self.compute, self.model)
+        return grad_norm, lr
+
+    def end_of_batch(self) -> None:
+        self.sched.step()
+
+    # ---- checkpoints: torch.distributed.checkpoint keys the optimizer state by parameter name and
+    # records each shard's place in the full tensor, so a run saved under one layout (dp, tp, FSDP)
+    # loads under another; the schedule is a few numbers, written by the leader as JSON.
+    def save(self, path: Path, *, group, leader: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.opt)}, checkpoint_id=path,
+                 process_group=group)
+        if leader:
+            (path / "schedule.json").write_text(json.dumps(self.sched.state_dict()))
+
+    def load(self, path: Path, *, group) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        # the template in this run's layout: dcp reads each shard's slice of the saved tensors into it
+        state = {"optimizer": get_optimizer_state_dict(self.model, self.opt)}
+        dcp.load(state, checkpoint_id=path, process_group=group)
+        set_optimizer_state_dict(self.model, self.opt, state["optimizer"])
+        self.sched.load_state_dict(json.loads((path / "schedule.json").read_text()))
