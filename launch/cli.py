@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == "0":
             print(f"error: {exc}", file=sys.stderr)
         return 2
-    from controller.world import world_size_of
+    from controller.world import placement, world_size_of
     from launch.selflaunch import launch_here, without_max_restarts
 
-    return launch_here(without_max_restarts(argv), nproc=world_size_of(graph), max_restarts=args.max_restarts or 0)
+    roles = {rank: name for name, units in placement(graph).items() for unit in units for rank in unit}
+    return launch_here(without_max_restarts(argv), nproc=world_size_of(graph), max_restarts=args.max_restarts or 0,
+                       roles=roles)

@@ -108,12 +108,27 @@ def check_writable(out: Path) -> None:
                          f"output dir {out} cannot be created: {existing} is not writable ({exc.strerror})") from None
 
 
+def _whole(path: Path) -> bool:
+    try:
+        open_checkpoint(path, hashes=False)
+        return True
+    except (ValueError, OSError):
+        return False
+
+
 def check_resume(out: Path, resume: str) -> None:
     """There is a checkpoint to continue from (sizes against its manifest; the ranks verify the hashes)."""
     if resume == "latest":
-        if not complete_checkpoints(out):
+        found = complete_checkpoints(out)
+        if not found:
             raise ValueError(f"--resume: {out} holds no complete checkpoint (checkpoints/step_*/manifest.json); "
                              f"start it again without --resume (add --overwrite)")
+        try:  # sizes here, in a second; the ranks verify the hashes
+            open_checkpoint(found[-1], hashes=False)
+        except ValueError as exc:  # the newest is damaged: never resumed from, but say which one is whole
+            whole = next((p for p in reversed(found[:-1]) if _whole(p)), None)
+            raise ValueError(f"--resume: {exc}" + (f"; the newest whole one before it is {whole}: pass --resume {whole}"
+                                                   if whole else "")) from None
         return
     path = Path(resume)
     if not path.is_dir():

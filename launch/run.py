@@ -57,6 +57,9 @@ def start(out: Path, *, cfg: RunConfig, resume: str | None) -> Start:
     """On rank 0, before any executor starts: pick the checkpoint to continue from (verified against
     its manifest) and make the output dir agree with it."""
     found = latest(out, hashes=True) if attempt() > 0 else None  # a restarted attempt continues its run
+    if attempt() > 0:  # torchrun restarted the ranks after a failure: say so, and from where
+        where = f"from checkpoint {found.path} (step {found.step + 1} on)" if found else "from step 0 (no checkpoint yet)"
+        print(f"tidal: restart {attempt()} after a failure: continuing {where}", file=sys.stderr, flush=True)
     if found is None and resume == "latest":
         found = latest(out, hashes=True)
         if found is None:

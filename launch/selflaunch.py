@@ -24,8 +24,9 @@ def under_launcher() -> bool:
     return "RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def launch_here(argv: list[str], *, nproc: int, max_restarts: int) -> int:
-    """Run `launch.py argv` on `nproc` local ranks; the exit code of the job (of its first failed rank)."""
+def launch_here(argv: list[str], *, nproc: int, max_restarts: int, roles: dict[int, str] | None = None) -> int:
+    """Run `launch.py argv` on `nproc` local ranks; the exit code of the job: a rank killed by a signal's
+    (128 + N), else its first failed rank's. roles: global rank -> executor name, for the message."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -42,9 +43,10 @@ def launch_here(argv: list[str], *, nproc: int, max_restarts: int) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        rank, failure = cause(exc)
         if failure.exitcode < 0:  # killed by a signal: the rank could not say so itself
-            print(f"tidal: rank {rank} was killed by {failure.signal_name()}", file=sys.stderr, flush=True)
+            role = f" ({roles[rank]})" if roles and rank in roles else ""
+            print(f"tidal: rank {rank}{role} was killed by {failure.signal_name()}", file=sys.stderr, flush=True)
             return 128 - failure.exitcode
         return failure.exitcode
     except SignalException as exc:  # the agent stopped the ranks (they got the signal too) before raising
@@ -52,6 +54,14 @@ def launch_here(argv: list[str], *, nproc: int, max_restarts: int) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the agent installed its handlers
         return 130
     return 0
+
+
+def cause(exc) -> tuple[int, object]:
+    """The failed rank that caused a ChildFailedError. A rank killed by a signal is the cause: its
+    peers only exit after it (their watchdog sees it die), but torch's first failure is the earliest
+    by a whole-second timestamp, which picked a peer's echo (exit 17) in 3 of 4 kills of the trainer."""
+    killed = sorted(rank for rank, failure in exc.failures.items() if failure.exitcode < 0)
+    return (killed[0], exc.failures[killed[0]]) if killed else exc.get_first_failure()
 
 
 def launcher_command(*, max_restarts: int) -> str:

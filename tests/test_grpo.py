@@ -156,7 +156,7 @@ def test_registry():
         ALGORITHMS.register("grpo", GRPO)
     with pytest.raises(ValueError) as e:
         get_algorithm("foo")
-    assert str(e.value) == "unknown algo 'foo'; known: dapo, dr_grpo, grpo, gspo, reinforce_pp, rloo"
+    assert str(e.value) == "unknown algo 'foo'; known: dapo, dr_grpo, grpo, gspo, ppo, reinforce_pp, rloo"
     reg = Registry("thing")
     reg.register("b", 2)
     reg.register("a", 1)

@@ -14,8 +14,8 @@ import pytest
 
 from executors.hf import load_model, load_tokenizer, save_hf
 from launch.cli import _run_of
-from launch.selflaunch import without_max_restarts
-from tests.e2e import ROOT, SMALL, metrics
+from launch.selflaunch import cause, without_max_restarts
+from tests.e2e import ROOT, SMALL, metrics, rank_pid, wait_for_steps
 
 WEIGHTS = "model.safetensors, model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json"
 # ~2 s on an idle machine (imports + the checks); the bound only catches a start-up or a hang
@@ -234,6 +234,35 @@ def test_self_launch_exits_143_on_sigterm(tmp_path):
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     _no_launcher_noise(stderr)
+
+
+def test_self_launch_names_a_killed_rank_and_exits_128_plus_the_signal(tmp_path):
+    proc = subprocess.Popen([sys.executable, "launch.py", "--algo", "grpo", "--steps", "500", "--output-dir",
+                             str(tmp_path), *SMALL], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=_env())
+    try:
+        wait_for_steps(tmp_path, 2, proc)
+        os.kill(rank_pid(proc.pid, 2), signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGKILL, stderr[-3000:]
+    assert "tidal: rank 2 (trainer) was killed by SIGKILL" in stderr, stderr[-3000:]
+    _no_launcher_noise(stderr)
+
+
+def test_the_rank_killed_by_a_signal_is_the_cause():
+    """torch's first failure is the earliest by a whole-second timestamp: a peer's echo (exit 17) of
+    the kill may come first; the killed rank is the cause."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    echo, killed = ProcessFailure(0, 101, 17, "/nonexistent"), ProcessFailure(2, 103, -9, "/nonexistent")
+    echo.timestamp, killed.timestamp = 100, 101
+    exc = ChildFailedError("launch.py", {0: echo, 2: killed})
+    assert exc.get_first_failure()[0] == 0 and cause(exc) == (2, killed)
+    only_echoes = ChildFailedError("launch.py", {1: ProcessFailure(1, 102, 17, "/nonexistent")})
+    assert cause(only_echoes)[0] == 1
 
 
 def test_reward_columns_checked_by_dry_run_and_mapping_fixes_it(tmp_path):

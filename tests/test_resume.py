@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e import launch, max_abs_diff, metrics, rank_pid, start, wait_for_steps, weights
+from tests.e2e import ROOT, SMALL, launch, max_abs_diff, metrics, rank_pid, start, wait_for_steps, weights
 
 SIGNAL = ["--set", "reward.functions=[tests.rewards:length_parity]", "--set", "trainer.adam_eps=1e-3",
           "--set", "checkpoint_every=2"]
@@ -86,6 +88,20 @@ def test_resume_refuses_a_damaged_checkpoint(whole, tmp_path):
     assert run.returncode != 0 and f"checkpoint {ckpt}: no manifest.json" in run.stderr
 
 
+def test_plain_resume_names_a_damaged_newest_checkpoint_and_the_whole_one_before_it(whole, tmp_path):
+    """`--resume` (the newest) finds the damage before any rank starts, and points at the previous checkpoint."""
+    run = tmp_path / "run"
+    shutil.copytree(whole["default"], run)
+    (run / "checkpoints/step_000003/model.safetensors").write_bytes(b"")
+    proc = subprocess.run([sys.executable, "launch.py", "--algo", "grpo", "--steps", "4", "--output-dir", str(run),
+                           *SMALL, *SIGNAL, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert (f"error: --resume: checkpoint {run / 'checkpoints/step_000003'}: file model.safetensors has 0 bytes"
+            in proc.stderr)
+    assert proc.stderr.endswith(f"; the newest whole one before it is {run / 'checkpoints/step_000001'}: pass "
+                                f"--resume {run / 'checkpoints/step_000001'}\n")
+
+
 def test_sigterm_saves_and_resume_completes_equal(tmp_path):
     proc = start(tmp_path / "run", *SIGNAL, steps=200)
     wait_for_steps(tmp_path / "run", 2, proc)
@@ -117,6 +133,8 @@ def test_killed_trainer_restarts_and_finishes_equal(tmp_path):
     os.kill(rank_pid(proc.pid, 2), signal.SIGKILL)
     _, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-3000:]
+    # the restart says so, and from which checkpoint (every attempt writes one every 2 steps)
+    assert f"tidal: restart 1 after a failure: continuing from checkpoint {tmp_path / 'run/checkpoints/step_'}" in err
     whole = launch(tmp_path / "whole", *SIGNAL, steps=steps, timeout=400)
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path / "run")] == list(range(steps))

@@ -56,7 +56,9 @@ def _load_jsonl(path: Path, columns: Columns) -> list[PromptRow]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: invalid JSON: {e}") from e
+                # the line is parsed with its newline: an error past its text is "line 2" to json
+                where = f"column {e.colno}" if e.lineno == 1 else "at the end of the line"
+                raise ValueError(f"{path}:{line_no}: invalid JSON: {e.msg}, {where}") from e
             rows.append(_row(obj, where=f"{path}:{line_no}", columns=columns))
     return rows
 
