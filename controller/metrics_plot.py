@@ -40,6 +40,7 @@ def plot_metrics(rows: list[dict], path: Path) -> bool:
 
     cols = 2
     nrows = math.ceil(len(panels) / cols)
+    steps = (rows[0]["step"], rows[-1]["step"])  # every panel spans the run, evaluation-only ones too
     fig, axes = plt.subplots(nrows, cols, figsize=(11, 2.8 * nrows), squeeze=False)
     for ax, (title, keys) in zip(axes.flat, panels.items()):
         for key in keys:
@@ -50,6 +51,7 @@ def plot_metrics(rows: list[dict], path: Path) -> bool:
                 ax.plot([r["step"] for r in rows], [r[key] if r.get(key) is not None else math.nan for r in rows],
                         marker=".", markersize=3, label=key)
         ax.set_title(title, fontsize=10)
+        ax.set_xlim(steps[0] - 0.5, steps[1] + 0.5)
         ax.set_xlabel("step", fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)

@@ -64,9 +64,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reference_step(family: str):
+def reference_step(family: str, *, tie: bool = True):
     """The single-rank model, its log-probs, and its weights after one clipped AdamW step."""
-    model, mb = tiny(family), batch()
+    model, mb = tiny(family, tie=tie), batch()
     with torch.no_grad():
         logp = response_logprobs(model, mb, temperature=1.0)
     loss_of(model, mb, len(mb.samples)).backward()
@@ -75,11 +75,12 @@ def reference_step(family: str):
     return logp, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def check_layout(family: str, *, mesh, tp: bool, fsdp: bool, ac: bool = False) -> dict:
+def check_layout(family: str, *, mesh, tp: bool, fsdp: bool, ac: bool = False, tie: bool = True) -> dict:
     """Max |diff| of log-probs and of weights after one step, against the single-rank model
-    (ac: with activation checkpointing, which the reference does not use)."""
-    ref_logp, ref_after = reference_step(family)
-    model = tiny(family)
+    (ac: with activation checkpointing, which the reference does not use); whether every gradient
+    has its parameter's placements (the trainer's accumulators rely on it)."""
+    ref_logp, ref_after = reference_step(family, tie=tie)
+    model = tiny(family, tie=tie)
     model, mb = parallelize(apply_ac(model) if ac else model, mesh=mesh, tp=tp, fsdp=fsdp), batch()
     dp, d = mesh["dp"].size(), mesh["dp"].get_local_rank()
     with torch.no_grad():
@@ -88,6 +89,7 @@ def check_layout(family: str, *, mesh, tp: bool, fsdp: bool, ac: bool = False) -
     rows = slice(d * len(mb.samples) // dp, (d + 1) * len(mb.samples) // dp)
     loss_of(model, sub(mb, rows), len(mb.samples), chunk=CHUNK).backward()
     params = list(model.parameters())
+    grads_placed = all(p.grad.placements == p.placements for p in params if isinstance(p, DTensor))
     if not fsdp and dp > 1:  # plain replication: sum the gradients over dp
         for p in params:
             dist.all_reduce(local(p.grad), group=mesh.get_group("dp"))
@@ -95,7 +97,8 @@ def check_layout(family: str, *, mesh, tp: bool, fsdp: bool, ac: bool = False) -
     torch.optim.AdamW(params, **ADAM).step()
     step_err = max((full(p.detach()) - ref_after[n]).abs().max().item() for n, p in model.named_parameters())
     dtensors = all(isinstance(p, DTensor) for p in params)
-    return {"logp": logp_err, "step": step_err, "all_dtensor": dtensors or not (tp or fsdp)}
+    return {"logp": logp_err, "step": step_err, "all_dtensor": dtensors or not (tp or fsdp),
+            "grads_placed": grads_placed}
 
 
 def drift_after_steps(*, mesh, fix: bool, steps: int = 5) -> float:
@@ -152,6 +155,8 @@ def _ranks_main():
         mesh = build_mesh(ranks=pair, tp=2)
         for family in ("qwen3", "qwen2", "llama"):
             out[f"tp2/{family}"] = check_layout(family, mesh=mesh, tp=True, fsdp=False)
+        # an untied embedding (Llama-2/3, Qwen3-8B; and every value model) gets its gradient unsharded
+        out["tp2/llama-untied"] = check_layout("llama", mesh=mesh, tp=True, fsdp=False, tie=False)
         model = parallelize(tiny("qwen3"), mesh=mesh, tp=True, fsdp=False)
         specs = param_specs(model)
         out["specs_match_placements"] = all(
@@ -182,7 +187,7 @@ def results():
     return spawn(_ranks_main, 4, timeout_s=180)
 
 
-@pytest.mark.parametrize("layout", ["tp2/qwen3", "tp2/qwen2", "tp2/llama", "fsdp2/qwen3", "fsdp2/llama",
+@pytest.mark.parametrize("layout", ["tp2/qwen3", "tp2/qwen2", "tp2/llama", "tp2/llama-untied", "fsdp2/qwen3", "fsdp2/llama",
                                     "dp2xtp2/qwen3", "fsdp2xtp2/qwen3", "tp2+ac/qwen3", "fsdp2+ac/qwen3"])
 def test_layout_matches_single_rank(results, layout):
     for out in results:
@@ -190,6 +195,7 @@ def test_layout_matches_single_rank(results, layout):
             got = out[layout]
             assert got["logp"] < TOL and got["step"] < TOL, (layout, got)
             assert got["all_dtensor"], layout  # one kind of parameter for optimizers and clipping
+            assert got["grads_placed"], layout
 
 
 def test_param_specs_agree_with_placements_and_unsharded_model(results):

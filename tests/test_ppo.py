@@ -24,6 +24,7 @@ CASES = {  # name: (options, ranks)
     "periodic": (["--schedule", "periodic"], 4),
     "sync": (["--schedule", "sync"], 4),
     "critic_dp2": (["--set", "critic.dp=2"], 5),
+    "critic_tp2": (["--set", "critic.tp=2"], 5),
     "mini_batches": (["--set", "critic.mini_batches=2", "--set", "critic.epochs=2", "--set", "critic.dp=2"], 5),
     "fsdp_mini_batches": (["--set", "critic.mini_batches=2", "--set", "critic.epochs=2", "--set", "critic.dp=2",
                            "--set", "critic.fsdp=true"], 5),
@@ -71,8 +72,11 @@ def test_sync_equals_periodic_bit_for_bit_policy_and_critic(runs):
     assert _bytes(a, "final") == _bytes(b, "final") and _bytes(a, "final/critic") == _bytes(b, "final/critic")
 
 
-def test_critic_dp2_equals_dp1(runs):
-    one, two = runs["periodic"], runs["critic_dp2"]
+@pytest.mark.parametrize("layout", ["critic_dp2", "critic_tp2"])
+def test_critic_layouts_equal_one_rank(runs, layout):
+    """dp: replicas summing gradients; tp: the trainer's plan, with the value head replicated and an
+    untied embedding whose gradient must be resharded (executors/parallel/tp.py)."""
+    one, two = runs["periodic"], runs[layout]
     assert [r["rollout_digest"] for r in metrics(one)][:2] == [r["rollout_digest"] for r in metrics(two)][:2]
     start = weights(one / "checkpoints/step_000001/critic")
     assert max_abs_diff(weights(one / "final/critic"), start) > 2e-4  # 20x the bound below: it can fail

@@ -22,7 +22,7 @@ class GeneratorMetrics:
     gen_end_t: float
     prompts_generated: int  # B, plus the top-ups of dynamic sampling
     sampling_rounds: int
-    eval_gen_s: float = 0.0  # generating the held-out prompts' responses (evaluation steps only)
+    eval_gen_s: float | None = None  # generating the held-out prompts' responses (evaluation steps only)
 
 
 EVAL_SEED = 0x5EED_E7A1
@@ -153,7 +153,7 @@ class Generator(Executor):
                                      f"step {ctx.step} have reward variance; the batch cannot be filled")
                 indices = list(range(next_index, next_index + B - kept))
                 next_index += B - kept
-        gen_s, gen_end_t, eval_s = time.perf_counter() - t0, time.time(), 0.0
+        gen_s, gen_end_t, eval_s = time.perf_counter() - t0, time.time(), None
         if self.eval_cfg and ctx.step % self.eval_cfg.every == 0:
             # the step's rollouts are complete: end their stream first, so the reward and the trainer
             # finish the step while the held-out prompts are sampled with the same weights

@@ -53,21 +53,16 @@ class HeadShardedNorm(SequenceParallel):
     Input [B, L, heads_local, head_dim] is marked sharded on the head dim. Each tp rank sees only
     its heads, so its weight gradient is a partial sum (DTensor Partial). Left alone, the optimizer
     would step each replica with its own partial gradient and the replicas would drift apart; the
-    hook below all-reduces the gradient to the parameter's Replicate placement as it is produced.
-    (FSDP2 does the same redistribution itself, but plain tp / replicated dp would not.)
+    hook `apply_tp` puts on every parameter all-reduces the gradient to the parameter's Replicate
+    placement as it is produced. (FSDP2 does the same redistribution itself, but plain tp /
+    replicated dp would not.)
     """
 
     def __init__(self):
         super().__init__(sequence_dim=2, use_local_output=True)
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module = super()._apply(module, device_mesh)
-        for p in module.parameters():
-            p.register_hook(_make_replicate_grad(p.placements))
-        return module
 
-
-def _make_replicate_grad(placements):
+def _grad_like_param(placements):
     def hook(grad: DTensor) -> DTensor:
         return grad if grad.placements == placements else grad.redistribute(placements=placements)
     return hook
@@ -138,6 +133,14 @@ def apply_tp(model: nn.Module, *, mesh: DeviceMesh, plan: dict[str, ParallelStyl
     parallelize_module(model, mesh, plan if plan is not None else tp_plan(model))
     if tied:  # each style distributed its own copy of the shared weight; both are Shard(0)
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    # A gradient must have its parameter's placements, or the optimizer and the accumulators see
+    # another shape. Two do not by themselves: HeadShardedNorm's (Partial, above) and an untied
+    # embedding's (Replicate: the embedding backward of a vocab-sharded weight gives the full-vocab
+    # gradient on every tp rank; a tied lm_head's Shard(0) gradient hid it). Redistributing a
+    # matching gradient is a no-op.
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            p.register_hook(_grad_like_param(p.placements))
     return model
 
 
