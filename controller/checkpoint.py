@@ -28,7 +28,7 @@ _STEP_DIR = re.compile(r"step_(\d{6,})$")
 RESUMABLE_CHANGES = ("steps", "output_dir", "timeout_s", "checkpoint_every", "checkpoint_minutes",
                      "checkpoint_keep", "trainer.dp", "trainer.tp", "trainer.fsdp", "critic.dp", "critic.tp", "critic.fsdp", "generator.replicas",
                      "generator.tp", "generator.engine", "generator.vllm", "generator.max_batch_prompts",
-                     "reward.replicas", "reward.timeout_s")
+                     "generator.admission", "reward.replicas", "reward.timeout_s")
 
 
 def step_dir(run_dir: Path, step: int) -> Path:

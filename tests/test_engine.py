@@ -230,3 +230,67 @@ def test_sampling_uses_no_float64():
         assert torch.equal(gumbel_noise(seeds_R[r:r + 1], 2, 1000)[0], g_RV[r])
     many = gumbel_noise(torch.arange(200) * 7919 + 1, 0, 5000).double()  # 1M draws
     assert abs(many.mean().item() - 0.5772) < 0.005 and abs(many.var().item() - 3.1416**2 / 6) < 0.01
+
+
+
+@pytest.fixture(scope="module")
+def ending(tok):
+    """An engine factory over a model that ends each sample at a random length: its EOS logit is
+    raised to about 0.2 probability per token (the random model's others are near uniform), so
+    groups finish at different times."""
+    model = load_model(None, seed=1)
+    bias_V = torch.zeros(model.config.vocab_size)
+    bias_V[tok.eos_token_id] = 5.0
+    model.lm_head.register_forward_hook(lambda mod, args, out: out + bias_V)
+    return lambda **kw: NativeEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw)
+
+
+ENDING = SamplingParams(n=2, max_new_tokens=12, seed=4)
+
+
+def test_continuous_admission_keeps_every_sample(ending, requests):
+    """Prompts entering a running batch (left-padded to its length, the cache trimmed as groups
+    leave) get the samples they get alone, in any admission order."""
+    def run(reqs, **kw):
+        return {g.index: g for g in ending(**kw).generate(reqs, ENDING, step=2)}
+
+    alone = run(requests, max_batch_prompts=1)
+    lengths = {max(len(r) for r in g.response_ids) for g in alone.values()}
+    assert len(lengths) >= 5, lengths  # groups do finish at different times
+    for got in (run(requests, max_batch_prompts=3, admission="continuous"),
+                run(requests[::-1], max_batch_prompts=5, admission="continuous"),
+                run(requests, max_batch_prompts=3, admission="chunked")):
+        assert _same(alone, got)
+        for i in alone:
+            for a, b in zip(alone[i].logprobs, got[i].logprobs):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def _finish_order(durations: dict[int, int], slots: int, *, continuous: bool) -> list[int]:
+    """The engine's yield order by hand: a group admitted before decode call s that needs d tokens
+    leaves after call s + d - 1; ties leave in admission order."""
+    waiting, live, out, s = list(durations), [], [], 0
+    while waiting or live:
+        if waiting and (continuous or not live):
+            while waiting and len(live) < slots:
+                live.append((waiting.pop(0), s))
+        left = [i for i, start in live if start + durations[i] - 1 == s]
+        out += left
+        live = [(i, start) for i, start in live if i not in left]
+        s += 1
+    return out
+
+
+def test_groups_leave_as_they_finish_and_slots_refill(ending, requests):
+    order = [g.index for g in ending(max_batch_prompts=3, admission="continuous").generate(requests, ENDING, step=2)]
+    chunked = [g for g in ending(max_batch_prompts=3, admission="chunked").generate(requests, ENDING, step=2)]
+    durations = {r.index: max(len(x) for x in g.response_ids) for r in requests for g in chunked if g.index == r.index}
+    assert order == _finish_order(durations, 3, continuous=True)
+    assert [g.index for g in chunked] == _finish_order(durations, 3, continuous=False) != order
+    # a group overtakes a slower one that started ahead of it, beyond what a chunk allows
+    assert any(order.index(b) < order.index(a) for a in range(12) for b in range(12) if b // 3 > a // 3)
+
+
+def test_admission_is_checked():
+    with pytest.raises(ValueError, match="admission must be one of"):
+        NativeEngine(torch.nn.Linear(1, 1), eos_token_id=0, pad_token_id=0, admission="eager")

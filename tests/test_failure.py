@@ -80,3 +80,42 @@ def test_a_receive_past_the_timeout_names_who_waits_on_whom():
     with pytest.raises(TimeoutError, match=r"rank 2 \(trainer\) waited 1 s on channel 'scored' \(step 3\) for "
                                            r"reward rank\(s\) \[1\], which did not finish sending"):
         rx.receive_all()
+
+
+def test_a_spurious_empty_queue_is_waited_out_within_the_deadline():
+    """torch 2.13's TCPStore can answer a blocking queue_pop with QueueEmptyError before the deadline
+    (seen once in CI). The receiver waits again; past the deadline it names who waits on whom."""
+    import json
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from channels.channel import Channel, Receiver, Route, _queue_key
+    from channels.kinds import Kind
+    from channels.payloads import ScoredGroup
+
+    class Spurious:  # the real store, with the race's answer on the first `empties` pops
+        def __init__(self, store, empties):
+            self.store, self.empties, self.timeout = store, empties, store.timeout
+
+        def queue_pop(self, key, block):
+            if self.empties:
+                self.empties -= 1
+                raise dist.QueueEmptyError("queue is empty")
+            return self.store.queue_pop(key, block)
+
+    store = dist.PrefixStore("tidal", dist.TCPStore("127.0.0.1", free_port(), is_master=True,
+                                                     timeout=timedelta(seconds=1)))
+    channel = Channel("scored", "reward", "trainer", Kind.SCATTER, ScoredGroup)
+    route = Route(channel_id=2, src_units=((1,),), dst_units=((2,),))
+    for empties, step in ((3, 4), (10**9, 5)):
+        rx = Receiver(channel=channel, route=route, store=Spurious(store, empties), rank=2, device=torch.device("cpu"))
+        rx.open_step(step)
+        store.queue_push(_queue_key(route, 2, step), json.dumps({"src": 1, "end": True}))
+        if step == 4:
+            assert rx.receive_all() == []  # the end of the step got through
+        else:
+            with pytest.raises(TimeoutError, match=r"rank 2 \(trainer\) waited 1 s on channel 'scored' \(step 5\) "
+                                                   r"for reward rank\(s\) \[1\].*\(QueueEmptyError\)"):
+                rx.receive_all()

@@ -9,12 +9,18 @@ generator executor can swap engines. Two properties matter more than speed here:
   how prompts are split over generator ranks. Integer hashing is exact on every device.
 * Streaming: a prompt group is yielded as soon as its G samples are finished.
 
-Layout: prompts are taken `max_batch_prompts` at a time, left-padded, prefilled once, and their KV
-cache is repeated G times. Finished samples stay in the batch (fed pad tokens) until their whole
-group is done; then the group's rows are dropped from the batch and cache.
+Layout: up to `max_batch_prompts` groups decode together. A prompt is prefilled once and its KV
+cache repeated G times. Finished samples stay in the batch (fed pad tokens) until their whole group
+is done; then the group's rows leave the batch and cache. Admission: `chunked` (the default) starts
+the next max_batch_prompts prompts when the whole batch is done; `continuous` gives a freed slot to
+the next prompt at once, left-padded into the running cache. Continuous keeps the batch full (fewer,
+fuller forwards: what a device whose decode step costs the same for 8 rows as for 64 wants), but on
+CPU a forward's cost follows its rows, and the padding makes attention longer: measured 6-9% slower
+there (bench/admission.py), with the same samples.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
@@ -81,15 +87,17 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def gumbel_noise(seeds_R: torch.Tensor, t: int, vocab: int) -> torch.Tensor:
-    """float32 Gumbel(0, 1) noise [R, vocab]: a pure function of (each row's seed, t, token id).
+def gumbel_noise(seeds_R: torch.Tensor, t: int | torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 Gumbel(0, 1) noise [R, vocab]: a pure function of (each row's seed, t, token id); t is
+    the token's position in the response, one for all rows or one per row.
 
     The hash is integer arithmetic, exact on every device; only the two logs after it are float32
     (no float64 anywhere: Ascend kernels often lack it, and [R, V] float64 per token was the
     sampler's largest tensor). 23 hash bits make u: (k + 0.5) / 2^23 is exact in float32 and lies
     strictly inside (0, 1), so the noise is finite, in [-2.81, 16.6]."""
     lo_R, hi_R = seeds_R & _MASK32, seeds_R >> 32
-    step_R = _fmix32(_fmix32(lo_R ^ _fmix32(torch.full_like(lo_R, t))) ^ hi_R)
+    t_R = t.to(lo_R) if isinstance(t, torch.Tensor) else torch.full_like(lo_R, t)
+    step_R = _fmix32(_fmix32(lo_R ^ _fmix32(t_R)) ^ hi_R)
     tok_V = _fmix32(_mul32(torch.arange(vocab, device=seeds_R.device), 0x9E3779B9))
     h_RV = _fmix32(_fmix32(step_R[:, None] ^ tok_V) ^ hi_R[:, None])
     u_RV = ((h_RV >> 9).float() + 0.5) / 2.0**23
@@ -110,7 +118,7 @@ def _top_k_mask(z_RV: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def sample_tokens(
-    logits_RV: torch.Tensor, *, seeds_R: torch.Tensor, t: int, temperature: float, top_p: float, top_k: int = 0
+    logits_RV: torch.Tensor, *, seeds_R: torch.Tensor, t: int | torch.Tensor, temperature: float, top_p: float, top_k: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids [R] and their float32 sampling log-probs [R] (before top-p / top-k renormalisation,
     which is what the trainer computes)."""
@@ -128,15 +136,21 @@ def sample_tokens(
     return tok_R, logp_RV.gather(-1, tok_R[:, None])[:, 0]
 
 
+ADMISSIONS = ("continuous", "chunked")
+
+
 class NativeEngine:
-    def __init__(self, model: transformers.PreTrainedModel, *, eos_token_id: int, pad_token_id: int, max_batch_prompts: int = 16):
+    def __init__(self, model: transformers.PreTrainedModel, *, eos_token_id: int, pad_token_id: int,
+                 max_batch_prompts: int = 16, admission: str = "chunked"):
         if max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts must be >= 1, got {max_batch_prompts}")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
         self.model = model.eval()
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.max_batch_prompts = max_batch_prompts
-        # remove_duplicate=False: a tied lm_head.weight is accepted under either of its names.
+        self.admission = admission
 
     @property
     def device(self) -> torch.device:
@@ -161,108 +175,131 @@ class NativeEngine:
         return self._stream(indices, prompts, params, step)  # validated now, not at the first next()
 
     def _stream(self, indices, prompts, params, step) -> Iterator[GroupCompletion]:
-        for start in range(0, len(prompts), self.max_batch_prompts):
-            end = start + self.max_batch_prompts
-            chunk = _Chunk(self, indices[start:end], prompts[start:end], params, step)
-            while not chunk.exhausted:
-                # Yield outside inference_mode: the caller (a trainer in the same thread) runs
-                # between yields and must not inherit it; the yielded tensors are plain clones.
-                yield from chunk.advance()
+        waiting = collections.deque(zip(indices, prompts))
+        batch = _Batch(self, params, step)
+        while waiting or batch.groups:
+            free = self.max_batch_prompts - len(batch.groups)
+            # continuous: a finished group's slot takes the next prompt at once; chunked: the next
+            # max_batch_prompts prompts start when the whole batch is done
+            if waiting and free and (self.admission == "continuous" or not batch.groups):
+                batch.admit([waiting.popleft() for _ in range(min(free, len(waiting)))])
+            # Yield outside inference_mode: the caller (a trainer in the same thread) runs between
+            # yields and must not inherit it; the yielded tensors are plain clones.
+            yield from batch.advance()
 
 
-class _Chunk:
-    """Decoding state of up to max_batch_prompts prompts x G samples.
+class _Batch:
+    """The decode batch: G rows per live group, groups in admission order (batch row b is sample
+    b % G of group b // G); everything a row has written lives in the batch too, so one step is the
+    same few tensor ops for any number of groups. Every row's newest token sits in the last cache
+    column; rows admitted later are left-padded (mask 0) to the batch's length, and columns no live
+    row attends to are dropped as groups leave."""
 
-    Results live in chunk-row space R = C*G (row c*G + j is sample j of prompt c); the model's
-    batch (cache, logits, masks, seeds) lives in live-row space B and shrinks as groups finish.
-    """
-
-    def __init__(self, engine: NativeEngine, indices: list[int], prompts: list[torch.Tensor],
-                 params: SamplingParams, step: int):
-        self.engine, self.params, self.indices, self.prompts = engine, params, indices, prompts
-        C, G, T = len(prompts), params.n, params.max_new_tokens
-        self.tokens_RT = torch.full((C * G, T), engine.pad_token_id, dtype=torch.long)
-        self.logp_RT = torch.zeros(C * G, T)
-        self.len_R = torch.zeros(C * G, dtype=torch.long)
-        self.eos_R = torch.zeros(C * G, dtype=torch.bool)
-        self.done_R = torch.zeros(C * G, dtype=torch.bool)
-        self.yielded_C = torch.zeros(C, dtype=torch.bool)
-        self.rows_B = torch.arange(C * G)
-        self.seeds_B = torch.tensor(
-            [sample_seed(run_seed=params.seed, step=step, prompt_index=i, sample_index=j)
-             for i in indices for j in range(G)], device=engine.device)
-        self.t = 0
-        self._prefill()
-
-    @property
-    def exhausted(self) -> bool:
-        return bool(self.yielded_C.all())
-
-    def advance(self) -> Iterator[GroupCompletion]:
-        """Decode one token for every live sample, then hand out the groups that just finished."""
-        for c in self._decode_one():
-            rows = range(c * self.params.n, (c + 1) * self.params.n)
-            yield GroupCompletion(
-                index=self.indices[c],
-                prompt_ids_P=self.prompts[c].clone(),
-                response_ids=[self.tokens_RT[r, : self.len_R[r]].clone() for r in rows],
-                logprobs=[self.logp_RT[r, : self.len_R[r]].clone() for r in rows],
-                finished_G=self.eos_R[rows.start : rows.stop].clone(),
-            )
+    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int):
+        self.engine, self.params, self.step = engine, params, step
+        self.groups: list[tuple[int, torch.Tensor]] = []  # (prompt index, prompt ids) per live group
+        self.cache = None
 
     @torch.inference_mode()
-    def _prefill(self) -> None:
-        G, dev, model, pad = self.params.n, self.engine.device, self.engine.model, self.engine.pad_token_id
-        P = max(len(p) for p in self.prompts)
-        ids_CP = torch.full((len(self.prompts), P), pad, dtype=torch.long)
-        mask_CP = torch.zeros(len(self.prompts), P, dtype=torch.long)
-        for c, p in enumerate(self.prompts):  # left padding: every prompt ends at column P-1
+    def admit(self, prompts: list[tuple[int, torch.Tensor]]) -> None:
+        """Prefill the new prompts together, once each, and give each of its G samples a copy of its
+        cache rows; they join the batch with their first logits."""
+        from transformers import DynamicCache
+
+        G, T, dev, eng = self.params.n, self.params.max_new_tokens, self.engine.device, self.engine
+        P = max(len(p) for _, p in prompts)
+        ids_CP = torch.full((len(prompts), P), eng.pad_token_id, dtype=torch.long)
+        mask_CP = torch.zeros(len(prompts), P, dtype=torch.long)
+        for c, (_, p) in enumerate(prompts):  # left padding: every prompt ends at column P-1
             ids_CP[c, P - len(p):] = p
             mask_CP[c, P - len(p):] = 1
         pos_CP = (mask_CP.cumsum(-1) - 1).clamp(min=0)
-        from transformers import DynamicCache
+        cache = DynamicCache(config=eng.model.config)
+        out = eng.model(input_ids=ids_CP.to(dev), attention_mask=mask_CP.to(dev), position_ids=pos_CP.to(dev),
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.batch_repeat_interleave(G)
+        R = len(prompts) * G
+        rows = dict(
+            logits_BV=out.logits[:, -1].float().repeat_interleave(G, dim=0),
+            pos_B=torch.tensor([len(p) for _, p in prompts], device=dev).repeat_interleave(G),
+            seeds_B=torch.tensor([sample_seed(run_seed=self.params.seed, step=self.step, prompt_index=i, sample_index=j)
+                                  for i, _ in prompts for j in range(G)], device=dev),
+            t_B=torch.zeros(R, dtype=torch.long), len_B=torch.zeros(R, dtype=torch.long),
+            eos_B=torch.zeros(R, dtype=torch.bool), tokens_BT=torch.full((R, T), eng.pad_token_id, dtype=torch.long),
+            logp_BT=torch.zeros(R, T))
+        mask_BS = mask_CP.to(dev).repeat_interleave(G, dim=0)
+        if not self.groups:
+            self.cache, self.mask_BS = cache, mask_BS
+            self.__dict__.update(rows)
+        else:
+            S = max(self.mask_BS.shape[1], mask_BS.shape[1])
+            for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+                mine.keys = torch.cat([_left_pad(mine.keys, S, dim=2), _left_pad(theirs.keys, S, dim=2)])
+                mine.values = torch.cat([_left_pad(mine.values, S, dim=2), _left_pad(theirs.values, S, dim=2)])
+            self.mask_BS = torch.cat([_left_pad(self.mask_BS, S, dim=1), _left_pad(mask_BS, S, dim=1)])
+            for name, x in rows.items():
+                setattr(self, name, torch.cat([getattr(self, name), x]))
+        self.groups += prompts
 
-        self.cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids_CP.to(dev), attention_mask=mask_CP.to(dev), position_ids=pos_CP.to(dev),
-                    past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        # Prefill once per prompt, then give each of its G samples a copy of its cache rows.
-        self.cache.batch_repeat_interleave(G)
-        self.logits_BV = out.logits[:, -1].float().repeat_interleave(G, dim=0)
-        self.mask_BS = mask_CP.to(dev).repeat_interleave(G, dim=0)
-        self.pos_B = torch.tensor([len(p) for p in self.prompts], device=dev).repeat_interleave(G)
+    def advance(self) -> Iterator[GroupCompletion]:
+        """Decode one token for every live sample, then hand out the groups that just finished
+        (cloned here, outside inference mode: plain tensors for the consumer)."""
+        for index, prompt_P, tokens_GT, logp_GT, len_G, eos_G in self._decode_one():
+            yield GroupCompletion(index=index, prompt_ids_P=prompt_P.clone(),
+                                  response_ids=[tokens_GT[j, :n].clone() for j, n in enumerate(len_G.tolist())],
+                                  logprobs=[logp_GT[j, :n].clone() for j, n in enumerate(len_G.tolist())],
+                                  finished_G=eos_G.clone())
 
     @torch.inference_mode()
-    def _decode_one(self) -> list[int]:
-        """Sample token t of every live row and feed it; return the chunk positions of finished groups."""
-        p, eng, t = self.params, self.engine, self.t
-        tok_B, logp_B = sample_tokens(self.logits_BV, seeds_R=self.seeds_B, t=t,
+    def _decode_one(self) -> list[tuple]:
+        """Sample the next token of every row and feed it; return the groups that finished."""
+        p, eng, G = self.params, self.engine, self.params.n
+        tok_B, logp_B = sample_tokens(self.logits_BV, seeds_R=self.seeds_B, t=self.t_B.to(self.seeds_B.device),
                                       temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
         tok_B, logp_B = tok_B.cpu(), logp_B.cpu()
-        writing_B = ~self.done_R[self.rows_B]  # rows already past EOS keep their pad filler
-        rows = self.rows_B[writing_B]
-        self.tokens_RT[rows, t] = tok_B[writing_B]
-        self.logp_RT[rows, t] = logp_B[writing_B]
-        self.len_R[rows] += 1
-        hit = rows[tok_B[writing_B] == eng.eos_token_id]
-        self.eos_R[hit] = True
-        self.done_R[hit] = True
-        self.t += 1
-        if self.t == p.max_new_tokens:
-            self.done_R[:] = True
-        newly_C = self.done_R.view(-1, p.n).all(dim=1) & ~self.yielded_C
-        self.yielded_C |= newly_C
-        keep_B = ~self.yielded_C[self.rows_B // p.n]
-        if keep_B.any():
-            if not keep_B.all():  # drop the rows of yielded groups from the batch and the cache
-                keep = keep_B.nonzero()[:, 0]
-                self.cache.batch_select_indices(keep.to(eng.device))
-                self.rows_B, tok_B = self.rows_B[keep], tok_B[keep]
-                keep = keep.to(eng.device)
-                self.seeds_B, self.mask_BS, self.pos_B = self.seeds_B[keep], self.mask_BS[keep], self.pos_B[keep]
-            feed_B = torch.where(self.done_R[self.rows_B], eng.pad_token_id, tok_B).to(eng.device)
-            self.mask_BS = torch.cat([self.mask_BS, torch.ones_like(self.mask_BS[:, :1])], dim=1)
-            out = eng.model(input_ids=feed_B[:, None], attention_mask=self.mask_BS,
-                            position_ids=self.pos_B[:, None], past_key_values=self.cache, use_cache=True)
-            self.logits_BV = out.logits[:, -1].float()
-            self.pos_B = self.pos_B + 1
-        return newly_C.nonzero()[:, 0].tolist()
+        rows = (~self.eos_B).nonzero()[:, 0]  # a sample past its EOS keeps its pad filler
+        self.tokens_BT[rows, self.t_B[rows]] = tok_B[rows]
+        self.logp_BT[rows, self.t_B[rows]] = logp_B[rows]
+        self.len_B[rows] += 1
+        self.eos_B[rows] |= tok_B[rows] == eng.eos_token_id
+        self.t_B += 1
+        done_B = self.eos_B | (self.t_B == p.max_new_tokens)
+        done_K = done_B.view(-1, G).all(dim=1)
+        finished = [(*self.groups[k], self.tokens_BT[k * G:(k + 1) * G], self.logp_BT[k * G:(k + 1) * G],
+                     self.len_B[k * G:(k + 1) * G], self.eos_B[k * G:(k + 1) * G]) for k in done_K.nonzero()[:, 0].tolist()]
+        if finished:  # drop the finished groups' rows from the batch and the cache
+            self.groups = [g for g, done in zip(self.groups, done_K.tolist()) if not done]
+            if not self.groups:
+                self.cache = None
+                return finished
+            keep = (~done_K).repeat_interleave(G).nonzero()[:, 0]
+            for name in ("t_B", "len_B", "eos_B", "tokens_BT", "logp_BT"):
+                setattr(self, name, getattr(self, name)[keep])
+            tok_B, done_B, keep = tok_B[keep], done_B[keep], keep.to(eng.device)
+            self.cache.batch_select_indices(keep)
+            self.seeds_B, self.mask_BS, self.pos_B = self.seeds_B[keep], self.mask_BS[keep], self.pos_B[keep]
+            self._trim()
+        feed_B = torch.where(done_B, eng.pad_token_id, tok_B).to(eng.device)
+        self.mask_BS = torch.cat([self.mask_BS, torch.ones_like(self.mask_BS[:, :1])], dim=1)
+        out = eng.model(input_ids=feed_B[:, None], attention_mask=self.mask_BS, position_ids=self.pos_B[:, None],
+                        past_key_values=self.cache, use_cache=True)
+        self.logits_BV = out.logits[:, -1].float()
+        self.pos_B = self.pos_B + 1
+        return finished
+
+    def _trim(self) -> None:
+        """Drop leading cache columns that no live row attends to (left padding of groups gone)."""
+        first = int(self.mask_BS.any(dim=0).nonzero()[0])
+        if first:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+            self.mask_BS = self.mask_BS[:, first:]
+
+
+def _left_pad(x: torch.Tensor, length: int, *, dim: int) -> torch.Tensor:
+    pad = length - x.shape[dim]
+    if pad == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x.new_zeros(shape), x], dim=dim)

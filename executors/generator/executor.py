@@ -103,7 +103,7 @@ class Generator(Executor):
             mesh = build_mesh(ranks=env.ranks, tp=self.cfg.tp, device_type=env.device.type, parent=env.group)
             apply_tp(model, mesh=mesh["tp"])
         engine = NativeEngine(model, eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-                              max_batch_prompts=self.cfg.max_batch_prompts)
+                              max_batch_prompts=self.cfg.max_batch_prompts, admission=self.cfg.admission)
         return engine, param_specs(model), local_shards(model)  # pushes land in the model itself
 
     def _vllm(self, env: ExecutorEnv):
