@@ -40,7 +40,7 @@ def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = No
             record = {**cfg.resolved(), "_sources": cfg.sources}
             (world.env.output_dir / "config.json").write_text(json.dumps(record, indent=2))
 
-    derive = partial(recipe.derive, world_size=world_size_of(graph)) if recipe.derive else None
+    derive = partial(recipe.derive, world_size=world_size_of(graph), run={}) if recipe.derive else None
     cadence = Cadence(every=cfg.checkpoint_every, minutes=cfg.checkpoint_minutes, keep=cfg.checkpoint_keep,
                       config=cfg.resolved())
     outcome = run_job(graph, steps=cfg.steps, seed=cfg.seed, output_dir=output_dir, schedule=cfg.schedule,

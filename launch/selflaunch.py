@@ -11,6 +11,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -56,12 +57,22 @@ def launch_here(argv: list[str], *, nproc: int, max_restarts: int, roles: dict[i
     return 0
 
 
+# a rank's exit after a graceful stop (checkpoint saved, the resume line printed): 128 + SIGINT / SIGTERM
+STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+
+
 def cause(exc) -> tuple[int, object]:
-    """The failed rank that caused a ChildFailedError. A rank killed by a signal is the cause: its
-    peers only exit after it (their watchdog sees it die), but torch's first failure is the earliest
-    by a whole-second timestamp, which picked a peer's echo (exit 17) in 3 of 4 kills of the trainer."""
-    killed = sorted(rank for rank, failure in exc.failures.items() if failure.exitcode < 0)
-    return (killed[0], exc.failures[killed[0]]) if killed else exc.get_first_failure()
+    """The failed rank that caused a ChildFailedError.
+    - A rank that stopped gracefully on a signal: once it exits, torch's agent sends SIGTERM to the
+      ranks still finishing, and a rank killed that way is not a failure to report.
+    - Else a rank killed by a signal: its peers only exit after it (their watchdog sees it die),
+      but torch's first failure is the earliest by a whole-second timestamp, which picked a peer's
+      echo (exit 17) in 3 of 4 kills of the trainer."""
+    for codes in (STOPPED, None):
+        ranks = sorted(rank for rank, f in exc.failures.items() if (f.exitcode in codes if codes else f.exitcode < 0))
+        if ranks:
+            return ranks[0], exc.failures[ranks[0]]
+    return exc.get_first_failure()
 
 
 def launcher_command(*, max_restarts: int) -> str:

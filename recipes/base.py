@@ -31,5 +31,6 @@ class Recipe:
     build: Callable  # (RunConfig) -> controller.graph.Graph, validated; ValueError names the config field at fault
     phases: tuple[Phase, ...]  # in the order they happen within a step
     console: tuple[str, ...]  # metrics columns the console shows per step
-    # (records by executor, world size) -> step-level figures derived from the executors' records
-    derive: Callable[[dict, int], dict] | None = None
+    # (records by executor, world_size=, run=) -> step-level figures derived from the executors'
+    # records; `run` is a dict the caller keeps across the run's steps, for run-level figures
+    derive: Callable[..., dict] | None = None

@@ -87,14 +87,20 @@ def eval_channels(cfg: RunConfig) -> list[Channel]:
     return [Channel("eval", "generator", "reward", Kind.SCATTER, RolloutGroup)] if cfg.eval.every else []
 
 
-def step_figures(records: dict, world_size: int) -> dict:
+def step_figures(records: dict, world_size: int, run: dict | None = None) -> dict:
     """From the generator's and trainer's records: step_s runs from the start of generation to the
     end of the push; idle fractions are 1 - busy / step_s; overlap_s is how long training ran while
-    generation still did."""
+    generation still did. `run` (a dict kept across steps): run_tpspd, the periodic-asynchrony
+    paper's whole-run figure: tokens trained since this process's first step, over the time since
+    that step began and the devices (ranks)."""
     gen, trn = GeneratorMetrics(**records["generator"]), TrainerMetrics(**records["trainer"])
     step_s = trn.push_end_t - gen.gen_start_t
     figures = {"step_s": step_s, "tpspd": trn.tokens / step_s / world_size,
                "gen_idle_frac": max(0.0, 1 - gen.gen_s / step_s), "train_idle_frac": max(0.0, 1 - trn.train_s / step_s)}
+    if run is not None:
+        run.setdefault("start_t", gen.gen_start_t)
+        run["tokens"] = run.get("tokens", 0) + trn.tokens
+        figures["run_tpspd"] = run["tokens"] / (trn.push_end_t - run["start_t"]) / world_size
     if trn.first_train_t:
         figures["first_group_s"] = trn.first_train_t - gen.gen_start_t
         figures["overlap_s"] = max(0.0, gen.gen_end_t - trn.first_train_t)

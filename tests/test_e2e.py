@@ -26,6 +26,10 @@ def test_run_outputs(periodic_run):
     for row in rows:
         assert REQUIRED <= row.keys(), REQUIRED - row.keys()
         assert row["tokens"] > 0 and row["tpspd"] > 0 and row["groups"] == 4
+        # the paper's whole-run TPSPD: every token so far over the time since step 0 began, 3 ranks
+        done = rows[:row["step"] + 1]
+        run_s = row["push_end_t"] - rows[0]["gen_start_t"]
+        assert row["run_tpspd"] == pytest.approx(sum(r["tokens"] for r in done) / run_s / 3, rel=1e-9)
         assert row["logp_mismatch_max"] < 1e-4  # the trainer recomputes what the generator sampled
         assert row["ratio_mean"] == pytest.approx(1.0) and row["ratio_max"] == pytest.approx(1.0)  # one pass: on-policy
         assert 0 < row["entropy"] < 6.3  # nats, below log(512) of the embedded vocabulary

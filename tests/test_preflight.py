@@ -263,6 +263,10 @@ def test_the_rank_killed_by_a_signal_is_the_cause():
     assert exc.get_first_failure()[0] == 0 and cause(exc) == (2, killed)
     only_echoes = ChildFailedError("launch.py", {1: ProcessFailure(1, 102, 17, "/nonexistent")})
     assert cause(only_echoes)[0] == 1
+    # SIGTERM to one rank: the job stops gracefully (143) and the agent's SIGTERM ends a rank still
+    # finishing; the graceful stop is the outcome, not a kill to report
+    stopped, terminated = ProcessFailure(0, 101, 143, "/nonexistent"), ProcessFailure(2, 103, -15, "/nonexistent")
+    assert cause(ChildFailedError("launch.py", {0: stopped, 2: terminated})) == (0, stopped)
 
 
 def test_reward_columns_checked_by_dry_run_and_mapping_fixes_it(tmp_path):
