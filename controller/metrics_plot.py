@@ -20,8 +20,12 @@ PANELS = {
 }
 
 
+OFF_WHEN_ZERO = {"kl", "reward_kl"}  # 0 in every row: the KL is off (beta = 0), no panel to draw
+
+
 def _panels(rows: list[dict]) -> dict[str, list[str]]:
-    keys = {k for row in rows for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    keys = {k for row in rows for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and (v or k not in OFF_WHEN_ZERO)}
     panels = {title: [k for k in wanted if k in keys] for title, wanted in PANELS.items()}
     panels["eval pass rate"] += sorted(k for k in keys if k.startswith("eval/pass@") and k != "eval/pass@1")
     return {title: ks for title, ks in panels.items() if ks}

@@ -23,6 +23,7 @@ def test_metrics_png_draws_the_panels_present(tmp_path):
     rows[0]["eval/pass@1"], rows[2]["eval/pass@1"], rows[2]["eval/pass@4"] = 0.0, 0.5, 0.75
     assert _panels(rows) == {"reward": ["reward_mean"], "eval pass rate": ["eval/pass@1", "eval/pass@4"],
                              "KL to the reference": ["kl"], "step time split (s)": ["gen_s", "train_s"]}
+    assert "KL to the reference" not in _panels([{**row, "kl": 0.0} for row in rows])  # beta = 0: no KL panel
     assert plot_metrics(rows, tmp_path / "metrics.png")
     image = matplotlib.image.imread(tmp_path / "metrics.png")
     assert image.shape[:2] == (560, 1100)  # 2 rows of 2 panels at 100 dpi
