@@ -68,8 +68,9 @@ def cause(exc) -> tuple[int, object]:
     - Else a rank killed by a signal: its peers only exit after it (their watchdog sees it die),
       but torch's first failure is the earliest by a whole-second timestamp, which picked a peer's
       echo (exit 17) in 3 of 4 kills of the trainer."""
-    for codes in (STOPPED, None):
-        ranks = sorted(rank for rank, f in exc.failures.items() if (f.exitcode in codes if codes else f.exitcode < 0))
+    stopped = sorted(rank for rank, f in exc.failures.items() if f.exitcode in STOPPED)
+    killed = sorted(rank for rank, f in exc.failures.items() if f.exitcode < 0)
+    for ranks in (stopped, killed):
         if ranks:
             return ranks[0], exc.failures[ranks[0]]
     return exc.get_first_failure()

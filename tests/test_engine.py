@@ -284,7 +284,7 @@ def _finish_order(durations: dict[int, int], slots: int, *, continuous: bool) ->
 def test_groups_leave_as_they_finish_and_slots_refill(ending, requests):
     order = [g.index for g in ending(max_batch_prompts=3, admission="continuous").generate(requests, ENDING, step=2)]
     chunked = [g for g in ending(max_batch_prompts=3, admission="chunked").generate(requests, ENDING, step=2)]
-    durations = {r.index: max(len(x) for x in g.response_ids) for r in requests for g in chunked if g.index == r.index}
+    durations = {g.index: max(len(x) for x in g.response_ids) for g in sorted(chunked, key=lambda g: g.index)}
     assert order == _finish_order(durations, 3, continuous=True)
     assert [g.index for g in chunked] == _finish_order(durations, 3, continuous=False) != order
     # a group overtakes a slower one that started ahead of it, beyond what a chunk allows

@@ -15,14 +15,14 @@ is done; then the group's rows leave the batch and cache. Admission: `chunked` (
 the next max_batch_prompts prompts when the whole batch is done; `continuous` gives a freed slot to
 the next prompt at once, left-padded into the running cache. Continuous keeps the batch full (fewer,
 fuller forwards: what a device whose decode step costs the same for 8 rows as for 64 wants), but on
-CPU a forward's cost follows its rows, and the padding makes attention longer: measured 6-9% slower
-there (bench/admission.py), with the same samples.
+CPU a forward's cost follows its rows, and the padding makes attention longer: measured 6-8% slower
+there on the default shape, 2% faster with a longer tail (bench/admission.py), with the same samples.
 """
 from __future__ import annotations
 
 import collections
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -188,6 +188,30 @@ class NativeEngine:
             yield from batch.advance()
 
 
+@dataclass
+class _Rows:
+    """What each row of the decode batch carries, batch row first. The cache and the attention mask
+    have a sequence dimension and live beside it (_Batch)."""
+    logits_BV: torch.Tensor  # the next token's logits (device)
+    pos_B: torch.Tensor  # the next token's position id (device)
+    seeds_B: torch.Tensor  # the sample's seed (device)
+    t_B: torch.Tensor  # tokens decoded so far (CPU, as the rest)
+    len_B: torch.Tensor  # tokens written: t, or up to the EOS
+    eos_B: torch.Tensor
+    tokens_BT: torch.Tensor
+    logp_BT: torch.Tensor
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    def __getitem__(self, rows) -> "_Rows":
+        """Rows by a slice (views) or an index tensor (copies), each on its own device."""
+        return _Rows(*(x[rows if isinstance(rows, slice) else rows.to(x.device)] for x in self._tensors()))
+
+    def cat(self, other: "_Rows") -> "_Rows":
+        return _Rows(*(torch.cat([a, b]) for a, b in zip(self._tensors(), other._tensors())))
+
+
 class _Batch:
     """The decode batch: G rows per live group, groups in admission order (batch row b is sample
     b % G of group b // G); everything a row has written lives in the batch too, so one step is the
@@ -198,7 +222,8 @@ class _Batch:
     def __init__(self, engine: NativeEngine, params: SamplingParams, step: int):
         self.engine, self.params, self.step = engine, params, step
         self.groups: list[tuple[int, torch.Tensor]] = []  # (prompt index, prompt ids) per live group
-        self.cache = None
+        self.rows: _Rows | None = None
+        self.cache = self.mask_BS = None
 
     @torch.inference_mode()
     def admit(self, prompts: list[tuple[int, torch.Tensor]]) -> None:
@@ -219,7 +244,7 @@ class _Batch:
                         past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache.batch_repeat_interleave(G)
         R = len(prompts) * G
-        rows = dict(
+        rows = _Rows(
             logits_BV=out.logits[:, -1].float().repeat_interleave(G, dim=0),
             pos_B=torch.tensor([len(p) for _, p in prompts], device=dev).repeat_interleave(G),
             seeds_B=torch.tensor([sample_seed(run_seed=self.params.seed, step=self.step, prompt_index=i, sample_index=j)
@@ -229,62 +254,60 @@ class _Batch:
             logp_BT=torch.zeros(R, T))
         mask_BS = mask_CP.to(dev).repeat_interleave(G, dim=0)
         if not self.groups:
-            self.cache, self.mask_BS = cache, mask_BS
-            self.__dict__.update(rows)
+            self.cache, self.mask_BS, self.rows = cache, mask_BS, rows
         else:
             S = max(self.mask_BS.shape[1], mask_BS.shape[1])
             for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
                 mine.keys = torch.cat([_left_pad(mine.keys, S, dim=2), _left_pad(theirs.keys, S, dim=2)])
                 mine.values = torch.cat([_left_pad(mine.values, S, dim=2), _left_pad(theirs.values, S, dim=2)])
             self.mask_BS = torch.cat([_left_pad(self.mask_BS, S, dim=1), _left_pad(mask_BS, S, dim=1)])
-            for name, x in rows.items():
-                setattr(self, name, torch.cat([getattr(self, name), x]))
+            self.rows = self.rows.cat(rows)
         self.groups += prompts
 
     def advance(self) -> Iterator[GroupCompletion]:
         """Decode one token for every live sample, then hand out the groups that just finished
         (cloned here, outside inference mode: plain tensors for the consumer)."""
-        for index, prompt_P, tokens_GT, logp_GT, len_G, eos_G in self._decode_one():
+        for (index, prompt_P), rows in self._decode_one():
+            lengths = rows.len_B.tolist()
             yield GroupCompletion(index=index, prompt_ids_P=prompt_P.clone(),
-                                  response_ids=[tokens_GT[j, :n].clone() for j, n in enumerate(len_G.tolist())],
-                                  logprobs=[logp_GT[j, :n].clone() for j, n in enumerate(len_G.tolist())],
-                                  finished_G=eos_G.clone())
+                                  response_ids=[rows.tokens_BT[j, :n].clone() for j, n in enumerate(lengths)],
+                                  logprobs=[rows.logp_BT[j, :n].clone() for j, n in enumerate(lengths)],
+                                  finished_G=rows.eos_B.clone())
 
     @torch.inference_mode()
-    def _decode_one(self) -> list[tuple]:
-        """Sample the next token of every row and feed it; return the groups that finished."""
-        p, eng, G = self.params, self.engine, self.params.n
-        tok_B, logp_B = sample_tokens(self.logits_BV, seeds_R=self.seeds_B, t=self.t_B.to(self.seeds_B.device),
+    def _decode_one(self) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
+        """Sample the next token of every row and feed it; return the groups that finished, each
+        with its G rows."""
+        p, eng, G, r = self.params, self.engine, self.params.n, self.rows
+        tok_B, logp_B = sample_tokens(r.logits_BV, seeds_R=r.seeds_B, t=r.t_B.to(r.seeds_B.device),
                                       temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
         tok_B, logp_B = tok_B.cpu(), logp_B.cpu()
-        rows = (~self.eos_B).nonzero()[:, 0]  # a sample past its EOS keeps its pad filler
-        self.tokens_BT[rows, self.t_B[rows]] = tok_B[rows]
-        self.logp_BT[rows, self.t_B[rows]] = logp_B[rows]
-        self.len_B[rows] += 1
-        self.eos_B[rows] |= tok_B[rows] == eng.eos_token_id
-        self.t_B += 1
-        done_B = self.eos_B | (self.t_B == p.max_new_tokens)
+        writing = (~r.eos_B).nonzero()[:, 0]  # a sample past its EOS keeps its pad filler
+        r.tokens_BT[writing, r.t_B[writing]] = tok_B[writing]
+        r.logp_BT[writing, r.t_B[writing]] = logp_B[writing]
+        r.len_B[writing] += 1
+        r.eos_B[writing] |= tok_B[writing] == eng.eos_token_id
+        r.t_B += 1
+        done_B = r.eos_B | (r.t_B == p.max_new_tokens)
         done_K = done_B.view(-1, G).all(dim=1)
-        finished = [(*self.groups[k], self.tokens_BT[k * G:(k + 1) * G], self.logp_BT[k * G:(k + 1) * G],
-                     self.len_B[k * G:(k + 1) * G], self.eos_B[k * G:(k + 1) * G]) for k in done_K.nonzero()[:, 0].tolist()]
+        finished = [(self.groups[k], r[k * G:(k + 1) * G]) for k in done_K.nonzero()[:, 0].tolist()]
         if finished:  # drop the finished groups' rows from the batch and the cache
             self.groups = [g for g, done in zip(self.groups, done_K.tolist()) if not done]
             if not self.groups:
-                self.cache = None
+                self.rows = self.cache = self.mask_BS = None
                 return finished
             keep = (~done_K).repeat_interleave(G).nonzero()[:, 0]
-            for name in ("t_B", "len_B", "eos_B", "tokens_BT", "logp_BT"):
-                setattr(self, name, getattr(self, name)[keep])
+            self.rows = r = r[keep]
             tok_B, done_B, keep = tok_B[keep], done_B[keep], keep.to(eng.device)
             self.cache.batch_select_indices(keep)
-            self.seeds_B, self.mask_BS, self.pos_B = self.seeds_B[keep], self.mask_BS[keep], self.pos_B[keep]
+            self.mask_BS = self.mask_BS[keep]
             self._trim()
         feed_B = torch.where(done_B, eng.pad_token_id, tok_B).to(eng.device)
         self.mask_BS = torch.cat([self.mask_BS, torch.ones_like(self.mask_BS[:, :1])], dim=1)
-        out = eng.model(input_ids=feed_B[:, None], attention_mask=self.mask_BS, position_ids=self.pos_B[:, None],
+        out = eng.model(input_ids=feed_B[:, None], attention_mask=self.mask_BS, position_ids=r.pos_B[:, None],
                         past_key_values=self.cache, use_cache=True)
-        self.logits_BV = out.logits[:, -1].float()
-        self.pos_B = self.pos_B + 1
+        r.logits_BV = out.logits[:, -1].float()
+        r.pos_B = r.pos_B + 1
         return finished
 
     def _trim(self) -> None:
