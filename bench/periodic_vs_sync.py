@@ -1,15 +1,19 @@
-"""Periodic asynchrony vs the synchronous schedule, same job, same seed, one invocation.
+"""Periodic asynchrony vs the synchronous schedule, same job, same seed, one invocation, with the
+placement planner's prediction of both (planner/).
 
-For each config: run `sync` and `periodic` (3 repeats each, alternating), skip the first step
-(warm-up), and take medians. From the sync runs: T_gen (generation) and T_train (training + barrier
-+ push); the ideal speed-up of overlapping them is (T_gen + T_train) / max(T_gen, T_train). The
-measured speed-up is sync step_s / periodic step_s; efficiency = measured / bound.
+First the planner is calibrated on three configs of its own (short sync runs for the rates, and a
+periodic run of the last for how much the executors slow each other when they overlap). Then for each config:
+run `sync` and `periodic` (--repeats each, alternating), skip the first step (warm-up), and take
+medians. The prediction for a config uses the calibrated rates and that config's own response
+lengths (the same in both schedules). From the sync runs: T_gen and T_train (training + barrier +
+push); the ideal speed-up of overlapping them is (T_gen + T_train) / max(T_gen, T_train).
 
-    .venv/bin/python bench/periodic_vs_sync.py [--repeats 3] [--steps 6]
+    .venv/bin/python bench/periodic_vs_sync.py [--repeats 5] [--steps 6]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -22,90 +26,112 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from controller.spawn import free_port  # noqa: E402
+from planner.calibrate import calibrate, fit_concurrency, shapes_of  # noqa: E402
+from planner.model import simulate  # noqa: E402
 
-# generator and trainer on one core each (reward is light); sizes chosen so that in the
-# balanced config generation and training take similar time on this CPU
+LONG_TAIL_MODEL = "{long_tail_model}"  # made by long_tail_model() in the run's temp dir
+# generator and trainer on one core each (reward is light); 3 ranks on this 2-core machine
 CONFIGS = {
-    "balanced": ["generator.max_new_tokens=32", "generator.max_batch_prompts=2", "data.prompts_per_step=16"],
-    "gen 3x train": ["generator.max_new_tokens=160", "generator.max_batch_prompts=2", "data.prompts_per_step=16"],
+    "default (train 2x gen)": [],
+    "balanced": ["generator.max_new_tokens=32", "data.prompts_per_step=16"],
+    "gen 2x train": ["generator.max_new_tokens=96", "generator.max_batch_prompts=1"],
+    # the embedded model with an EOS that fires at random: half the groups stop early, half at the cap
+    "long tail": [f"model.path={LONG_TAIL_MODEL}", "generator.max_new_tokens=96", "generator.samples_per_prompt=4",
+                  "generator.max_batch_prompts=4", "data.prompts_per_step=16"],
 }
+# lengths, batch sizes and group sizes none of the configs above has: a group's fixed and per-token
+# costs come apart, a forward's fixed and per-row costs, and the cost of groups joining a live batch
+CALIBRATION = {"cal: 16 rows x 8 tokens": ["generator.max_new_tokens=8", "generator.max_batch_prompts=1",
+                                            "data.prompts_per_step=16"],
+               "cal: 64 rows x 64 tokens": ["generator.max_new_tokens=64", "generator.max_batch_prompts=4",
+                                             "data.prompts_per_step=16"],
+               "cal: uneven, 8 per group": [f"model.path={LONG_TAIL_MODEL}", "generator.max_new_tokens=48",
+                                             "generator.samples_per_prompt=8", "generator.max_batch_prompts=4",
+                                             "data.prompts_per_step=16"]}
 
 
-def run(overrides: list[str], schedule: str, steps: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", f"--master-port={free_port()}",
-               "launch.py", "--algo", "grpo", "--steps", str(steps), "--schedule", schedule, "--output-dir", out]
-        for o in overrides:
-            cmd += ["--set", o]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        if proc.returncode:
-            raise SystemExit(f"run failed ({schedule}):\n{proc.stderr[-3000:]}")
-        return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
-def _matmuls(queue) -> None:
-    import time
-
+def long_tail_model(path: Path) -> str:
+    """The embedded model (seed 1) whose EOS row of the (tied) embedding, all zeros at init since it
+    is the pad row, is set at random: per-token EOS odds then vary with the context, so response
+    lengths spread from 2 tokens to the cap (a long tail, as reasoning models show)."""
     import torch
 
-    torch.set_num_threads(1)
-    a = torch.randn(256, 256)
-    t0 = time.perf_counter()
-    for _ in range(2000):
-        a @ a
-    queue.put(time.perf_counter() - t0)
+    from executors.hf import load_model, load_tokenizer
+
+    tok, model = load_tokenizer(None), load_model(None, seed=1)
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] = 0.5 * torch.randn(
+            model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
 
 
-def concurrency() -> float:
-    """How much of its solo speed each of two concurrent single-thread processes keeps (1.0 = two
-    independent cores). Overlap can only pay off as far as the hardware runs two executors at once."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    solo_p = ctx.Process(target=_matmuls, args=(queue,))
-    solo_p.start(), solo_p.join()
-    solo = queue.get()
-    pair = [ctx.Process(target=_matmuls, args=(queue,)) for _ in range(2)]
-    [p.start() for p in pair], [p.join() for p in pair]
-    return solo / max(queue.get(), queue.get())
+def run(overrides: list[str], schedule: str, steps: int, out: Path) -> list[dict]:
+    """One run into `out`; its metrics rows."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", f"--master-port={free_port()}",
+           "launch.py", "--algo", "grpo", "--steps", str(steps), "--schedule", schedule, "--output-dir", str(out),
+           "--overwrite", "--set", "logging.samples_every=1"]
+    for o in overrides:
+        cmd += ["--set", o]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        raise SystemExit(f"run failed ({schedule}):\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def med(rows: list[dict], key) -> float:
     return statistics.median(key(r) for r in rows[1:])  # step 0 warms up
 
 
+def predicted(run_dir: Path, rates, schedule: str) -> float:
+    shapes = shapes_of(run_dir)
+    return statistics.median(simulate(shapes[s], rates, schedule=schedule).step_s for s in sorted(shapes) if s >= 1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--only", choices=list(CONFIGS), help="run one config")
+    p.add_argument("--only", choices=list(CONFIGS), help="run one config (the calibration runs always run)")
     args = p.parse_args()
-    table, par = [], concurrency()
-    for name, overrides in CONFIGS.items():
-        if args.only and name != args.only:
-            continue
-        sync_step, per_step, t_gen, t_train, digests_equal = [], [], [], [], True
-        for _ in range(args.repeats):
-            s = run(overrides, "sync", args.steps)
-            q = run(overrides, "periodic", args.steps)
-            digests_equal &= [r["rollout_digest"] for r in s] == [r["rollout_digest"] for r in q]
-            sync_step.append(med(s, lambda r: r["step_s"]))
-            per_step.append(med(q, lambda r: r["step_s"]))
-            t_gen.append(med(s, lambda r: r["gen_s"]))
-            t_train.append(med(s, lambda r: r["train_s"] + r["push_s"]))
-        tg, tt = statistics.median(t_gen), statistics.median(t_train)
-        bound = (tg + tt) / max(tg, tt)
-        # with both executors busy each runs at `par` of its solo speed: overlapped work takes at
-        # least (tg + tt) / (2 * par), so the speed-up this hardware allows is capped below `bound`
-        hw_bound = (tg + tt) / max(tg, tt, (tg + tt) / (2 * par))
-        speedup = statistics.median(sync_step) / statistics.median(per_step)
-        table.append([name, tg, tt, statistics.median(sync_step), statistics.median(per_step), bound, speedup,
-                      speedup / bound, hw_bound, speedup / hw_bound, "yes" if digests_equal else "NO"])
-    print(f"two concurrent single-thread processes each keep {par:.2f} of their solo speed on this machine")
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        tail_model = long_tail_model(tmp / "long-tail-model")
+        configs, calibration = ({name: [o.replace(LONG_TAIL_MODEL, tail_model) for o in overrides]
+                                 for name, overrides in which.items()} for which in (CONFIGS, CALIBRATION))
+        cal = [tmp / f"cal-{i}" for i in range(len(calibration))]
+        for d, overrides in zip(cal, calibration.values()):
+            run(overrides, "sync", args.steps, d)
+        run(list(calibration.values())[-1], "periodic", args.steps, tmp / "cal-periodic")
+        rates = calibrate(*cal)
+        rates = dataclasses.replace(rates, concurrency=fit_concurrency(rates, tmp / "cal-periodic"))
+        table = []
+        for name, overrides in configs.items():
+            if args.only and name != args.only:
+                continue
+            sync_step, per_step, t_gen, t_train, pred_sync, pred_per, digests_equal = [], [], [], [], [], [], True
+            for i in range(args.repeats):
+                s = run(overrides, "sync", args.steps, tmp / "sync")
+                pred_sync.append(predicted(tmp / "sync", rates, "sync"))
+                pred_per.append(predicted(tmp / "sync", rates, "periodic"))
+                q = run(overrides, "periodic", args.steps, tmp / "periodic")
+                digests_equal &= [r["rollout_digest"] for r in s] == [r["rollout_digest"] for r in q]
+                sync_step.append(med(s, lambda r: r["step_s"]))
+                per_step.append(med(q, lambda r: r["step_s"]))
+                t_gen.append(med(s, lambda r: r["gen_s"]))
+                t_train.append(med(s, lambda r: r["train_s"] + r["push_s"]))
+            tg, tt = statistics.median(t_gen), statistics.median(t_train)
+            ms, mp, ps, pp = (statistics.median(x) for x in (sync_step, per_step, pred_sync, pred_per))
+            table.append([name, tg, tt, ms, ps, f"{(ps / ms - 1) * 100:+.0f}%", mp, pp, f"{(pp / mp - 1) * 100:+.0f}%",
+                          ms / mp, (tg + tt) / max(tg, tt), "yes" if digests_equal else "NO"])
+    g = rates.gen
+    print(f"calibrated on {', '.join(CALIBRATION)}: decode forward {g.forward_s * 1e3:.2f} ms + {g.row_s * 1e6:.1f} us/row, "
+          f"training {1 / max(rates.train.token_s, 1e-12):.0f} tokens/s + {rates.train.group_s * 1e3:.1f} ms/group, "
+          f"concurrency {rates.concurrency:.2f}; medians of {args.repeats} runs x {args.steps - 1} steps")
     print(tabulate(table, floatfmt=".3f", headers=[
-        "config", "T_gen s", "T_train s", "sync step s", "periodic step s", "bound", "speed-up", "efficiency",
-        "hw bound", "vs hw bound", "same rollouts"]))
+        "config", "T_gen s", "T_train s", "sync s", "predicted", "error", "periodic s", "predicted", "error",
+        "speed-up", "bound", "same rollouts"]))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,14 @@ def detect_device() -> DeviceSpec:
     return DeviceSpec("cpu", "gloo")
 
 
+def device_count() -> int:
+    """This machine's GPUs/NPUs, else its CPU cores: what `--plan` splits by default."""
+    spec = detect_device()
+    if spec.type != "cpu":
+        return getattr(torch, spec.type).device_count()
+    return len(os.sched_getaffinity(0))
+
+
 def pin_threads() -> int:
     """Share this machine's cores between the ranks of this node, so they do not fight."""
     cores = len(os.sched_getaffinity(0))

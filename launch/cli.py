@@ -43,6 +43,14 @@ def parser() -> argparse.ArgumentParser:
                         "continuing from the newest checkpoint (default 0; under torchrun use its own flag)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the placement and channel graph, then exit (starts no rank)")
+    p.add_argument("--plan", action="store_true",
+                   help="placement planner: calibrate this job on this machine (two short runs), then print the "
+                        "predicted sync and periodic step time and TPSPD of every split of --devices between "
+                        "generator and trainer, and the one to use")
+    p.add_argument("--devices", type=int, metavar="N", help="--plan: devices to split (default: this machine's "
+                   "GPUs/NPUs, or its CPU cores)")
+    p.add_argument("--rates", type=Path, metavar="FILE", help="--plan: take rates and the step's shape from FILE "
+                   "instead of calibrating (e.g. configs/plan-qwen3-8b-16npu.yaml)")
     return p
 
 
@@ -54,6 +62,12 @@ def check_flags(args: argparse.Namespace) -> None:
                          "--overwrite replaces it; pass one")
     if args.max_restarts is not None and args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if (args.devices is not None or args.rates is not None) and not args.plan:
+        raise ValueError("--devices and --rates go with --plan")
+    if args.devices is not None and args.devices < 2:
+        raise ValueError(f"--devices must be 2 or more (a generator and a trainer), got {args.devices}")
+    if args.plan and (args.dry_run or args.resume is not None or under_launcher()):
+        raise ValueError("--plan runs on its own: not with --dry-run or --resume, nor under torchrun")
     if args.max_restarts is not None and under_launcher():
         raise ValueError("--max-restarts is for `python launch.py` (which starts the ranks); "
                          "under torchrun pass torchrun's own --max-restarts")
@@ -138,6 +152,35 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     return cfg.model_copy(update={"sources": defaults.sources(cfg.resolved(), layers)})
 
 
+def _plan(args: argparse.Namespace, argv: list[str], cfg: RunConfig) -> int:
+    from planner.plan import plan_from_file, plan_here
+
+    if args.rates:
+        print(plan_from_file(args.rates, devices=args.devices))
+        return 0
+    from controller.devices import device_count
+
+    devices = args.devices or max(2, device_count())
+    calib = _strip(argv, "--plan", "--devices", "--rates", "--output-dir", "--steps", "--schedule", "--overwrite")
+    print(plan_here(calib, devices=devices, gen_tp=cfg.generator.tp, train_tp=cfg.trainer.tp))
+    return 0
+
+
+def _strip(argv: list[str], *flags: str) -> list[str]:
+    """argv without the given flags and their values (--flag VALUE or --flag=VALUE)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in a and name != "--plan"
+            continue
+        out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
@@ -150,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         graph = recipe.build(cfg)
         from launch.preflight import preflight
 
+        if args.plan:
+            return _plan(args, argv, cfg)
         preflight(cfg, resume=args.resume, overwrite=args.overwrite, writes=not args.dry_run)
         if args.dry_run:
             from launch.dryrun import describe

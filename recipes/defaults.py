@@ -3,7 +3,8 @@
 The classes' defaults are tuned for the embedded task (a 1M-parameter model trained from scratch:
 lr 1e-3, 8-token answers). A pretrained `model.path` gets RL fine-tuning defaults instead, where
 the user left a value unset: lr 1e-6 with a short warm-up (TRL's and verl's GRPO defaults; 1e-3
-wrecked a 135M instruct model in one step), TRL's prompt/completion lengths, and the tokenizer's
+wrecked a 135M instruct model in one step), TRL's prompt/completion lengths, 16 decode slots for
+the native engine (the embedded job's 2 would leave a real model's batch nearly empty), and the tokenizer's
 chat template when it has one. KL stays off (beta 0) and grad_clip 1.0, as for the embedded task.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ PRETRAINED: dict[str, object] = {
     "trainer.lr": 1e-6,
     "trainer.warmup_steps": 10,
     "generator.max_new_tokens": 256,
+    "generator.max_batch_prompts": 16,
     "data.max_prompt_tokens": 512,
 }
 # a value model's decoder is pretrained but its head is new: verl's and OpenRLHF's critic lr is ~10x the actor's

@@ -21,8 +21,8 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
 
 def test_cli_surface_is_frozen():
     flags = sorted(opt for action in parser()._actions for opt in action.option_strings)
-    assert flags == ["--algo", "--config", "--dry-run", "--help", "--max-restarts", "--output-dir", "--overwrite",
-                     "--resume", "--schedule", "--seed", "--set", "--steps", "-h"]
+    assert flags == ["--algo", "--config", "--devices", "--dry-run", "--help", "--max-restarts", "--output-dir",
+                     "--overwrite", "--plan", "--rates", "--resume", "--schedule", "--seed", "--set", "--steps", "-h"]
 
 
 def test_dry_run_prints_placement_and_channels():

@@ -291,6 +291,18 @@ def test_groups_leave_as_they_finish_and_slots_refill(ending, requests):
     assert any(order.index(b) < order.index(a) for a in range(12) for b in range(12) if b // 3 > a // 3)
 
 
+def test_the_planner_replays_this_engine(ending, requests):
+    """planner/model.py replay_engine, given each group's longest response, leaves in this engine's order."""
+    from planner.model import replay_engine
+
+    for admission in ("continuous", "chunked"):
+        groups = list(ending(max_batch_prompts=3, admission=admission).generate(requests, ENDING, step=2))
+        longest = {g.index: max(len(x) for x in g.response_ids) for g in groups}
+        prompts = [(r.index, len(r.prompt_ids), ENDING.n, longest[r.index]) for r in requests]
+        replayed = [i for i, _ in replay_engine(prompts, max_batch_prompts=3, admission=admission)]
+        assert replayed == [g.index for g in groups], admission
+
+
 def test_admission_is_checked():
     with pytest.raises(ValueError, match="admission must be one of"):
         NativeEngine(torch.nn.Linear(1, 1), eos_token_id=0, pad_token_id=0, admission="eager")

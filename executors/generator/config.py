@@ -79,9 +79,11 @@ class GeneratorConfig(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="sample among the k most likely tokens only; 0: all")
     max_new_tokens: int = Field(8, ge=1)
-    max_batch_prompts: int = Field(16, ge=1, description="prompt groups the native engine decodes at once")
+    # the embedded job's: 2 slots refilled at once spread the groups' ends over the step, so the
+    # trainer starts after ~1/4 of generation (bench/periodic_vs_sync.py); a model.path gets 16
+    max_batch_prompts: int = Field(2, ge=1, description="prompt groups the native engine decodes at once")
     admission: Literal["chunked", "continuous"] = Field(
-        "chunked", description="native engine: chunked: the next max_batch_prompts prompts start when all are "
+        "continuous", description="native engine: chunked: the next max_batch_prompts prompts start when all are "
         "done; continuous: a finished group's slot takes the next prompt at once. Same samples either way")
     engine: Literal["native", "vllm"] = Field("native", description="native: batched HF decoding, "
                                               "always there; vllm: vLLM (see README, engines by device)")

@@ -1,0 +1,136 @@
+"""`launch.py --algo NAME --plan [--devices N]`: every split of N devices between the generator
+and the trainer, with the model's sync and periodic step time and TPSPD, and the split to use.
+
+Rates come from a calibration on this machine (two short runs of the configured job, planner/
+calibrate.py) or from a YAML file (`--rates FILE`, e.g. configs/plan-qwen3-8b-16npu.yaml). A replica
+keeps its calibrated rates at any count and a trainer unit its own, so a split's generator runs
+replicas = devices // generator.tp engines side by side and its trainer dp = devices // trainer.tp
+units; all-reduce and push costs are taken as measured (they grow with dp in a real job).
+"""
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import yaml
+from tabulate import tabulate
+
+from planner.model import GenRates, Rates, StepShape, TrainRates, simulate
+
+
+@dataclass(frozen=True, kw_only=True)
+class Split:
+    gen_devices: int
+    train_devices: int
+    replicas: int
+    dp: int
+    sync_s: float
+    periodic_s: float
+    tokens: float
+
+    def tpspd(self, step_s: float, devices: int) -> float:
+        return self.tokens / step_s / devices
+
+
+def predict(shapes: list[StepShape], rates: Rates, *, replicas: int, dp: int) -> tuple[float, float, float]:
+    """Median sync and periodic step time and mean tokens over the given steps, laid out anew."""
+    laid = [replace(s, replicas=replicas, dp=dp) for s in shapes]
+    sync = statistics.median(simulate(s, rates, schedule="sync").step_s for s in laid)
+    periodic = statistics.median(simulate(s, rates, schedule="periodic").step_s for s in laid)
+    return sync, periodic, statistics.mean(simulate(s, rates, schedule="sync").tokens for s in laid)
+
+
+def splits(shapes: list[StepShape], rates: Rates, *, devices: int, gen_tp: int = 1, train_tp: int = 1,
+           other_devices: int = 0) -> list[Split]:
+    """Every split of `devices` (less other_devices, e.g. reward ranks on their own devices) into whole
+    generator replicas and trainer units; none when no split has both."""
+    out, free = [], devices - other_devices
+    for g in range(gen_tp, free, gen_tp):
+        t = (free - g) // train_tp * train_tp
+        if t < train_tp:
+            continue
+        replicas, dp = g // gen_tp, t // train_tp
+        if dp > len(shapes[0].lengths) or replicas > len(shapes[0].lengths):
+            continue  # more units than groups: some would get none
+        sync, periodic, tokens = predict(shapes, rates, replicas=replicas, dp=dp)
+        out.append(Split(gen_devices=g, train_devices=t, replicas=replicas, dp=dp, sync_s=sync, periodic_s=periodic,
+                         tokens=tokens))
+    return out
+
+
+def table(rows: list[Split], *, devices: int) -> str:
+    if not rows:
+        return "no split of the devices gives both the generator and the trainer a whole unit"
+    best = max(rows, key=lambda r: r.tpspd(r.periodic_s, devices))
+    body = [[r.gen_devices, r.train_devices, r.replicas, r.dp, r.sync_s, r.periodic_s, r.sync_s / r.periodic_s,
+             r.tpspd(r.sync_s, devices), r.tpspd(r.periodic_s, devices), "<- use" if r is best else ""] for r in rows]
+    return tabulate(body, floatfmt=(".0f", ".0f", ".0f", ".0f", ".3g", ".3g", ".2f", ".4g", ".4g", ""), headers=[
+        "generator devices", "trainer devices", "replicas", "trainer dp", "sync step s", "periodic step s",
+        "periodic speed-up", "TPSPD sync", "TPSPD periodic", ""])
+
+
+def load_rates(path: Path) -> tuple[Rates, list[StepShape], dict]:
+    """A rates file: rates (gen, train, reward_group_s, handoff_s, concurrency), step (prompts,
+    samples, prompt_len, lengths: one list of response lengths cycled over the samples,
+    max_batch_prompts, admission) and layout (devices, gen_tp, train_tp, other_devices)."""
+    if not Path(path).is_file():
+        raise ValueError(f"rates file {path} does not exist")
+    data = yaml.safe_load(Path(path).read_text())
+    try:
+        r, s = data["rates"], data["step"]
+        rates = Rates(gen=GenRates(**r["gen"]), train=TrainRates(**r["train"]),
+                      **{k: r[k] for k in ("reward_group_s", "handoff_s", "concurrency") if k in r})
+        lengths, G = list(s["lengths"]), s["samples"]
+        per_prompt = tuple(tuple(lengths[(i * G + j) % len(lengths)] for j in range(G)) for i in range(s["prompts"]))
+        shape = StepShape(prompt_lens=(s["prompt_len"],) * s["prompts"], lengths=per_prompt,
+                          max_batch_prompts=s["max_batch_prompts"], admission=s.get("admission", "continuous"),
+                          shared_prompt=s.get("shared_prompt", True))
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"rates file {path}: missing or malformed {exc}") from None
+    return rates, [shape], data.get("layout", {})
+
+
+def calibration_runs(argv: list[str], out: Path, *, steps: int = 5) -> tuple[Path, Path]:
+    """Run the configured job twice on this machine (sync: the rates; periodic: how much the
+    executors slow each other when they overlap), `steps` steps each; the first warms up."""
+    dirs = []
+    for schedule in ("sync", "periodic"):
+        d = out / schedule
+        cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "launch.py"), *argv, "--steps", str(steps),
+               "--schedule", schedule, "--output-dir", str(d), "--overwrite", "--set", "logging.samples_every=1",
+               "--set", "checkpoint_every=0", "--set", "checkpoint_minutes=0"]
+        print(f"tidal plan: calibration run ({schedule}, {steps} steps)", file=sys.stderr, flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise ValueError(f"calibration run ({schedule}) failed:\n{proc.stderr[-2000:]}")
+        dirs.append(d)
+    return dirs[0], dirs[1]
+
+
+def plan_here(argv: list[str], *, devices: int, gen_tp: int, train_tp: int) -> str:
+    from planner.calibrate import calibrate, fit_concurrency, shapes_of
+
+    with tempfile.TemporaryDirectory(prefix="tidal-plan-") as tmp:
+        sync_dir, periodic_dir = calibration_runs(argv, Path(tmp))
+        rates = calibrate(sync_dir)
+        rates = replace(rates, concurrency=fit_concurrency(rates, periodic_dir))
+        shapes = [s for step, s in sorted(shapes_of(sync_dir).items()) if step >= 1]
+    g = rates.gen
+    head = (f"calibrated on this machine: decode forward {g.forward_s * 1e3:.2f} ms + {g.row_s * 1e6:.1f} us/row, "
+            f"training {1 / max(rates.train.token_s, 1e-12):.0f} tokens/s per unit + {rates.train.group_s * 1e3:.1f} "
+            f"ms/group, barrier+push {(rates.train.barrier_s + rates.train.push_s) * 1e3:.1f} ms, executors keep "
+            f"{rates.concurrency:.2f} of their speed while overlapping")
+    return head + "\n" + table(splits(shapes, rates, devices=devices, gen_tp=gen_tp, train_tp=train_tp), devices=devices)
+
+
+def plan_from_file(path: Path, *, devices: int | None) -> str:
+    rates, shapes, layout = load_rates(path)
+    n = devices or layout.get("devices")
+    if not n:
+        raise ValueError(f"--plan --rates {path}: give --devices N (the file names no layout.devices)")
+    return table(splits(shapes, rates, devices=n, gen_tp=layout.get("gen_tp", 1), train_tp=layout.get("train_tp", 1),
+                        other_devices=layout.get("other_devices", 0)), devices=n)

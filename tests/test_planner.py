@@ -1,0 +1,206 @@
+"""The placement planner (planner/): its step model against step times computed by hand, its
+calibration against a run whose timeline the model itself wrote, and `launch.py --plan`."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.cli import main as cli_main
+from planner.calibrate import calibrate, fit_concurrency
+from planner.model import GenFeatures, GenRates, Rates, StepShape, TrainRates, replay_engine, simulate
+from planner.plan import load_rates, splits, table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _shape(*, B=8, G=4, L=5, P=3, mbp=8, **kw) -> StepShape:
+    return StepShape(prompt_lens=(P,) * B, lengths=((L,) * G,) * B, max_batch_prompts=mbp, **kw)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("token_s", [0.01, 0.1])  # training lighter / heavier than a chunk's generation
+def test_sync_and_periodic_by_hand_with_the_1_over_k_tail(k, token_s):
+    """B prompts in k chunks, every response L tokens: a chunk takes c = (L-1) decode forwards plus
+    its prefill, and its groups leave together. Sync trains after all k chunks; periodic trains
+    chunk j while chunk j+1 decodes, so only the last chunk's training (1/k of it) is left after
+    generation, unless training is the slower side (then it runs from the first chunk on)."""
+    B, G, L, P, f, barrier = 8, 4, 5, 3, 0.1, 0.5
+    shape = _shape(B=B, G=G, L=L, P=P, mbp=B // k)
+    rates = Rates(gen=GenRates(forward_s=f), train=TrainRates(token_s=token_s, barrier_s=barrier))
+    c, T_train = f * L, B * (P + G * L) * token_s  # L - 1 decode forwards + 1 prefill per chunk
+    sync = simulate(shape, rates, schedule="sync")
+    periodic = simulate(shape, rates, schedule="periodic")
+    assert sync.step_s == pytest.approx(k * c + T_train + barrier)
+    assert periodic.step_s == pytest.approx(max(k * c + T_train / k, c + T_train) + barrier)
+    assert sync.gen_s == periodic.gen_s == pytest.approx(k * c)
+    assert periodic.first_train_s == pytest.approx(c) and sync.first_train_s == pytest.approx(k * c)
+
+
+def test_overlap_on_shared_hardware_runs_at_the_concurrency_factor():
+    """Two groups, 1 s of generation and 1 s of training each. With separate devices: g0 alone
+    0-1, then g1's generation beside g0's training 1-2, then g1's training 2-3. With each at half
+    speed while both run (one core): the overlap takes 2 s, so periodic gains nothing."""
+    shape = StepShape(prompt_lens=(1, 1), lengths=((2,), (2,)), max_batch_prompts=1)  # prefill + 1 decode forward
+    train = TrainRates(group_s=1.0)
+    separate = Rates(gen=GenRates(forward_s=0.5), train=train, concurrency=1.0)
+    shared = Rates(gen=GenRates(forward_s=0.5), train=train, concurrency=0.5)
+    assert simulate(shape, separate, schedule="periodic").step_s == pytest.approx(3.0)
+    assert simulate(shape, shared, schedule="periodic").step_s == pytest.approx(4.0)
+    assert simulate(shape, shared, schedule="sync").step_s == pytest.approx(4.0)
+
+
+def test_replicas_dp_reward_and_handoff_by_hand():
+    """4 prompts, one at a time (c = 1 s each): 2 replicas take prompts 0,2 and 1,3 and finish at
+    2 s; 2 trainer units take even and odd indices. Each group then spends 0.1 s in the reward
+    (one server, FIFO) and 0.05 s on the way."""
+    shape = StepShape(prompt_lens=(1,) * 4, lengths=((2,),) * 4, max_batch_prompts=1, replicas=2, dp=2)
+    rates = Rates(gen=GenRates(forward_s=0.5), train=TrainRates(group_s=1.0, barrier_s=0.2, push_s=0.3),
+                  reward_group_s=0.1, handoff_s=0.05)
+    # sync: groups 2 and 3 leave at 2.0; the reward scores them by 2.1 and 2.2; delivered at 2.25
+    assert simulate(shape, rates, schedule="sync").step_s == pytest.approx(2.25 + 2 * 1.0 + 0.5)
+    # periodic: each unit trains its first group from 1.15/1.25 and its second from 2.15/2.25
+    p = simulate(shape, rates, schedule="periodic")
+    assert p.first_train_s == pytest.approx(1.15) and p.step_s == pytest.approx(3.25 + 0.5)
+    assert p.overlap_s == pytest.approx(2.0 - 1.15)
+
+
+def test_continuous_admission_replays_the_slots():
+    """Group lengths 3, 10, 3, 3 with 2 slots: chunked waits for the 10 before admitting two more;
+    continuous refills the first slot at once, so groups 2 and 3 leave before group 1."""
+    prompts = [(i, 2, 2, n) for i, n in enumerate((3, 10, 3, 3))]
+    chunked = [i for i, _ in replay_engine(prompts, max_batch_prompts=2, admission="chunked")]
+    continuous = [i for i, _ in replay_engine(prompts, max_batch_prompts=2, admission="continuous")]
+    assert chunked == [0, 1, 2, 3] and continuous == [0, 2, 3, 1]
+    work = [w for _, w in replay_engine(prompts, max_batch_prompts=2, admission="chunked")]
+    total = GenFeatures()
+    for w in work:
+        total = total + w
+    # chunk 1: prefill + 9 decode forwards (4 rows for 2, then 2 rows); chunk 2: prefill + 2 of 4 rows
+    assert (total.forwards, total.rows, total.sends) == (2 + 9 + 2, 4 * 2 + 2 * 7 + 4 * 2, 4)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="admission"):
+        _shape(admission="eager")
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        StepShape(prompt_lens=(1,), lengths=(), max_batch_prompts=1)
+    with pytest.raises(ValueError, match="schedule"):
+        simulate(_shape(), Rates(gen=GenRates(), train=TrainRates()), schedule="async")
+
+
+def _write_run(run: Path, shape: StepShape, rates: Rates, *, steps: int = 3) -> None:
+    """A sync run's records as the job writes them, with every time taken from the model: the
+    calibration must find the rates back."""
+    (run / "timeline").mkdir(parents=True)
+    cfg = {"generator": {"max_batch_prompts": shape.max_batch_prompts, "admission": shape.admission, "replicas": 1,
+                         "engine": "native", "samples_per_prompt": len(shape.lengths[0])},
+           "trainer": {"dp": 1, "shared_prompt": "auto"}}
+    (run / "config.json").write_text(json.dumps(cfg))
+    samples, metrics, gen_ev, trn_ev, rwd_ev = [], [], [], [], []
+    for step in range(steps):
+        t0 = 1000.0 * (step + 1)
+        gen_ev.append({"executor": "generator", "rank": 0, "step": step, "kind": "generate", "t0": t0, "t1": t0})
+        done = GenFeatures()
+        prompts = [(i, shape.prompt_lens[i], len(shape.lengths[i]), max(shape.lengths[i]))
+                   for i in range(len(shape.lengths))]
+        for index, work in replay_engine(prompts, max_batch_prompts=shape.max_batch_prompts, admission=shape.admission):
+            done = done + work
+            gen_ev.append({"executor": "generator", "rank": 0, "step": step, "kind": "generated",
+                           "t0": t0 + rates.gen.cost(done), "t1": t0 + rates.gen.cost(done), "index": index})
+        t = max(e["t0"] for e in gen_ev if e["step"] == step) + rates.reward_group_s + rates.handoff_s
+        rwd_ev.append({"executor": "reward", "rank": 1, "step": step, "kind": "scored", "t0": t0,
+                       "t1": t0 + rates.reward_group_s, "index": 0})
+        for i in range(len(shape.lengths)):
+            dt = rates.train.cost(shape.group_tokens(i), len(shape.lengths[i]))
+            trn_ev.append({"executor": "trainer", "rank": 2, "step": step, "kind": "train", "t0": t, "t1": t + dt,
+                           "index": i})
+            t += dt
+        trn_ev.append({"executor": "trainer", "rank": 2, "step": step, "kind": "push", "t0": t + rates.train.barrier_s,
+                       "t1": t + rates.train.barrier_s + rates.train.push_s})
+        for i, lengths in enumerate(shape.lengths):
+            samples += [{"step": step, "prompt_index": i, "sample": j, "length": n} for j, n in enumerate(lengths)]
+        metrics.append({"step": step, "tokens": sum(shape.group_tokens(i) for i in range(len(shape.lengths))),
+                        "step_s": t + rates.train.barrier_s + rates.train.push_s - t0})
+    for name, events in (("rank000", gen_ev), ("rank001", rwd_ev), ("rank002", trn_ev)):
+        (run / "timeline" / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+
+
+def test_calibration_finds_the_rates_of_a_run_back(tmp_path):
+    """Two runs of different lengths and group sizes (so a group's fixed, per-sample and per-token
+    costs come apart), each with uneven groups under continuous admission (so rows per forward,
+    contexts and joins vary)."""
+    gen = GenRates(forward_s=2e-3, row_s=3e-5, row_col_s=2e-7, send_s=1e-3, join_cell_s=5e-6)
+    rates = Rates(gen=gen, train=TrainRates(group_s=0.01, sample_s=0.002, token_s=1e-4, barrier_s=0.02, push_s=0.003),
+                  reward_group_s=0.001, handoff_s=0.004)
+    for name, lengths, P, G in (("a", (3, 9, 5, 7, 4, 8), 6, 3), ("b", (20, 11, 30, 16, 25, 12), 9, 2)):
+        shape = StepShape(prompt_lens=(P,) * 6, lengths=tuple((n,) + (1,) * (G - 1) for n in lengths),
+                          max_batch_prompts=2, admission="continuous")
+        _write_run(tmp_path / name, shape, rates)
+    found = calibrate(tmp_path / "a", tmp_path / "b")
+    for got, want in ((found.gen.forward_s, 2e-3), (found.gen.row_s, 3e-5), (found.gen.row_col_s, 2e-7),
+                      (found.gen.send_s, 1e-3), (found.gen.join_cell_s, 5e-6), (found.train.sample_s, 0.002),
+                      (found.train.group_s, 0.01), (found.train.token_s, 1e-4), (found.train.barrier_s, 0.02),
+                      (found.train.push_s, 0.003), (found.reward_group_s, 0.001), (found.handoff_s, 0.004)):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9)
+    # a periodic run measured at 0.6 concurrency: the fit finds it back from the step time alone
+    slow = Rates(gen=rates.gen, train=rates.train, reward_group_s=0.001, handoff_s=0.004, concurrency=0.6)
+    periodic = tmp_path / "p"
+    _write_run(periodic, StepShape(prompt_lens=(6,) * 6, lengths=tuple((n, 1) for n in (20, 11, 30, 16, 25, 12)),
+                                   max_batch_prompts=2, admission="continuous"), rates)
+    step_s = simulate(StepShape(prompt_lens=(6,) * 6, lengths=tuple((n, 1) for n in (20, 11, 30, 16, 25, 12)),
+                                max_batch_prompts=2, admission="continuous"), slow, schedule="periodic").step_s
+    rows = [dict(json.loads(line), step_s=step_s) for line in (periodic / "metrics.jsonl").read_text().splitlines()]
+    (periodic / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert fit_concurrency(found, periodic) == pytest.approx(0.6, abs=0.011)
+
+
+def test_splits_table_recommends_the_fastest_periodic_split():
+    """Generation needs 4 replica-seconds, training 4 unit-seconds: with 4 devices the 2/2 split
+    balances them, and periodic overlaps them."""
+    shape = StepShape(prompt_lens=(1,) * 8, lengths=((2,),) * 8, max_batch_prompts=1)
+    rates = Rates(gen=GenRates(forward_s=0.25), train=TrainRates(group_s=0.5))
+    rows = splits([shape], rates, devices=4)
+    assert [(r.gen_devices, r.train_devices) for r in rows] == [(1, 3), (2, 2), (3, 1)]
+    two = rows[1]
+    assert (two.sync_s, two.periodic_s) == (pytest.approx(4.0), pytest.approx(2.5))
+    text = table(rows, devices=4)
+    best = [line for line in text.splitlines() if "<- use" in line]
+    assert len(best) == 1 and best[0].split()[:2] == ["2", "2"]
+
+
+def test_paper_scale_rates_file_gives_a_table():
+    rates, shapes, layout = load_rates(ROOT / "configs" / "plan-qwen3-8b-16npu.yaml")
+    assert layout["devices"] == 16 and len(shapes[0].lengths) == 32
+    rows = splits(shapes, rates, devices=16, gen_tp=layout["gen_tp"], train_tp=layout["train_tp"],
+                  other_devices=layout["other_devices"])
+    assert rows and all(r.gen_devices % 2 == 0 and r.train_devices % 4 == 0 for r in rows)
+    assert all(r.periodic_s <= r.sync_s for r in rows)
+
+
+def test_plan_flags_are_checked(capsys):
+    assert cli_main(["--algo", "grpo", "--devices", "4"]) == 2
+    assert "--devices and --rates go with --plan" in capsys.readouterr().err
+    assert cli_main(["--algo", "grpo", "--plan", "--devices", "1"]) == 2
+    assert "--devices must be 2 or more" in capsys.readouterr().err
+    assert cli_main(["--algo", "grpo", "--plan", "--rates", "nowhere.yaml"]) == 2
+    assert "nowhere.yaml" in capsys.readouterr().err
+
+
+def test_plan_calibrates_the_job_on_this_machine():
+    """`--plan` as a user runs it: two 5-step calibration runs of the embedded job, then the table."""
+    proc = subprocess.run([sys.executable, "launch.py", "--algo", "grpo", "--plan", "--devices", "3"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "calibrated on this machine" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [line.split()[:2] for line in lines] == [["1", "2"], ["2", "1"]]
+    assert sum("<- use" in line for line in lines) == 1
+    for line in lines:
+        sync_s, periodic_s = float(line.split()[4]), float(line.split()[5])
+        assert 0.01 < periodic_s <= sync_s < 10
