@@ -1,0 +1,21 @@
+"""megatron's process groups over the trainer's own ranks.
+
+megatron's `initialize_model_parallel` builds its groups over the whole world; in a Tidal job the
+trainer owns only some of its ranks (the generator and the reward hold the others), so the trainer
+hands GPTModel a ProcessGroupCollection of groups it made itself (every rank creates every group,
+in the same order: DESIGN.md). megatron-core 0.16 then needs parallel_state only for its global
+memory buffer, set here once.
+"""
+from __future__ import annotations
+
+
+def process_groups(*, tp, dp, single):
+    """tp: this rank's tensor-parallel group; dp: its data-parallel group; single: a group of this
+    rank alone (context and pipeline parallelism: not used, size 1)."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # DotProductAttention's scratch buffer
+        parallel_state._set_global_memory_buffer()
+    return ProcessGroupCollection(tp=tp, dp=dp, dp_cp=dp, tp_cp=tp, cp=single, pp=single, embd=single,
+                                  pos_embd=single)
