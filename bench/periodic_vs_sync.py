@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from controller.spawn import free_port  # noqa: E402
 from planner.calibrate import calibrate, fit_concurrency, shapes_of  # noqa: E402
-from planner.model import simulate  # noqa: E402
+from planner.plan import predict  # noqa: E402
 
 LONG_TAIL_MODEL = "{long_tail_model}"  # made by long_tail_model() in the run's temp dir
 # generator and trainer on one core each (reward is light); 3 ranks on this 2-core machine
@@ -84,9 +84,11 @@ def med(rows: list[dict], key) -> float:
     return statistics.median(key(r) for r in rows[1:])  # step 0 warms up
 
 
-def predicted(run_dir: Path, rates, schedule: str) -> float:
-    shapes = shapes_of(run_dir)
-    return statistics.median(simulate(shapes[s], rates, schedule=schedule).step_s for s in sorted(shapes) if s >= 1)
+def predicted(run_dir: Path, rates) -> tuple[float, float]:
+    """The planner's median sync and periodic step over a run's steps (its own response lengths)."""
+    shapes = [shape for step, shape in sorted(shapes_of(run_dir).items()) if step >= 1]
+    sync, periodic, _ = predict(shapes, rates, replicas=1, dp=1)
+    return sync, periodic
 
 
 def main() -> None:
@@ -113,8 +115,8 @@ def main() -> None:
             sync_step, per_step, t_gen, t_train, pred_sync, pred_per, digests_equal = [], [], [], [], [], [], True
             for i in range(args.repeats):
                 s = run(overrides, "sync", args.steps, tmp / "sync")
-                pred_sync.append(predicted(tmp / "sync", rates, "sync"))
-                pred_per.append(predicted(tmp / "sync", rates, "periodic"))
+                for preds, value in zip((pred_sync, pred_per), predicted(tmp / "sync", rates)):
+                    preds.append(value)
                 q = run(overrides, "periodic", args.steps, tmp / "periodic")
                 digests_equal &= [r["rollout_digest"] for r in s] == [r["rollout_digest"] for r in q]
                 sync_step.append(med(s, lambda r: r["step_s"]))

@@ -152,7 +152,7 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     return cfg.model_copy(update={"sources": defaults.sources(cfg.resolved(), layers)})
 
 
-def _plan(args: argparse.Namespace, argv: list[str], cfg: RunConfig) -> int:
+def _plan(args: argparse.Namespace, cfg: RunConfig) -> int:
     from planner.plan import plan_from_file, plan_here
 
     if args.rates:
@@ -161,24 +161,12 @@ def _plan(args: argparse.Namespace, argv: list[str], cfg: RunConfig) -> int:
     from controller.devices import device_count
 
     devices = args.devices or max(2, device_count())
-    calib = _strip(argv, "--plan", "--devices", "--rates", "--output-dir", "--steps", "--schedule", "--overwrite")
-    print(plan_here(calib, devices=devices, gen_tp=cfg.generator.tp, train_tp=cfg.trainer.tp))
+    # the job as configured; the calibration runs choose their own steps, schedule and output dir
+    job = ["--algo", args.algo, *(["--config", str(args.config)] if args.config else []),
+           *(["--seed", str(args.seed)] if args.seed is not None else []),
+           *[arg for spec in args.overrides for arg in ("--set", spec)]]
+    print(plan_here(job, devices=devices, gen_tp=cfg.generator.tp, train_tp=cfg.trainer.tp))
     return 0
-
-
-def _strip(argv: list[str], *flags: str) -> list[str]:
-    """argv without the given flags and their values (--flag VALUE or --flag=VALUE)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        name = a.split("=", 1)[0]
-        if name in flags:
-            skip = "=" not in a and name != "--plan"
-            continue
-        out.append(a)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         from launch.preflight import preflight
 
         if args.plan:
-            return _plan(args, argv, cfg)
+            return _plan(args, cfg)
         preflight(cfg, resume=args.resume, overwrite=args.overwrite, writes=not args.dry_run)
         if args.dry_run:
             from launch.dryrun import describe

@@ -2,10 +2,9 @@
 
 A sync run is the cleanest source (generation and training never share the hardware):
   generator  least squares of each group's leave time (its "generated" mark, from the start of the
-             step's "generate" span) on the forwards, rows and sends the engine replay says were
-             done by then
+             step's "generate" span) on the work the engine replay says was done by then (FITTED)
   trainer    least squares of the time each group took (from the previous "train" span's end, so
-             receiving is included) on its tokens
+             receiving is included) on its samples and tokens
   barrier    from the last group's end to the push; push: the "push" span
   reward     the median "scored" span; handoff: what is left of the last group's way to the trainer
 Step 0 warms up and is skipped. Response lengths come from samples.jsonl, prompt lengths from the
@@ -14,13 +13,20 @@ trainer's token count (tokens - response tokens, spread evenly over the step's p
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import statistics
 from pathlib import Path
 
 import torch
 
-from planner.model import GenFeatures, GenRates, Rates, StepShape, TrainRates, replay_engine, simulate
+from planner.model import GenFeatures, GenRates, Rates, StepShape, TrainRates, simulate
+
+# the generator terms a calibration fits (GenRates field <- GenFeatures field). A prefill counts as
+# one more forward; its prompt-token term is too small to tell from noise at calibration sizes
+# (fitted, it took the time of the forwards), and a rates file may give it for long prompts.
+FITTED = {"forward_s": "forwards", "row_s": "rows", "row_col_s": "row_cols", "send_s": "sends",
+          "join_cell_s": "join_cells"}
 
 
 def _lines(path: Path) -> list[dict]:
@@ -105,12 +111,7 @@ def calibrate(*run_dirs: Path, concurrency: float = 1.0, skip: int = 1) -> Rates
                               for m in es if m["kind"] == "generated"), default=None)
             if last_leave is not None:
                 handoff.append(trains[0]["t0"] - last_leave)
-    # forwards, rows, sends and joins only: on short prompts a prefill is one more forward, and the
-    # attention and prompt-token terms are too small to tell from noise at calibration sizes
-    # (fitted, they took the time of the forwards); a rates file may give them for long contexts
-    terms = ("forward_s", "row_s", "row_col_s", "send_s", "join_cell_s")
-    coef = _nonneg_lstsq([[x[0], x[1], x[2], x[4], x[5]] for x in gen_X], gen_y)
-    gen = GenRates(**dict(zip(terms, coef)))
+    gen = GenRates(**dict(zip(FITTED, _nonneg_lstsq(gen_X, gen_y))))
     group_s, sample_s, token_s = _nonneg_lstsq(train_X, train_y)
     reward_s = statistics.median(scored) if scored else 0.0
     return Rates(gen=gen, train=TrainRates(group_s=group_s, sample_s=sample_s, token_s=token_s,
@@ -128,15 +129,12 @@ def _generator_rows(by: dict, shapes: dict[int, StepShape], X: list, y: list) ->
         start = [e["t0"] for e in evs if e["kind"] == "generate"]
         if ex != "generator" or not marks or not start:
             continue
-        shape = shapes[step]
-        mine = [(i, shape.prompt_lens[i], len(shape.lengths[i]), max(shape.lengths[i]))
-                for i in sorted(e["index"] for e in marks)]
         done, at = GenFeatures(), {}
-        for index, work in replay_engine(mine, max_batch_prompts=shape.max_batch_prompts, admission=shape.admission):
+        for index, work in shapes[step].replay(sorted(e["index"] for e in marks)):
             done = done + work
             at[index] = done
         for e in marks:
-            X.append(at[e["index"]].as_list())
+            X.append([getattr(at[e["index"]], name) for name in FITTED.values()])
             y.append(e["t0"] - start[0])
 
 
@@ -149,8 +147,7 @@ def fit_concurrency(rates: Rates, periodic_dir: Path, *, skip: int = 1) -> float
                                  if row["step"] in steps)
 
     def error(c: float) -> float:
-        r = Rates(gen=rates.gen, train=rates.train, reward_group_s=rates.reward_group_s, handoff_s=rates.handoff_s,
-                  concurrency=c)
+        r = dataclasses.replace(rates, concurrency=c)
         return abs(statistics.median(simulate(shapes[s], r, schedule="periodic").step_s for s in steps) - measured)
 
     return min((c / 100 for c in range(100, 19, -1)), key=error)  # ties: the least slow-down

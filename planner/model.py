@@ -18,7 +18,7 @@ measured on a shared CPU). That is the only coupling between executors besides t
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 ADMISSIONS = ("chunked", "continuous")
 
@@ -83,6 +83,15 @@ class StepShape:
         prompt = self.prompt_lens[i] * (1 if self.shared_prompt else len(self.lengths[i]))
         return prompt + sum(self.lengths[i])
 
+    @property
+    def tokens(self) -> int:
+        return sum(self.group_tokens(i) for i in range(len(self.lengths)))
+
+    def replay(self, indices) -> list[tuple[int, "GenFeatures"]]:
+        """replay_engine over the prompts `indices` (one replica's, in its order)."""
+        prompts = [(i, self.prompt_lens[i], len(self.lengths[i]), max(self.lengths[i])) for i in indices]
+        return replay_engine(prompts, max_batch_prompts=self.max_batch_prompts, admission=self.admission)
+
 
 @dataclass(frozen=True)
 class GenFeatures:
@@ -95,10 +104,7 @@ class GenFeatures:
     join_cells: int = 0
 
     def __add__(self, o: "GenFeatures") -> "GenFeatures":
-        return GenFeatures(*(a + b for a, b in zip(self.as_list(), o.as_list())))
-
-    def as_list(self) -> list[int]:
-        return [self.forwards, self.rows, self.row_cols, self.prefill_tokens, self.sends, self.join_cells]
+        return GenFeatures(*(getattr(self, f.name) + getattr(o, f.name) for f in fields(self)))
 
 
 def replay_engine(prompts: list[tuple[int, int, int, int]], *, max_batch_prompts: int,
@@ -165,9 +171,7 @@ def simulate(shape: StepShape, rates: Rates, *, schedule: str) -> Prediction:
     B = len(shape.lengths)
     gens = [_Server(counts=True) for _ in range(shape.replicas)]
     for r, server in enumerate(gens):  # replica r samples prompts r, r + replicas, ... in index order
-        mine = [(i, shape.prompt_lens[i], len(shape.lengths[i]), max(shape.lengths[i])) for i in range(r, B, shape.replicas)]
-        for index, work in replay_engine(mine, max_batch_prompts=shape.max_batch_prompts, admission=shape.admission):
-            server.queue.append((index, rates.gen.cost(work)))
+        server.queue.extend((index, rates.gen.cost(work)) for index, work in shape.replay(range(r, B, shape.replicas)))
     reward = _Server(counts=False)
     units = [_Server(counts=True) for _ in range(shape.dp)]
     held: list[int] = []  # groups handed to the trainer's side (sync: waiting for the whole batch)
@@ -195,7 +199,7 @@ def simulate(shape: StepShape, rates: Rates, *, schedule: str) -> Prediction:
             s.current = None
             if s is reward:
                 in_flight.append((t + rates.handoff_s, index))
-            elif s.counts and any(s is g for g in gens):
+            elif s in gens:  # by identity (eq=False)
                 gen_end = max(gen_end, t)
                 reward.queue.append((index, rates.reward_group_s))
         release = held if schedule == "periodic" else (sorted(held) if len(held) == B else [])
@@ -209,4 +213,4 @@ def simulate(shape: StepShape, rates: Rates, *, schedule: str) -> Prediction:
     train_end = t
     return Prediction(step_s=train_end + rates.train.barrier_s + rates.train.push_s, gen_s=gen_end,
                       train_end_s=train_end, first_train_s=first_train if first_train is not None else t,
-                      tokens=sum(shape.group_tokens(i) for i in range(B)))
+                      tokens=shape.tokens)

@@ -41,7 +41,7 @@ def predict(shapes: list[StepShape], rates: Rates, *, replicas: int, dp: int) ->
     laid = [replace(s, replicas=replicas, dp=dp) for s in shapes]
     sync = statistics.median(simulate(s, rates, schedule="sync").step_s for s in laid)
     periodic = statistics.median(simulate(s, rates, schedule="periodic").step_s for s in laid)
-    return sync, periodic, statistics.mean(simulate(s, rates, schedule="sync").tokens for s in laid)
+    return sync, periodic, statistics.mean(s.tokens for s in laid)
 
 
 def splits(shapes: list[StepShape], rates: Rates, *, devices: int, gen_tp: int = 1, train_tp: int = 1,
@@ -119,10 +119,12 @@ def plan_here(argv: list[str], *, devices: int, gen_tp: int, train_tp: int) -> s
         rates = calibrate(sync_dir)
         rates = replace(rates, concurrency=fit_concurrency(rates, periodic_dir))
         shapes = [s for step, s in sorted(shapes_of(sync_dir).items()) if step >= 1]
-    g = rates.gen
-    head = (f"calibrated on this machine: decode forward {g.forward_s * 1e3:.2f} ms + {g.row_s * 1e6:.1f} us/row, "
-            f"training {1 / max(rates.train.token_s, 1e-12):.0f} tokens/s per unit + {rates.train.group_s * 1e3:.1f} "
-            f"ms/group, barrier+push {(rates.train.barrier_s + rates.train.push_s) * 1e3:.1f} ms, executors keep "
+    # per-term rates are not all identifiable from one job's shape; what the model makes of it is
+    steps = [simulate(s, rates, schedule="sync") for s in shapes]
+    head = (f"calibrated on this machine (sync, as run): generation "
+            f"{statistics.median(p.gen_s for p in steps):.3g} s, training "
+            f"{statistics.median(p.train_end_s - p.first_train_s for p in steps):.3g} s, barrier+push "
+            f"{rates.train.barrier_s + rates.train.push_s:.3g} s per step; executors keep "
             f"{rates.concurrency:.2f} of their speed while overlapping")
     return head + "\n" + table(splits(shapes, rates, devices=devices, gen_tp=gen_tp, train_tp=train_tp), devices=devices)
 

@@ -105,9 +105,7 @@ def _write_run(run: Path, shape: StepShape, rates: Rates, *, steps: int = 3) -> 
         t0 = 1000.0 * (step + 1)
         gen_ev.append({"executor": "generator", "rank": 0, "step": step, "kind": "generate", "t0": t0, "t1": t0})
         done = GenFeatures()
-        prompts = [(i, shape.prompt_lens[i], len(shape.lengths[i]), max(shape.lengths[i]))
-                   for i in range(len(shape.lengths))]
-        for index, work in replay_engine(prompts, max_batch_prompts=shape.max_batch_prompts, admission=shape.admission):
+        for index, work in shape.replay(range(len(shape.lengths))):
             done = done + work
             gen_ev.append({"executor": "generator", "rank": 0, "step": step, "kind": "generated",
                            "t0": t0 + rates.gen.cost(done), "t1": t0 + rates.gen.cost(done), "index": index})

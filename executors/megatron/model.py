@@ -48,7 +48,8 @@ def build(config, *, tp: int = 1, groups=None, parallel_output: bool = True):
 
 def load_hf(model, hf_state: dict[str, torch.Tensor], config, *, tp: int, rank: int) -> None:
     """Copy an HF state dict into a built GPTModel's tensor-parallel part; every weight must land."""
-    mine = shard(to_megatron(hf_state, Layout.of(config)), Layout.of(config), tp=tp, rank=rank)
+    lay = Layout.of(config)
+    mine = shard(to_megatron(hf_state, lay), lay, tp=tp, rank=rank)
     missing, unexpected = model.load_state_dict(mine, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     assert not missing and not unexpected, (missing, unexpected)
