@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +23,7 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from controller.spawn import free_port  # noqa: E402
+from bench.jobs import run_job  # noqa: E402
 from planner.calibrate import calibrate, fit_concurrency, shapes_of  # noqa: E402
 from planner.plan import predict  # noqa: E402
 
@@ -69,15 +67,7 @@ def long_tail_model(path: Path) -> str:
 
 def run(overrides: list[str], schedule: str, steps: int, out: Path) -> list[dict]:
     """One run into `out`; its metrics rows."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", f"--master-port={free_port()}",
-           "launch.py", "--algo", "grpo", "--steps", str(steps), "--schedule", schedule, "--output-dir", str(out),
-           "--overwrite", "--set", "logging.samples_every=1"]
-    for o in overrides:
-        cmd += ["--set", o]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        raise SystemExit(f"run failed ({schedule}):\n{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return run_job(out, steps=steps, overrides=["logging.samples_every=1", *overrides], args=("--schedule", schedule))
 
 
 def med(rows: list[dict], key) -> float:

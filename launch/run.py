@@ -77,6 +77,11 @@ def start(out: Path, *, cfg: RunConfig, resume: str | None) -> Start:
         raise ValueError(f"--resume: the config differs from the one checkpoint {found.path} was trained with: "
                          f"{'; '.join(changes)} (a resumed run may change only the layout, steps, timeouts and "
                          f"checkpoint settings)")
+    saved = (found.config["trainer"]["dp"], found.config["trainer"]["tp"])
+    if cfg.trainer.backend == "megatron" and saved != (cfg.trainer.dp, cfg.trainer.tp):
+        raise ValueError(f"--resume: trainer.backend=megatron keeps its optimizer state per rank, so checkpoint "
+                         f"{found.path} resumes with the layout it was saved under: trainer.dp={saved[0]}, "
+                         f"trainer.tp={saved[1]} (this run: {cfg.trainer.dp}, {cfg.trainer.tp})")
     if found.step + 1 >= cfg.steps:
         raise ValueError(f"--resume: checkpoint {found.path} holds step {found.step}, the last of steps={cfg.steps}; "
                          f"raise --steps to train further")

@@ -20,9 +20,11 @@ REQUIRED = {"step", "reward_mean", "reward_std", "response_len_mean", "loss", "k
 
 
 def launch(out: Path, *args: str, nproc: int = 3, steps: int = 3, timeout: float = 240,
-           algo: str = "grpo") -> subprocess.CompletedProcess:
+           algo: str = "grpo", defaults: bool = False) -> subprocess.CompletedProcess:
+    """defaults: the embedded job as `make demo` runs it, without the small batch of SMALL."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           "launch.py", "--algo", algo, "--steps", str(steps), "--output-dir", str(out), *SMALL, *args]
+           "launch.py", "--algo", algo, "--steps", str(steps), "--output-dir", str(out), *([] if defaults else SMALL),
+           *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 

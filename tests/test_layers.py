@@ -37,7 +37,7 @@ NARROW = {
 ALGORITHM_USERS = ("executors/trainer/", "executors/critic/")
 # executors talk through channels, never by importing each other (DESIGN.md "Layout"): an executor's
 # package may import the shared ones, and another executor's light config classes only
-SHARED_EXECUTOR_PACKAGES = {"base", "hf", "parallel", "training", "embedded"}
+SHARED_EXECUTOR_PACKAGES = {"base", "hf", "parallel", "training", "embedded", "megatron"}  # megatron: a trainer backend
 
 
 def _executor_package(rel: str) -> str | None:

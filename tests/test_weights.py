@@ -12,7 +12,6 @@ from controller.job import run_job
 from controller.spawn import spawn
 from channels.reshard import chunk
 from channels.weights import _check_same_model
-from executors.parallel import local_shards
 from tests.fixtures import small_config
 
 
@@ -26,8 +25,8 @@ def _run(tmp, trainer: dict, generator: dict):
         t = env.units[env.unit_index].index(env.rank)
         return {"shards": {n: s.clone() for n, s in local.shards.items()}, "tp": cfg.generator.tp, "t": t,
                 "specs": local.specs}
-    if local.name == "trainer":
-        return {"shards": {n: s.clone() for n, s in local_shards(local.models.policy).items()}}
+    if local.name == "trainer":  # what it pushes: its local shards under the generator's names
+        return {"shards": {n: s.clone() for n, s in local.models.shards().items()}}
     return None
 
 
@@ -43,6 +42,9 @@ LAYOUTS = {
     "dp2->2 replicas": ({"dp": 2}, {"replicas": 2}),  # each trainer replica feeds one generator replica
     "fsdp2->tp2": ({"dp": 2, "fsdp": True}, {"tp": 2}),  # FSDP row halves into tp column/row shards
     "tp2->2 replicas": ({"tp": 2}, {"replicas": 2}),  # replica 1 fed by replica 0 (relay)
+    # megatron's fused qkv / fc1 tp parts, converted on each trainer rank to the torch backend's shards
+    "megatron tp2->tp2": ({"tp": 2, "backend": "megatron"}, {"tp": 2}),
+    "megatron dp2->2 replicas": ({"dp": 2, "backend": "megatron"}, {"replicas": 2}),
 }
 
 
@@ -57,7 +59,7 @@ def test_push_reaches_every_generator_rank_bit_identically(tmp_path, layout):
             want = _slice(tensor.detach(), gen["specs"][name], tp=gen["tp"], t=gen["t"])
             assert torch.equal(gen["shards"][name], want), name
     trainers = [r["shards"] for r in results[3:5]]
-    if layout == "dp2->2 replicas":
+    if "dp2->2 replicas" in layout:
         assert all(torch.equal(trainers[0][n], trainers[1][n]) for n in trainers[0])  # dp replicas agree
         assert any(not torch.equal(trainers[0][n], step0[n]) for n in step0)  # step 1 moved on (not pushed)
 

@@ -103,8 +103,8 @@ class ValueModels(LearnerModels):
             self.value.reshard()
 
     def ref_logprobs(self, mbs: list, *, pad_to: int) -> list:
-        return frozen_logprobs(self.reference, mbs, pad_to=pad_to, dummy=self.dummy, temperature=self.temperature,
-                               chunk=self.cfg.logprob_chunk)
+        return frozen_logprobs(self.reference, mbs, pad_to=pad_to, dummy=self.dummy, logprobs=lambda model, mb: mb.logprobs(
+            model, temperature=self.temperature, chunk=self.cfg.logprob_chunk))
 
     def save(self, path, *, leader: bool) -> None:
         save_full(self.master, self.tokenizer, path, leader=leader)

@@ -14,7 +14,7 @@ def _rope_theta(config) -> float:
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
-def transformer_config(config, *, tp: int):
+def transformer_config(config, *, tp: int, dtype: torch.dtype = torch.float32):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     lay = Layout.of(config)
@@ -27,20 +27,23 @@ def transformer_config(config, *, tp: int):
         qk_layernorm=lay.qk_norm, hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        use_cpu_initialization=True, params_dtype=torch.float32)
+        use_cpu_initialization=True, params_dtype=dtype,
+        # bf16 weights: attention's softmax in fp32 (megatron's attention_softmax_in_fp32), as HF's eager/sdpa paths
+        bf16=dtype == torch.bfloat16)
 
 
-def build(config, *, tp: int = 1, groups=None, parallel_output: bool = True):
+def build(config, *, tp: int = 1, groups=None, parallel_output: bool = True, dtype: torch.dtype = torch.float32):
     """A GPTModel with config's shape, on this rank's tensor-parallel part. groups: a
     ProcessGroupCollection (executors/megatron/groups.py) whose tp group has tp ranks; None: megatron's
     own parallel_state. parallel_output: logits stay vocab-sharded (for a vocab-parallel
-    log-softmax); False gathers them whole."""
+    log-softmax); False gathers them whole. dtype: the parameters' (bf16 also runs attention's
+    softmax in fp32)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     lay = Layout.of(config)
     spec = get_gpt_layer_local_spec(qk_layernorm=lay.qk_norm, normalization="RMSNorm")
-    return GPTModel(config=transformer_config(config, tp=tp), transformer_layer_spec=spec,
+    return GPTModel(config=transformer_config(config, tp=tp, dtype=dtype), transformer_layer_spec=spec,
                     vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
                     share_embeddings_and_output_weights=lay.tied, position_embedding_type="rope",
                     rotary_base=_rope_theta(config), parallel_output=parallel_output, pg_collection=groups)

@@ -95,9 +95,12 @@ def clip_grad_norm_(params, max_norm: float, *, mesh: DeviceMesh | None) -> floa
     """
     world = mesh.size() if mesh is not None else 1
     sq = torch.zeros((), dtype=torch.float64)
-    grads = [p.grad for p in params if p.grad is not None]
-    for g in grads:
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    for p, g in zip(params, grads):
         copies = world  # a plain tensor is replicated on every rank of the mesh
+        if getattr(p, "tensor_model_parallel", False):  # megatron's: a plain tensor cut over mesh["tp"]
+            copies = world // mesh["tp"].size()
         if isinstance(g, DTensor):
             assert not any(pl.is_partial() for pl in g.placements), "reduce partial gradients first"
             sharded = 1

@@ -10,6 +10,8 @@ loss sums and group records as typed values), barrier.py (combine, normalise, st
 step's state and its metrics record); what it shares with the critic is in executors/training/
 (micro-batches, the order groups are taken in under each layout, the optimizer).
 Parallel layout: a ("dp", "tp") mesh over the trainer's ranks; a unit (one dp slot) is tp ranks.
+Backends (trainer.backend): torch (models.py: HF classes, DTensor tp, FSDP2) or megatron
+(megatron_models.py: megatron-core GPTModels); this file and the barrier are the same for both.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ class Trainer(Learner):
             self.inputs = {"scored": AdvantagedGroup}
 
     def describe(self):
-        return {"dp": self.cfg.dp, "tp": self.cfg.tp, "fsdp": self.cfg.fsdp, "algo": self.algo.name,
+        return {"dp": self.cfg.dp, "tp": self.cfg.tp, "fsdp": self.cfg.fsdp, "backend": self.cfg.backend, "algo": self.algo.name,
                 "reference": self.algo_cfg.needs_reference}
 
     def init(self, env: ExecutorEnv) -> None:
@@ -63,14 +65,19 @@ class Trainer(Learner):
         # model code (transformers, DTensor) loads here, on the trainer's ranks: building a graph
         # (the CLI, --dry-run) stays light
         from executors.trainer.barrier import Barrier
-        from executors.trainer.models import TriModel
 
+        if self.cfg.backend == "megatron":
+            from executors.trainer.megatron_models import MegatronTriModel as TriModel
+        else:
+            from executors.trainer.models import TriModel
         self.models = TriModel.build(model_path=self.model_path, dtype=self.dtype, env=env, cfg=self.cfg,
                                      temperature=self.temperature, reference=self.algo_cfg.needs_reference,
                                      snapshot=self.passes > 1, policy_path=env.resume)
-        self.optim = Barrier(self.models.master, compute=self.models.policy, cfg=self.cfg, total_steps=self.total_steps, mesh=self.models.mesh,
-                             dp_group=self.models.dp_group, passes=self.first_passes,
-                             replicated_dp=not self.shards_over_units)
+        megatron = self.cfg.backend == "megatron"  # q/k-norm gradients summed over tp; AdamW sharded over dp
+        self.optim = Barrier(self.models.master, compute=self.models.policy, cfg=self.cfg, total_steps=self.total_steps,
+                             mesh=self.models.mesh, dp_group=self.models.dp_group, passes=self.first_passes,
+                             replicated_dp=not self.shards_over_units,
+                             tp_partial=self.models.tp_partial() if megatron else None, zero=megatron)
         if env.resume is not None:  # the policy came from the checkpoint; the optimizer and schedule too
             self.optim.load(env.resume / "trainer", group=env.group)
 

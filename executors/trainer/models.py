@@ -94,12 +94,16 @@ class TriModel(LearnerModels):
         return shares_prompt(self.cfg, group.prompt_ids, group.responses)
 
     # ---- log-probs ----------------------------------------------------------------------------
+    def _forward(self, model, mb, *, entropy: bool = False):
+        """ResponseLogprobs of `model` on `mb` (a backend's one way of running its models)."""
+        return mb.forward(model, temperature=self.temperature, chunk=self.cfg.logprob_chunk, entropy=entropy)
+
     def policy_logprobs(self, mb, *, entropy: bool = False):
         """ResponseLogprobs of the policy (with the token entropy when asked)."""
-        return mb.forward(self.policy, temperature=self.temperature, chunk=self.cfg.logprob_chunk, entropy=entropy)
+        return self._forward(self.policy, mb, entropy=entropy)
 
     def _logprobs(self, model, mb) -> torch.Tensor:
-        return mb.logprobs(model, temperature=self.temperature, chunk=self.cfg.logprob_chunk)
+        return self._forward(model, mb).logp_NT
 
     def old_logprobs(self, mb, *, policy_NT: torch.Tensor, first_pass: bool) -> torch.Tensor:
         if first_pass or self.old is None:  # the policy IS the old policy until the batch's first optimizer step
@@ -109,8 +113,7 @@ class TriModel(LearnerModels):
 
     def ref_logprobs(self, mbs: list, *, pad_to: int) -> list:
         """Reference log-probs per micro-batch (None without a reference), then lockstep dummies."""
-        return frozen_logprobs(self.reference, mbs, pad_to=pad_to, dummy=self.dummy, temperature=self.temperature,
-                               chunk=self.cfg.logprob_chunk)
+        return frozen_logprobs(self.reference, mbs, pad_to=pad_to, dummy=self.dummy, logprobs=self._logprobs)
 
     # ---- outputs ------------------------------------------------------------------------------
     def save(self, path, *, leader: bool) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -85,15 +86,16 @@ class LearnerModels:
 
 
 @torch.no_grad()
-def frozen_logprobs(model: nn.Module | None, mbs: list, *, pad_to: int, dummy, temperature: float,
-                    chunk: int) -> list:
-    """A frozen model's (the reference's) log-probs per micro-batch, then forwards of lockstep dummies
-    up to `pad_to` micro-steps; [None] * len(mbs) without a model."""
+def frozen_logprobs(model: nn.Module | None, mbs: list, *, pad_to: int, dummy,
+                    logprobs: Callable[[nn.Module, object], torch.Tensor]) -> list:
+    """A frozen model's (the reference's) `logprobs(model, mb)` per micro-batch, then forwards of
+    lockstep dummies up to `pad_to` micro-steps (the same collectives as a real micro-batch);
+    [None] * len(mbs) without a model."""
     if model is None:
         return [None] * len(mbs)
-    refs = [mb.logprobs(model, temperature=temperature, chunk=chunk) for mb in mbs]
+    refs = [logprobs(model, mb) for mb in mbs]
     for _ in range(pad_to - len(mbs)):
-        dummy.logprobs(model, temperature=temperature, chunk=chunk)
+        logprobs(model, dummy)
     return refs
 
 

@@ -55,16 +55,27 @@ class Optimizer:
     """AdamW with warm-up / cosine schedule and shard-aware clipping over a model's parameters."""
 
     def __init__(self, model: torch.nn.Module, *, cfg: LearnerConfig, total_steps: int, mesh, dp_group,
-                 passes: tuple[Hashable, ...], replicated_dp: bool, compute: torch.nn.Module | None = None):
+                 passes: tuple[Hashable, ...], replicated_dp: bool, compute: torch.nn.Module | None = None,
+                 tp_partial: list[bool] | None = None, zero: bool = False):
         """model: the weights the optimizer steps. compute: their lower-precision copy that the
         forwards and backwards run on (its gradients are accumulated; it is refreshed after each
-        step); None: the model itself."""
+        step); None: the model itself. tp_partial: per trainable parameter, whether its gradient is a
+        partial sum over mesh["tp"] (megatron's q/k norms). zero: shard AdamW's state over dp (ZeRO-1:
+        each dp rank steps a share of the parameters and broadcasts them); its checkpoint is per rank."""
         self.model, self.compute = model, compute if compute is not model else None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.cfg, self.mesh, self.dp_group = cfg, mesh, dp_group
         self.replicated_dp = replicated_dp  # dp replicas hold full copies: their gradients need a sum
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                                     weight_decay=cfg.weight_decay)
+        self.tp_partial = tp_partial or [False] * len(self.params)
+        kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        self.per_rank = zero
+        if zero and dp_group is not None and dist.get_world_size(dp_group) > 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            self.opt = ZeroRedundancyOptimizer(self.params, optimizer_class=torch.optim.AdamW,
+                                               process_group=dp_group, **kwargs)
+        else:
+            self.opt = torch.optim.AdamW(self.params, **kwargs)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(
             s, warmup=cfg.warmup_steps, schedule=cfg.lr_schedule, total=total_steps, floor=cfg.min_lr_ratio))
         compute_params = [p for p in self.compute.parameters() if p.requires_grad] if self.compute else self.params
@@ -75,6 +86,11 @@ class Optimizer:
         """Sum the accumulators of `passes` over dp replicas (FSDP reduce-scattered each micro-step's already)."""
         if self.replicated_dp and self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             self.grads.all_reduce_(passes, group=self.dp_group)
+        if any(self.tp_partial) and self.mesh["tp"].size() > 1:
+            for name in passes:
+                for acc, partial in zip(self.grads.by_pass[name], self.tp_partial):
+                    if partial:
+                        dist.all_reduce(acc, group=self.mesh.get_group("tp"))
 
     def apply(self, grads: list[torch.Tensor], *, denom: float) -> tuple[float, float]:
         """Step on the summed gradients `grads` / denom: clip, AdamW, refresh the compute copy; zero
@@ -100,6 +116,8 @@ class Optimizer:
     # records each shard's place in the full tensor, so a run saved under one layout (dp, tp, FSDP)
     # loads under another; the schedule is a few numbers, written by the leader as JSON.
     def save(self, path: Path, *, group, leader: bool) -> None:
+        if self.per_rank:
+            return self._save_per_rank(path, group=group, leader=leader)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -109,6 +127,8 @@ class Optimizer:
             (path / "schedule.json").write_text(json.dumps(self.sched.state_dict()))
 
     def load(self, path: Path, *, group) -> None:
+        if self.per_rank:
+            return self._load_per_rank(path, group=group)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
@@ -116,4 +136,27 @@ class Optimizer:
         state = {"optimizer": get_optimizer_state_dict(self.model, self.opt)}
         dcp.load(state, checkpoint_id=path, process_group=group)
         set_optimizer_state_dict(self.model, self.opt, state["optimizer"])
+        self.sched.load_state_dict(json.loads((path / "schedule.json").read_text()))
+
+    # ---- per-rank checkpoints (zero=True: megatron's plain tp-sharded tensors and ZeRO's share of the
+    # state carry no global layout dcp could reshard): each rank its own file; a resume keeps the layout
+    def _layout(self, group) -> dict:
+        return {"ranks": dist.get_world_size(group), "dp": self.cfg.dp, "tp": self.cfg.tp}
+
+    def _local(self) -> torch.optim.Optimizer:
+        return getattr(self.opt, "optim", self.opt)  # ZeRO's own share, or the whole AdamW
+
+    def _save_per_rank(self, path: Path, *, group, leader: bool) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(self._local().state_dict(), path / f"optimizer.rank{dist.get_rank(group)}.pt")
+        if leader:
+            (path / "schedule.json").write_text(json.dumps(self.sched.state_dict()))
+            (path / "layout.json").write_text(json.dumps(self._layout(group)))
+
+    def _load_per_rank(self, path: Path, *, group) -> None:
+        saved = json.loads((path / "layout.json").read_text())
+        if saved != self._layout(group):
+            raise ValueError(f"{path}: this optimizer state was saved per rank under {saved}; resume with that "
+                             f"layout (this run has {self._layout(group)})")
+        self._local().load_state_dict(torch.load(path / f"optimizer.rank{dist.get_rank(group)}.pt"))
         self.sched.load_state_dict(json.loads((path / "schedule.json").read_text()))

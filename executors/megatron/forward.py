@@ -1,0 +1,80 @@
+"""A micro-batch's response log-probs through megatron-core's GPTModel: the same MicroBatch /
+PackedMicroBatch the torch backend takes, the same chunked LM head (executors/training/head.py).
+
+- padded rows [prompt, r_i]: a causal mask (right padding sits after every real token);
+- packed rows (varlen, shared prompt): the row's own mask, and its own positions. megatron's RoPE
+  numbers positions 0..L-1 along the row and takes no position_ids; a shared row needs every
+  response to restart at position P, so a hook on the rotary embedding picks, for each token, the
+  row of megatron's own table at the token's position (the same bits megatron computes there).
+
+The head runs through a hook on `output_layer`, inside GPTModel's own forward, as the torch
+backend's does on `lm_head`: megatron's decoder, final norm and rotary set-up run as megatron runs
+them. The logits of each chunk are gathered over tp (the output layer's runtime gather; its
+backward splits the gradient back to each rank's vocabulary part).
+"""
+from __future__ import annotations
+
+import torch
+
+from executors.training.batching import MicroBatch, ResponseLogprobs
+from executors.training.head import head_logprobs
+from executors.training.packing import PackedMicroBatch
+
+
+def inputs(mb) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [B, L], attention mask [1, 1, L, L] bool, True = not attended: megatron's convention)."""
+    if isinstance(mb, PackedMicroBatch):
+        ids_BL = mb.input_ids_1L
+        sees_LL = mb.pack.dense_LL(ids_BL.device)
+    else:
+        ids_BL = mb.input_ids_NL
+        L = ids_BL.shape[1]
+        sees_LL = torch.ones(L, L, dtype=torch.bool, device=ids_BL.device).tril()
+    return ids_BL, ~sees_LL[None, None]
+
+
+def _select(mb, h_BLH: torch.Tensor) -> torch.Tensor:
+    """The hidden states that predict each real response token, in mask_NT order: [K, H]."""
+    if isinstance(mb, PackedMicroBatch):
+        return h_BLH[0, mb.rows_K]
+    assert isinstance(mb, MicroBatch)
+    T = mb.targets_NT.shape[1]
+    return h_BLH[:, mb.prompt_len - 1: mb.prompt_len - 1 + T][mb.mask_NT]
+
+
+def response_logprobs(model, mb, *, temperature: float, chunk: int, entropy: bool = False) -> ResponseLogprobs:
+    """[N, T] float32 log-probs (and entropy) of `mb`'s response tokens under a GPTModel."""
+    ids_BL, mask = inputs(mb)
+    pos_BL = torch.arange(ids_BL.shape[1], device=ids_BL.device)[None].expand_as(ids_BL)
+    head, out, active = model.output_layer, [], [True]
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+
+    def logits(h_CH):  # one chunk's full-vocabulary logits
+        return head(h_CH[:, None], weight=weight, runtime_gather_output=True)[0][:, 0]
+
+    def take_input(module, args, kwargs):
+        if not active[0]:
+            return None
+        (h_LBH,) = args
+        active.append(_select(mb, h_LBH.transpose(0, 1)))
+        return (h_LBH[:1],), kwargs  # one row reaches megatron's own head call; nothing reads it
+
+    def compute(module, args, kwargs, output):
+        if not active[0]:
+            return None
+        active[0] = False
+        out.append(head_logprobs(logits, active.pop(), mb.targets_NT[mb.mask_NT], temperature=temperature,
+                                 chunk=chunk, entropy=entropy))
+        return None
+
+    handles = [head.register_forward_pre_hook(take_input, with_kwargs=True, prepend=True),
+               head.register_forward_hook(compute, with_kwargs=True)]
+    if isinstance(mb, PackedMicroBatch):  # emb_L11D: megatron's table for positions 0..L-1, picked per token
+        pos_L = mb.position_ids_1L[0]
+        handles.append(model.rotary_pos_emb.register_forward_hook(lambda module, args, emb_L11D: emb_L11D[pos_L]))
+    try:
+        model(input_ids=ids_BL, position_ids=pos_BL, attention_mask=mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ResponseLogprobs.scatter(out[0], mb.mask_NT)

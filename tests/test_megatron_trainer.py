@@ -1,0 +1,169 @@
+"""The trainer with trainer.backend=megatron against the torch backend on the same GRPO step, on real
+gloo ranks: log-probs, the gradients the optimizer receives, and the weights it pushes, at tp=1,
+tp=2 (one model over both ranks) and dp=2 (ZeRO-1 over two replicas); sync and periodic schedules
+bit-identical; shared-prompt, varlen and padded rows alike. One spawn of 2 ranks serves every layout. (The whole job under torchrun, and the
+push into generator ranks: tests/test_e2e_parallel.py, tests/test_weights.py.)"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from algorithms.grpo import GRPOConfig
+from algorithms.registry import get_algorithm
+from channels.reshard import chunk
+from controller.schedules import Periodic, Sync
+from controller.spawn import spawn
+from controller.timeline import Timeline
+from executors.base import ExecutorEnv, StepContext
+from executors.trainer.executor import Trainer, TrainerConfig
+from tests.fixtures import scored_groups
+
+TOL = 1e-5
+
+
+class _Pushed:
+    def push(self, shards, specs):
+        assert shards.keys() == specs.keys()
+        self.named = {n: t.detach().clone() for n, t in shards.items()}
+
+    def flush(self):
+        pass
+
+
+def _trainer(env: ExecutorEnv, **layout) -> Trainer:
+    # adam_eps=1e-3: Adam's first update stays linear in near-zero gradient entries (tests/test_e2e_parallel.py)
+    cfg = TrainerConfig(lr=1e-2, adam_eps=1e-3, grad_clip=0.5, **layout)
+    trainer = Trainer(config=cfg, model_path=None, dtype=torch.float32, algorithm=get_algorithm("grpo"),
+                      algo_config=GRPOConfig(beta=0.04, clip_low=0.2, clip_high=0.28), temperature=0.9, total_steps=4)
+    trainer.init(env)
+    return trainer
+
+
+def _full_grads(trainer: Trainer, seen: dict) -> dict:
+    """The optimizer's gradients under HF names, joined over tp (megatron) or as they are (torch)."""
+    if trainer.cfg.backend == "torch":
+        return seen
+    from executors.megatron.convert import to_hf, unshard
+
+    parts = [None] * trainer.cfg.tp
+    dist.all_gather_object(parts, seen, group=trainer.models.tp_group)
+    lay = trainer.models.layout
+    full = to_hf(unshard(parts, lay), lay)
+    return {n: full[n] for n in trainer.models.hf_specs}
+
+
+def _run(env: ExecutorEnv, groups, *, schedule=Periodic(), **layout) -> dict:
+    """One GRPO step: per-sample log-probs before it, the gradients the optimizer steps on, the push."""
+    trainer = _trainer(env, **layout)
+    logp = {}
+    with torch.no_grad():
+        for g in groups:
+            for mb in trainer.models.micro_batches(g):
+                out_NT = trainer.models.policy_logprobs(mb).logp_NT
+                for n, i in enumerate(mb.samples):
+                    logp[g.index, i] = out_NT[n, : g.responses[i].numel()]
+    seen, names = {}, {id(p): n for n, p in trainer.models.master.named_parameters()}
+    step = trainer.optim.opt.step
+
+    def capture(*args, **kwargs):
+        seen.update({names[id(p)]: p.grad.clone() for p in trainer.optim.params})
+        return step(*args, **kwargs)
+
+    trainer.optim.opt.step = capture
+    pushed = _Pushed()
+    ctx = StepContext(step=0, inbound={"scored": schedule(iter(groups))}, outbound={"weights": pushed},
+                      timeline=Timeline(executor="trainer", rank=env.rank))
+    metrics = trainer.barrier(ctx, trainer.step(ctx))
+    return {"logp": logp, "grads": _full_grads(trainer, seen), "pushed": pushed.named, "specs": trainer.models.specs,
+            "grad_norm": metrics.grad_norm}
+
+
+def _ranks_main(tmp: str):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, cpu, out = dist.get_rank(), torch.device("cpu"), {}
+    single = [dist.new_group([r]) for r in range(2)]  # every rank creates every group, in the same order
+    both = dist.new_group([0, 1])
+    groups = scored_groups(n=4, G=4)
+
+    def env(ranks, units, group):
+        return ExecutorEnv(name="trainer", ranks=ranks, units=units, rank=rank, group=group, device=cpu, seed=0,
+                           output_dir=Path(tmp))
+
+    alone = env((rank,), ((rank,),), single[rank])
+    out["torch"] = _run(alone, groups, backend="torch")
+    out["megatron/tp1"] = _run(alone, groups, backend="megatron")
+    for packing in ("on", "off", "padded"):  # shared-prompt rows restart RoPE positions at P (forward.py)
+        out[f"megatron/tp1/{packing}"] = _run(alone, groups, backend="megatron", shared_prompt=packing)
+    out["megatron/tp2"] = _run(env((0, 1), ((0, 1),), both), groups, backend="megatron", tp=2)
+    mine = [g for g in groups if g.index % 2 == rank]  # group i trains on unit i % dp
+    replicas = env((0, 1), ((0,), (1,)), both)
+    out["megatron/dp2"] = _run(replicas, mine, backend="megatron", dp=2)
+    # the schedules: sync hands groups over after the whole batch, periodic as they come (here: reversed)
+    out["megatron/dp2/sync"] = _run(replicas, mine, schedule=Sync(), backend="megatron", dp=2)
+    out["megatron/dp2/periodic-reversed"] = _run(replicas, mine[::-1], backend="megatron", dp=2)
+    out["megatron/tp2/sync"] = _run(env((0, 1), ((0, 1),), both), groups, schedule=Sync(), backend="megatron", tp=2)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return spawn(_ranks_main, 2, str(tmp_path_factory.mktemp("megatron_trainer")), timeout_s=600)
+
+
+LAYOUTS = ["megatron/tp1", "megatron/tp2", "megatron/dp2", "megatron/tp1/on", "megatron/tp1/off", "megatron/tp1/padded"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logprobs_equal_the_torch_backend(ranks, layout):
+    for r in ranks:
+        ref, got = r["torch"]["logp"], r[layout]["logp"]
+        if layout != "megatron/dp2":
+            assert got.keys() == ref.keys()
+        assert got.keys() <= ref.keys() and got
+        worst = max((got[k] - ref[k]).abs().max().item() for k in got)
+        assert worst < TOL, (layout, worst)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gradients_equal_the_torch_backend(ranks, layout):
+    for r in ranks:
+        ref, got = r["torch"]["grads"], r[layout]["grads"]
+        assert got.keys() == ref.keys()
+        assert max(g.abs().max().item() for g in ref.values()) > 1e-3  # a real gradient, so the bound can fail
+        worst = max((got[n] - g).abs().max().item() for n, g in ref.items())
+        assert worst < TOL, (layout, worst)
+        assert abs(r[layout]["grad_norm"] - r["torch"]["grad_norm"]) < TOL * r["torch"]["grad_norm"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pushed_weights_equal_the_torch_backend(ranks, layout):
+    """The push is the torch backend's: the same names and specs, each rank its tp slice."""
+    tp = 2 if layout.startswith("megatron/tp2") else 1
+    for rank, r in enumerate(ranks):
+        ref, got, specs = r["torch"]["pushed"], r[layout]["pushed"], r[layout]["specs"]
+        assert got.keys() == ref.keys() and specs == r["torch"]["specs"]
+        worst = 0.0
+        for name, full in ref.items():
+            dim = specs[name].tp_dim
+            want = full if tp == 1 or dim is None else full.narrow(dim, *_span(full.shape[dim], tp, rank))
+            worst = max(worst, (got[name] - want).abs().max().item())
+        assert worst < TOL, (layout, worst)
+
+
+def _span(size: int, parts: int, part: int) -> tuple[int, int]:
+    start, stop = chunk(size, parts, part)
+    return start, stop - start
+
+
+@pytest.mark.parametrize("layout", ["megatron/dp2", "megatron/tp2"])
+def test_sync_and_periodic_push_the_same_bits(ranks, layout):
+    for r in ranks:
+        base = r[layout]["pushed"]
+        for other in (f"{layout}/sync", f"{layout}/periodic-reversed"):
+            if other in r:
+                assert all(torch.equal(base[n], r[other]["pushed"][n]) for n in base), other
