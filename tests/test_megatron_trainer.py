@@ -58,13 +58,14 @@ def _full_grads(trainer: Trainer, seen: dict) -> dict:
 def _run(env: ExecutorEnv, groups, *, schedule=Periodic(), **layout) -> dict:
     """One GRPO step: per-sample log-probs before it, the gradients the optimizer steps on, the push."""
     trainer = _trainer(env, **layout)
-    logp = {}
+    logp, ent = {}, {}
     with torch.no_grad():
         for g in groups:
             for mb in trainer.models.micro_batches(g):
-                out_NT = trainer.models.policy_logprobs(mb).logp_NT
+                out = trainer.models.policy_logprobs(mb, entropy=True)
                 for n, i in enumerate(mb.samples):
-                    logp[g.index, i] = out_NT[n, : g.responses[i].numel()]
+                    logp[g.index, i] = out.logp_NT[n, : g.responses[i].numel()]
+                    ent[g.index, i] = out.entropy_NT[n, : g.responses[i].numel()]
     seen, names = {}, {id(p): n for n, p in trainer.models.master.named_parameters()}
     step = trainer.optim.opt.step
 
@@ -77,7 +78,7 @@ def _run(env: ExecutorEnv, groups, *, schedule=Periodic(), **layout) -> dict:
     ctx = StepContext(step=0, inbound={"scored": schedule(iter(groups))}, outbound={"weights": pushed},
                       timeline=Timeline(executor="trainer", rank=env.rank))
     metrics = trainer.barrier(ctx, trainer.step(ctx))
-    return {"logp": logp, "grads": _full_grads(trainer, seen), "pushed": pushed.named, "specs": trainer.models.specs,
+    return {"logp": logp, "entropy": ent, "grads": _full_grads(trainer, seen), "pushed": pushed.named, "specs": trainer.models.specs,
             "grad_norm": metrics.grad_norm}
 
 
@@ -99,6 +100,8 @@ def _ranks_main(tmp: str):
     for packing in ("on", "off", "padded"):  # shared-prompt rows restart RoPE positions at P (forward.py)
         out[f"megatron/tp1/{packing}"] = _run(alone, groups, backend="megatron", shared_prompt=packing)
     out["megatron/tp2"] = _run(env((0, 1), ((0, 1),), both), groups, backend="megatron", tp=2)
+    # the vocabulary-parallel head 4 tokens at a time: each chunk recomputed in the backward, collectives too
+    out["megatron/tp2/chunk4"] = _run(env((0, 1), ((0, 1),), both), groups, backend="megatron", tp=2, logprob_chunk=4)
     mine = [g for g in groups if g.index % 2 == rank]  # group i trains on unit i % dp
     replicas = env((0, 1), ((0,), (1,)), both)
     out["megatron/dp2"] = _run(replicas, mine, backend="megatron", dp=2)
@@ -115,11 +118,11 @@ def ranks(tmp_path_factory):
     return spawn(_ranks_main, 2, str(tmp_path_factory.mktemp("megatron_trainer")), timeout_s=600)
 
 
-LAYOUTS = ["megatron/tp1", "megatron/tp2", "megatron/dp2", "megatron/tp1/on", "megatron/tp1/off", "megatron/tp1/padded"]
+LAYOUTS = ["megatron/tp1", "megatron/tp2", "megatron/tp2/chunk4", "megatron/dp2", "megatron/tp1/on", "megatron/tp1/off", "megatron/tp1/padded"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_logprobs_equal_the_torch_backend(ranks, layout):
+def test_logprobs_and_entropy_equal_the_torch_backend(ranks, layout):
     for r in ranks:
         ref, got = r["torch"]["logp"], r[layout]["logp"]
         if layout != "megatron/dp2":
@@ -127,6 +130,8 @@ def test_logprobs_equal_the_torch_backend(ranks, layout):
         assert got.keys() <= ref.keys() and got
         worst = max((got[k] - ref[k]).abs().max().item() for k in got)
         assert worst < TOL, (layout, worst)
+        ent, ref_ent = r[layout]["entropy"], r["torch"]["entropy"]
+        assert max((ent[k] - ref_ent[k]).abs().max().item() for k in ent) < TOL, layout
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -9,13 +9,16 @@ PackedMicroBatch the torch backend takes, the same chunked LM head (executors/tr
 
 The head runs through a hook on `output_layer`, inside GPTModel's own forward, as the torch
 backend's does on `lm_head`: megatron's decoder, final norm and rotary set-up run as megatron runs
-them. The logits of each chunk are gathered over tp (the output layer's runtime gather; its
-backward splits the gradient back to each rank's vocabulary part).
+them. The head's logits stay vocabulary-parallel: each tp rank computes its slice [C, V/tp] and the
+log-softmax is joined over tp from three [C] vectors (vocab_parallel.py).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from executors.megatron.vocab_parallel import chunk_logprobs
 from executors.training.batching import MicroBatch, ResponseLogprobs
 from executors.training.head import head_logprobs
 from executors.training.packing import PackedMicroBatch
@@ -49,8 +52,11 @@ def response_logprobs(model, mb, *, temperature: float, chunk: int, entropy: boo
     head, out, active = model.output_layer, [], [True]
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
 
-    def logits(h_CH):  # one chunk's full-vocabulary logits
-        return head(h_CH[:, None], weight=weight, runtime_gather_output=True)[0][:, 0]
+    def logits(h_CH):  # one chunk's logits of this rank's vocabulary slice, [C, V/tp]
+        return head(h_CH[:, None], weight=weight, runtime_gather_output=False)[0][:, 0]
+
+    per_chunk = functools.partial(chunk_logprobs, start=model.embedding.word_embeddings.vocab_start_index,
+                                  group=head.tp_group)
 
     def take_input(module, args, kwargs):
         if not active[0]:
@@ -64,7 +70,7 @@ def response_logprobs(model, mb, *, temperature: float, chunk: int, entropy: boo
             return None
         active[0] = False
         out.append(head_logprobs(logits, active.pop(), mb.targets_NT[mb.mask_NT], temperature=temperature,
-                                 chunk=chunk, entropy=entropy))
+                                 chunk=chunk, entropy=entropy, per_chunk=per_chunk))
         return None
 
     handles = [head.register_forward_pre_hook(take_input, with_kwargs=True, prepend=True),

@@ -37,16 +37,18 @@ def _chunk(head: nn.Module, h_CH: torch.Tensor, targets_C: torch.Tensor, tempera
 
 
 def head_logprobs(head: nn.Module, h_KH: torch.Tensor, targets_K: torch.Tensor, *, temperature: float,
-                  chunk: int, entropy: bool = False) -> TokenLogprobs:
-    """The head on `chunk` tokens at a time (chunk 0: all at once, no recompute)."""
+                  chunk: int, entropy: bool = False, per_chunk: Callable = _chunk) -> TokenLogprobs:
+    """The head on `chunk` tokens at a time (chunk 0: all at once, no recompute). per_chunk: one
+    chunk's (logp, entropy) from (head, h_CH, targets_C, temperature, entropy); default: a head whose
+    output is the whole vocabulary (executors/megatron/vocab_parallel.py has a vocabulary-parallel one)."""
     K = h_KH.shape[0]
     if chunk <= 0 or K <= chunk:  # one chunk: nothing to save by recomputing it
-        return TokenLogprobs(*_chunk(head, h_KH, targets_K, temperature, entropy))
+        return TokenLogprobs(*per_chunk(head, h_KH, targets_K, temperature, entropy))
     logps, ents = [], []
     for s in range(0, K, chunk):
         args = (head, h_KH[s:s + chunk], targets_K[s:s + chunk], temperature, entropy)
-        logp_C, ent_C = (checkpoint(_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
-                         else _chunk(*args))
+        logp_C, ent_C = (checkpoint(per_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
+                         else per_chunk(*args))
         logps.append(logp_C)
         ents.append(ent_C)
     return TokenLogprobs(torch.cat(logps), torch.cat(ents) if entropy else None)
