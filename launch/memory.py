@@ -39,9 +39,13 @@ class Shape:
     kv_width: int  # kv heads x head dim
 
     @classmethod
-    def of(cls, path: str | None) -> "Shape":
-        """From config.json alone (or the embedded model's sizes): --dry-run loads no model code."""
+    def of(cls, path: str | None) -> "Shape | None":
+        """From config.json alone (or the embedded model's sizes): --dry-run loads no model code. None:
+        not a Llama-style decoder (GPT-2 names its sizes n_embd, n_layer, ...), so no estimate."""
         c = json.loads((Path(path) / "config.json").read_text()) if path else MODEL_SIZES
+        if any(k not in c for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size",
+                                    "num_attention_heads")):
+            return None
         return cls.from_fields(c)
 
     @classmethod
@@ -118,8 +122,11 @@ def generator_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
 PARTS = {"generator": generator_parts, "critic": critic_parts, "trainer": trainer_parts}  # executors that hold a model
 
 
-def describe_memory(cfg: RunConfig, m: Shape, *, executors: tuple[str, ...] = ("generator", "trainer")) -> str:
+def describe_memory(cfg: RunConfig, m: Shape | None, *, executors: tuple[str, ...] = ("generator", "trainer")) -> str:
     """The table of --dry-run for the graph's `executors` (those of them that hold a model)."""
+    if m is None:
+        return ("memory per rank: no estimate for this model (the estimate counts Llama-style decoders: "
+                "Llama, Qwen2, Qwen3, Mistral; its config.json lacks their sizes)")
     rows = []
     for name in (e for e in executors if e in PARTS):
         parts = PARTS[name](cfg, m)

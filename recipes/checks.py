@@ -15,9 +15,24 @@ def check_trainer(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
     if t.precision == "bf16" and cfg.model.dtype != "float32":
         raise ValueError("trainer.precision=bf16 keeps float32 master weights: it needs model.dtype=float32 "
                          f"(got {cfg.model.dtype}; model.dtype=bfloat16 alone trains pure bf16 weights)")
+    if t.backend == "megatron":
+        check_megatron(cfg.model.path)
     if dynamic_sampling and t.mini_batches > 1:
         raise ValueError("algorithm.dynamic_sampling with trainer.mini_batches > 1 is not supported yet "
                          "(kept prompt indices are not contiguous, so a mini-batch could be empty)")
+
+
+def check_megatron(model_path: str | None) -> None:
+    """trainer.backend=megatron: megatron-core is installed and converts this model (config.json only)."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        raise ValueError("trainer.backend=megatron needs megatron-core: pip install -e \".[megatron]\" "
+                         "(megatron-core 0.16.1 on Python 3.11; `make install` includes it)")
+    from executors.hf import load_config
+    from executors.megatron.model import check_supported
+
+    check_supported(load_config(model_path))
 
 
 def check_critic(cfg: RunConfig) -> None:

@@ -105,3 +105,19 @@ def test_fsdp_refuses_dynamic_sampling():
                    "--set", "algorithm.dynamic_sampling=true")
     assert proc.returncode == 2
     assert "algorithm.dynamic_sampling with trainer.fsdp and trainer.dp > 1 is not supported" in proc.stderr
+
+
+@pytest.mark.parametrize("config, message", [
+    ("MistralConfig", "trainer.backend=megatron converts qwen3, qwen2, llama models; this one is 'mistral'"),
+    ("LlamaConfig", "trainer.backend=megatron: rope scaling 'linear' is not supported yet"),
+])
+def test_megatron_backend_refuses_a_model_it_cannot_convert_before_any_rank_starts(tmp_path, config, message):
+    import transformers
+
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2)
+    extra = {"rope_scaling": {"rope_type": "linear", "factor": 2.0}} if config == "LlamaConfig" else {}
+    getattr(transformers, config)(**sizes, **extra).save_pretrained(tmp_path)  # config.json is all the check reads
+    proc = _launch("--algo", "grpo", "--dry-run", "--set", f"model.path={tmp_path}", "--set", "trainer.backend=megatron")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: {message}"

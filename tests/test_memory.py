@@ -40,3 +40,14 @@ def test_parameter_count_from_config_json_matches_the_model(family, tie):
     from executors.hf import load_model
 
     assert Shape.of(None).params == sum(p.numel() for p in load_model(None).parameters())
+
+
+def test_a_model_that_is_not_llama_style_gets_no_estimate_not_a_crash(tmp_path):
+    """GPT-2 names its sizes n_embd, n_layer, ...: --dry-run says there is no estimate (it used to raise KeyError)."""
+    import transformers
+
+    from launch.memory import describe_memory
+
+    transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=512).save_pretrained(tmp_path)
+    assert Shape.of(str(tmp_path)) is None
+    assert describe_memory(small_config(), None).startswith("memory per rank: no estimate for this model")

@@ -279,3 +279,7 @@ def test_reward_columns_checked_by_dry_run_and_mapping_fixes_it(tmp_path):
     mapped, _ = _launch(*args, "--set", "data.answer_key=solution")
     assert mapped.returncode == 0, mapped.stderr[-2000:]
     assert "data.answer_key" in mapped.stdout and "--set" in mapped.stdout  # the sources table
+    # a mapped column the rows lack is named, never silently replaced by another column
+    wrong, _ = _launch(*args, "--set", "data.answer_key=answer_text")
+    assert wrong.returncode == 2 and "field 'answer_text' (data.answer_key) is missing" in wrong.stderr, wrong.stderr
+    assert f"{data}:1" in wrong.stderr

@@ -42,7 +42,10 @@ def _row(obj: Any, *, where: str, columns: Columns) -> PromptRow:
     if not isinstance(prompt, str):
         raise ValueError(f"{where}: field {key!r} is of type {type(prompt).__name__}, not a string")
     extras = {k: v for k, v in obj.items() if k != key}
-    if columns.answer != "answer" and columns.answer in obj:
+    if columns.answer != "answer":  # named by the user: that column is the answer, never another one
+        if columns.answer not in obj:
+            raise ValueError(f"{where}: field {columns.answer!r} (data.answer_key) is missing (the row has "
+                             f"{', '.join(map(repr, list(obj)[:8]))})")
         extras["answer"] = obj[columns.answer]
     return PromptRow(prompt=prompt, extras=extras)
 

@@ -7,6 +7,12 @@ import torch
 from executors.megatron.convert import Layout, shard, to_megatron
 
 
+def check_supported(config) -> None:
+    """A ValueError naming what this backend cannot convert or build for `config` (config.json alone)."""
+    Layout.of(config)
+    _rope_theta(config)
+
+
 def _rope_theta(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}
     if params.get("rope_type", "default") != "default":

@@ -4,6 +4,8 @@ tests/test_megatron.py checks that each is still needed (megatron fails without 
 works (megatron runs with it)."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 _applied = False
@@ -18,6 +20,11 @@ def apply() -> None:
     global _applied
     if _applied:
         return
+    # megatron's import-time notes about CUDA-only kernels (Transformer Engine, Apex, CUDA graphs, CUDA
+    # connections) say nothing on a CPU: silenced here, before megatron is imported, and only on CPU
+    for note in ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated",
+                 "When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE"):
+        warnings.filterwarnings("ignore", message=note, category=UserWarning)
     from megatron.core.tensor_parallel import random as mrandom
 
     # 1. torch.cuda.current_device(): the device of the buffers megatron allocates itself:
