@@ -18,6 +18,7 @@ from controller.schedules import Periodic, Sync
 from controller.spawn import spawn
 from controller.timeline import Timeline
 from executors.base import ExecutorEnv, StepContext
+from executors.parallel import has_ac
 from executors.trainer.executor import Trainer, TrainerConfig
 from tests.fixtures import scored_groups
 
@@ -78,7 +79,8 @@ def _run(env: ExecutorEnv, groups, *, schedule=Periodic(), **layout) -> dict:
     ctx = StepContext(step=0, inbound={"scored": schedule(iter(groups))}, outbound={"weights": pushed},
                       timeline=Timeline(executor="trainer", rank=env.rank))
     metrics = trainer.barrier(ctx, trainer.step(ctx))
-    return {"logp": logp, "entropy": ent, "grads": _full_grads(trainer, seen), "pushed": pushed.named, "specs": trainer.models.specs,
+    checkpointed = trainer.cfg.backend == "megatron" and has_ac(None, layers=trainer.models.policy.decoder.layers)
+    return {"checkpointed": checkpointed, "logp": logp, "entropy": ent, "grads": _full_grads(trainer, seen), "pushed": pushed.named, "specs": trainer.models.specs,
             "grad_norm": metrics.grad_norm}
 
 
@@ -100,8 +102,10 @@ def _ranks_main(tmp: str):
     for packing in ("on", "off", "padded"):  # shared-prompt rows restart RoPE positions at P (forward.py)
         out[f"megatron/tp1/{packing}"] = _run(alone, groups, backend="megatron", shared_prompt=packing)
     out["megatron/tp2"] = _run(env((0, 1), ((0, 1),), both), groups, backend="megatron", tp=2)
-    # the vocabulary-parallel head 4 tokens at a time: each chunk recomputed in the backward, collectives too
-    out["megatron/tp2/chunk4"] = _run(env((0, 1), ((0, 1),), both), groups, backend="megatron", tp=2, logprob_chunk=4)
+    # the vocabulary-parallel head 4 tokens at a time and each layer checkpointed: recomputed in the
+    # backward, collectives and packed attention too
+    out["megatron/tp2/chunk4-ac"] = _run(env((0, 1), ((0, 1),), both), groups, backend="megatron", tp=2,
+                                         logprob_chunk=4, activation_checkpointing=True)
     mine = [g for g in groups if g.index % 2 == rank]  # group i trains on unit i % dp
     replicas = env((0, 1), ((0,), (1,)), both)
     out["megatron/dp2"] = _run(replicas, mine, backend="megatron", dp=2)
@@ -118,7 +122,7 @@ def ranks(tmp_path_factory):
     return spawn(_ranks_main, 2, str(tmp_path_factory.mktemp("megatron_trainer")), timeout_s=600)
 
 
-LAYOUTS = ["megatron/tp1", "megatron/tp2", "megatron/tp2/chunk4", "megatron/dp2", "megatron/tp1/on", "megatron/tp1/off", "megatron/tp1/padded"]
+LAYOUTS = ["megatron/tp1", "megatron/tp2", "megatron/tp2/chunk4-ac", "megatron/dp2", "megatron/tp1/on", "megatron/tp1/off", "megatron/tp1/padded"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -142,6 +146,7 @@ def test_gradients_equal_the_torch_backend(ranks, layout):
         assert max(g.abs().max().item() for g in ref.values()) > 1e-3  # a real gradient, so the bound can fail
         worst = max((got[n] - g).abs().max().item() for n, g in ref.items())
         assert worst < TOL, (layout, worst)
+        assert r[layout]["checkpointed"] == layout.endswith("-ac")
         assert abs(r[layout]["grad_norm"] - r["torch"]["grad_norm"]) < TOL * r["torch"]["grad_norm"]
 
 

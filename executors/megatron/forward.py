@@ -2,7 +2,8 @@
 PackedMicroBatch the torch backend takes, the same chunked LM head (executors/training/head.py).
 
 - padded rows [prompt, r_i]: a causal mask (right padding sits after every real token);
-- packed rows (varlen, shared prompt): the row's own mask, and its own positions. megatron's RoPE
+- packed rows (varlen, shared prompt): the row's PackMask, which each layer's core attention hands
+  to the torch backend's packed kernels (install_packed_attention), and the row's own positions. megatron's RoPE
   numbers positions 0..L-1 along the row and takes no position_ids; a shared row needs every
   response to restart at position P, so a hook on the rotary embedding picks, for each token, the
   row of megatron's own table at the token's position (the same bits megatron computes there).
@@ -21,19 +22,39 @@ import torch
 from executors.megatron.vocab_parallel import chunk_logprobs
 from executors.training.batching import MicroBatch, ResponseLogprobs
 from executors.training.head import head_logprobs
+from executors.training.packed_attention import PackMask, attend
 from executors.training.packing import PackedMicroBatch
 
 
-def inputs(mb) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids [B, L], attention mask [1, 1, L, L] bool, True = not attended: megatron's convention)."""
+def inputs(mb) -> tuple[torch.Tensor, torch.Tensor | PackMask]:
+    """(input_ids [B, L], the attention mask): padded rows get megatron's convention, [1, 1, L, L] bool,
+    True = not attended; a packed row its PackMask, which the packed core attention reads."""
     if isinstance(mb, PackedMicroBatch):
-        ids_BL = mb.input_ids_1L
-        sees_LL = mb.pack.dense_LL(ids_BL.device)
-    else:
-        ids_BL = mb.input_ids_NL
-        L = ids_BL.shape[1]
-        sees_LL = torch.ones(L, L, dtype=torch.bool, device=ids_BL.device).tril()
-    return ids_BL, ~sees_LL[None, None]
+        return mb.input_ids_1L, mb.pack
+    ids_BL = mb.input_ids_NL
+    L = ids_BL.shape[1]
+    return ids_BL, ~torch.ones(L, L, dtype=torch.bool, device=ids_BL.device).tril()[None, None]
+
+
+def install_packed_attention(model) -> None:
+    """Each layer's core attention runs a packed row with executors/training/packed_attention.py's kernels
+    when it is handed the row's PackMask as its mask (blocks by default: ~P² + Σ R_i (P + R_i) scores, not
+    a dense [L, L] over the whole row), and megatron's own attention otherwise. Persistent and
+    idempotent: megatron's activation recompute replays a layer with the same arguments later."""
+    for layer in model.decoder.layers:
+        core = layer.self_attention.core_attention
+        if getattr(core, "tidal_packed", False):
+            continue
+
+        def forward(query, key, value, attention_mask, *args, own=core.forward, scale=core.softmax_scale, **kwargs):
+            if not isinstance(attention_mask, PackMask):
+                return own(query, key, value, attention_mask, *args, **kwargs)
+            # megatron's [L, 1, heads, D] <-> the kernels' [1, heads, L, D]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out_1HLD = attend(q, k, v, attention_mask, scaling=scale)
+            return out_1HLD.permute(2, 0, 1, 3).reshape(query.shape[0], 1, -1)
+
+        core.forward, core.tidal_packed = forward, True
 
 
 def _select(mb, h_BLH: torch.Tensor) -> torch.Tensor:
@@ -47,6 +68,7 @@ def _select(mb, h_BLH: torch.Tensor) -> torch.Tensor:
 
 def response_logprobs(model, mb, *, temperature: float, chunk: int, entropy: bool = False) -> ResponseLogprobs:
     """[N, T] float32 log-probs (and entropy) of `mb`'s response tokens under a GPTModel."""
+    install_packed_attention(model)
     ids_BL, mask = inputs(mb)
     pos_BL = torch.arange(ids_BL.shape[1], device=ids_BL.device)[None].expand_as(ids_BL)
     head, out, active = model.output_layer, [], [True]

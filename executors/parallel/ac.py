@@ -26,13 +26,15 @@ def _checkpointed_forward(self: nn.Module, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def apply_ac(model: nn.Module) -> nn.Module:
-    """Checkpoint every decoder layer of `model`, in place (idempotent). A bound method, so a
-    deep copy of the model (the old policy) runs its own layers, not these."""
-    for layer in decoder_layers(model):
+def apply_ac(model: nn.Module, *, layers=None) -> nn.Module:
+    """Checkpoint every decoder layer of `model` (an HF model's, or `layers`: megatron's
+    model.decoder.layers), in place (idempotent). A bound method, so a deep copy of the model (the
+    old policy) runs its own layers, not these."""
+    for layer in decoder_layers(model) if layers is None else layers:
         layer.forward = types.MethodType(_checkpointed_forward, layer)
     return model
 
 
-def has_ac(model: nn.Module) -> bool:
-    return all(getattr(layer.forward, "__func__", None) is _checkpointed_forward for layer in decoder_layers(model))
+def has_ac(model: nn.Module, *, layers=None) -> bool:
+    return all(getattr(layer.forward, "__func__", None) is _checkpointed_forward
+               for layer in (decoder_layers(model) if layers is None else layers))

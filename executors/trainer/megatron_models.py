@@ -28,7 +28,7 @@ from executors.base import ExecutorEnv
 from executors.hf import load_model, load_tokenizer, save_hf
 from executors.megatron.convert import TP_PARTIAL_GRADS, Layout, to_hf, unshard
 from executors.megatron.forward import response_logprobs
-from executors.parallel import param_specs
+from executors.parallel import apply_ac, param_specs
 from executors.trainer.models import TriModel
 from executors.training.config import LearnerConfig
 from executors.training.models import PRECISIONS, learner_mesh
@@ -75,6 +75,8 @@ class MegatronTriModel(TriModel):
         weights = hf.state_dict()
         master = built(weights, train=True, to=dtype)
         policy = built(weights, train=True, to=compute) if compute is not None else master
+        if cfg.activation_checkpointing:  # torch's checkpoint per megatron layer, as the torch backend's
+            apply_ac(policy, layers=policy.decoder.layers)
         initial = weights if not (policy_path and reference) else load_model(model_path, dtype=dtype,
                                                                               seed=env.seed).state_dict()
         ref = built(initial, train=False, to=compute) if reference else None

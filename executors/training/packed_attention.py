@@ -100,9 +100,7 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     if kwargs.get("sliding_window") is not None:
         raise ValueError("packed attention does not support sliding-window layers; use trainer.shared_prompt=padded")
     assert query.shape[0] == 1, "a packed row has batch size 1"
-    groups = getattr(module, "num_key_value_groups", 1)
-    out_1HLD = _KERNELS[attention_mask.resolved_backend(query.device)](
-        query, key, value, groups, attention_mask, scaling=scaling, dropout=dropout)
+    out_1HLD = attend(query, key, value, attention_mask, scaling=scaling, dropout=dropout)
     return out_1HLD.transpose(1, 2).contiguous(), None
 
 
@@ -215,6 +213,14 @@ def _npu(q, k, v, groups, pack, *, scaling, dropout):
 
 
 _KERNELS = {"blocks": _blocks, "dense": _dense, "flex": _flex, "npu": _npu}
+
+
+def attend(q_1HLD: torch.Tensor, k_1KLD: torch.Tensor, v_1KLD: torch.Tensor, pack: PackMask, *, scaling: float,
+           dropout: float = 0.0) -> torch.Tensor:
+    """Attention over one packed row (H query heads over K key/value heads) with the pack's kernel: [1, H, L, D].
+    The HF hook below and the megatron backend (executors/megatron/forward.py) both call it."""
+    return _KERNELS[pack.resolved_backend(q_1HLD.device)](
+        q_1HLD, k_1KLD, v_1KLD, q_1HLD.shape[1] // k_1KLD.shape[1], pack, scaling=scaling, dropout=dropout)
 _COMPILED: dict = {}
 
 AttentionInterface.register(ATTN_NAME, _attention)
