@@ -26,7 +26,7 @@ from executors.training.packed_attention import PackMask, attend
 from executors.training.packing import PackedMicroBatch
 
 
-def inputs(mb) -> tuple[torch.Tensor, torch.Tensor | PackMask]:
+def _inputs(mb) -> tuple[torch.Tensor, torch.Tensor | PackMask]:
     """(input_ids [B, L], the attention mask): padded rows get megatron's convention, [1, 1, L, L] bool,
     True = not attended; a packed row its PackMask, which the packed core attention reads."""
     if isinstance(mb, PackedMicroBatch):
@@ -67,9 +67,9 @@ def _select(mb, h_BLH: torch.Tensor) -> torch.Tensor:
 
 
 def response_logprobs(model, mb, *, temperature: float, chunk: int, entropy: bool = False) -> ResponseLogprobs:
-    """[N, T] float32 log-probs (and entropy) of `mb`'s response tokens under a GPTModel."""
-    install_packed_attention(model)
-    ids_BL, mask = inputs(mb)
+    """[N, T] float32 log-probs (and entropy) of `mb`'s response tokens under a GPTModel (packed rows:
+    one with install_packed_attention)."""
+    ids_BL, mask = _inputs(mb)
     pos_BL = torch.arange(ids_BL.shape[1], device=ids_BL.device)[None].expand_as(ids_BL)
     head, out, active = model.output_layer, [], [True]
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None

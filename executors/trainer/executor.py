@@ -57,8 +57,8 @@ class Trainer(Learner):
             self.inputs = {"scored": AdvantagedGroup}
 
     def describe(self):
-        return {"dp": self.cfg.dp, "tp": self.cfg.tp, "fsdp": self.cfg.fsdp, "backend": self.cfg.backend, "algo": self.algo.name,
-                "reference": self.algo_cfg.needs_reference}
+        return {"dp": self.cfg.dp, "tp": self.cfg.tp, "fsdp": self.cfg.fsdp, "backend": self.cfg.backend,
+                "algo": self.algo.name, "reference": self.algo_cfg.needs_reference}
 
     def init(self, env: ExecutorEnv) -> None:
         super().init(env)
@@ -73,11 +73,10 @@ class Trainer(Learner):
         self.models = TriModel.build(model_path=self.model_path, dtype=self.dtype, env=env, cfg=self.cfg,
                                      temperature=self.temperature, reference=self.algo_cfg.needs_reference,
                                      snapshot=self.passes > 1, policy_path=env.resume)
-        megatron = self.cfg.backend == "megatron"  # q/k-norm gradients summed over tp; AdamW sharded over dp
         self.optim = Barrier(self.models.master, compute=self.models.policy, cfg=self.cfg, total_steps=self.total_steps,
                              mesh=self.models.mesh, dp_group=self.models.dp_group, passes=self.first_passes,
-                             replicated_dp=not self.shards_over_units,
-                             tp_partial=self.models.tp_partial() if megatron else None, zero=megatron)
+                             replicated_dp=not self.shards_over_units, tp_partial=self.models.tp_partial(),
+                             zero=self.models.per_rank_optimizer)
         if env.resume is not None:  # the policy came from the checkpoint; the optimizer and schedule too
             self.optim.load(env.resume / "trainer", group=env.group)
 

@@ -27,7 +27,7 @@ from torch import nn
 from executors.base import ExecutorEnv
 from executors.hf import load_model, load_tokenizer, save_hf
 from executors.megatron.convert import TP_PARTIAL_GRADS, Layout, to_hf, unshard
-from executors.megatron.forward import response_logprobs
+from executors.megatron.forward import install_packed_attention, response_logprobs
 from executors.parallel import apply_ac, param_specs
 from executors.trainer.models import TriModel
 from executors.training.config import LearnerConfig
@@ -68,6 +68,7 @@ class MegatronTriModel(TriModel):
         def built(state: dict, *, train: bool, to: torch.dtype | None = None) -> nn.Module:
             model = meg.build(config, tp=cfg.tp, groups=groups, parallel_output=True, dtype=to or torch.float32)
             meg.load_hf(model, state, config, tp=cfg.tp, rank=tp_rank)
+            install_packed_attention(model)
             model = model.to(env.device, dtype=to) if to is not None else model.to(env.device)
             return model.train() if train else model.eval().requires_grad_(False)
 
@@ -92,6 +93,9 @@ class MegatronTriModel(TriModel):
     @property
     def tp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("tp")
+
+    # plain tp-sharded tensors carry no global layout for dcp: AdamW's state is kept per rank (ZeRO-1 over dp)
+    per_rank_optimizer = True
 
     def tp_partial(self) -> list[bool]:
         """Per trainable parameter of the policy, in parameters() order: is its gradient a partial sum over tp?"""
@@ -118,6 +122,8 @@ class MegatronTriModel(TriModel):
         joined and converted on the leader."""
         import transformers
 
+        if self.mesh.get_local_rank("dp") != 0:  # the other dp units hold the same weights: nothing to gather
+            return
         tp, full = self.cfg.tp, {}
         for name, p in self.master.named_parameters():
             parts = [torch.empty_like(p) for _ in range(tp)]

@@ -90,6 +90,14 @@ class TriModel(LearnerModels):
         if self.old is not None:
             copy_params_(self.old, self.policy)
 
+    # what the optimizer needs to know of this backend's layout (executors/training/optim.py)
+    per_rank_optimizer = False  # DTensor parameters: dcp reshards the optimizer state across layouts
+
+    def tp_partial(self) -> list[bool] | None:
+        """Per trainable parameter, whether its gradient is a partial sum over tp; None: none is
+        (DTensor's gradient hooks already sum the q/k norms', parallel/tp.py)."""
+        return None
+
     def shares_prompt(self, group: ScoredGroup) -> bool:
         return shares_prompt(self.cfg, group.prompt_ids, group.responses)
 

@@ -155,8 +155,7 @@ class Optimizer:
 
     def _load_per_rank(self, path: Path, *, group) -> None:
         saved = json.loads((path / "layout.json").read_text())
-        if saved != self._layout(group):
-            raise ValueError(f"{path}: this optimizer state was saved per rank under {saved}; resume with that "
-                             f"layout (this run has {self._layout(group)})")
+        # launch/run.py refuses another layout before any rank starts
+        assert saved == self._layout(group), (path, saved, self._layout(group))
         self._local().load_state_dict(torch.load(path / f"optimizer.rank{dist.get_rank(group)}.pt"))
         self.sched.load_state_dict(json.loads((path / "schedule.json").read_text()))
