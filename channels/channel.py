@@ -154,14 +154,17 @@ class Receiver:
         self.device = device
         self.step = -1
         self.expected = True
+        self._open = set(route.src_leaders)
 
     def open_step(self, step: int, *, expected: bool = True) -> None:
         """`expected=False`: nothing was sent for this step (a lagged channel's first step)."""
         self.step, self.expected = step, expected
+        self._open = set(self.route.src_leaders) if expected else set()
 
     def __iter__(self) -> Iterator:
+        """The step's items; an iteration left early is continued by the next one (drain)."""
         key = _queue_key(self.route, self.rank, self.step)
-        open_sources = set(self.route.src_leaders) if self.expected else set()
+        open_sources = self._open
         while open_sources:
             message = json.loads(self._pop(key, open_sources))
             src = message["src"]
@@ -195,3 +198,9 @@ class Receiver:
 
     def receive_all(self) -> list:
         return list(self)
+
+    def drain(self) -> None:
+        """Receive and drop what is left of the step: a sender's pending sends complete only when
+        they are received (a step dropped by a stop still ends cleanly)."""
+        for _ in self:
+            pass

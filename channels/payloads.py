@@ -19,6 +19,9 @@ class RolloutGroup:
     responses: list[torch.Tensor]  # G x [R_i] int64, EOS included when sampled
     logprobs: list[torch.Tensor]  # G x [R_i] float32, log_softmax(logits / T) of the sampled tokens
     finished: torch.Tensor  # [G] bool, hit EOS
+    # the prompt's line in its data file (1-based; a Parquet file's row), named by reward errors;
+    # None for the embedded task. Keyword-only: subclasses add fields without defaults
+    data_row: int | None = field(default=None, kw_only=True)
 
 
 @dataclass
@@ -30,6 +33,9 @@ class ScoredGroup(RolloutGroup):
     # each reward function's G scores before weighting, for samples.jsonl; keyword-only, so
     # subclasses may still add fields without defaults
     reward_parts: dict[str, list[float]] = field(default_factory=dict, kw_only=True)
+    # the message of the group's first failed reward (lowest sample) under on_error="zero", for the
+    # console's warning; None when none failed
+    first_error: str | None = field(default=None, kw_only=True)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from common.files import readable_as_umask
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d{6,})$")
 # settings a resumed run may change: where and how it runs, not what it computes
-RESUMABLE_CHANGES = ("steps", "output_dir", "timeout_s", "checkpoint_every", "checkpoint_minutes",
+RESUMABLE_CHANGES = ("steps", "output_dir", "timeout_s", "stop_timeout_s", "checkpoint_every", "checkpoint_minutes",
                      "checkpoint_keep", "trainer.dp", "trainer.tp", "trainer.fsdp", "critic.dp", "critic.tp", "critic.fsdp", "generator.replicas",
                      "generator.tp", "generator.engine", "generator.vllm", "generator.max_batch_prompts",
                      "generator.admission", "reward.replicas", "reward.timeout_s")
@@ -62,6 +62,7 @@ def _fsync(path: Path) -> None:
 def commit(run_dir: Path, step: int, *, config: dict, keep: int) -> Path:
     """Seal `.tmp.step_N` as `step_N`: modes, hashes, fsync, manifest last, rename; then prune."""
     tmp, final = tmp_dir(run_dir, step), step_dir(run_dir, step)
+    tmp.mkdir(parents=True, exist_ok=True)  # a graph whose executors hold no state writes nothing else
     def seal(path: Path) -> list:
         readable_as_umask(path)
         _fsync(path)

@@ -69,11 +69,15 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
     roles = {r: name for name, units in placement(graph).items() for unit in units for r in unit}
     watchdog = Watchdog(rank=rank, roles=roles).start()
     outcome = Outcome(output_dir=output_dir)
+    control = None
     try:
         if on_ready:
             on_ready(world)
         steps_run = range(begin.step, steps)
-        control = StepControl(store=world.store, rank=rank, cadence=cadence, run_dir=output_dir)
+        # the decider: the first rank of the last executor, whose streamed phase ends last
+        decider = placement(graph)[graph.executors[-1].name][0][0]
+        control = StepControl(store=store_client(timeout), watch_store=store_client(timeout), rank=rank, decider=decider,
+                              cadence=cadence, run_dir=output_dir)
         writer = None
         if rank == 0:
             writer = MetricsWriter(executors=[e.name for e in graph.executors], steps=steps_run,
@@ -83,9 +87,10 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
         stopped = Controller(world=world, steps=steps_run, schedule=get_schedule(schedule), control=control,
                              startup=startup).run()
         if stopped is not None:
-            # nobody exits before the checkpoint is sealed: torchrun ends the whole group when one exits non-zero
-            world.store.wait([f"ckpt/{stopped[0]}/done"])
-            outcome = Outcome(stopped_after=stopped[0], signum=stopped[1], output_dir=output_dir)
+            if stopped.saved_here:
+                # nobody exits before the checkpoint is sealed: torchrun ends the whole group when one exits non-zero
+                world.store.wait([f"ckpt/{stopped.after}/done"])
+            outcome = Outcome(stopped_after=stopped.after, signum=stopped.signum, output_dir=output_dir)
         if writer:
             writer.join()
         dist.barrier(group=world.control_group)  # every rank has saved its timeline
@@ -97,6 +102,8 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
                              output_dir / "metrics.png")
     except BaseException as exc:
         watchdog.fail(exc)
+    if control is not None:
+        control.close()
     watchdog.stop()
     dist.destroy_process_group()
     return outcome

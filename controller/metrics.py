@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -23,6 +24,42 @@ from controller.control import Decision
 from controller.samples import console_line, first_sample
 from controller.tensorboard import TensorBoardLog, tags_of
 from controller.world import store_client
+
+
+class PlainProgress:
+    """The console's progress where stderr is not a terminal (a log file, a scheduler's capture):
+    tqdm's redrawn bar would land there as fragments between the step tables, so instead one plain
+    line, at most every `every_s` seconds and after the last step."""
+
+    def __init__(self, *, total: int, first: int, every_s: float = 30.0):
+        self.total, self.first, self.every_s, self.done = total, first, every_s, 0
+        self.t0 = self.last = time.monotonic()
+
+    def __enter__(self) -> "PlainProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def write(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last < self.every_s and self.done < self.total:
+            return
+        self.last = now
+        per_step = (now - self.t0) / self.done
+        self.write(f"progress: {self.first + self.done}/{self.first + self.total} steps done, "
+                   f"{per_step:.1f} s/step, {per_step * (self.total - self.done) / 60:.1f} min left")
+
+
+def progress(*, total: int, first: int):
+    """tqdm's bar on a terminal, plain lines elsewhere (PlainProgress); both take write() and update()."""
+    if sys.stderr.isatty():
+        return tqdm(total=total, desc="steps", file=sys.stderr, dynamic_ncols=True)
+    return PlainProgress(total=total, first=first)
 
 
 def _key(step: int, executor: str) -> str:
@@ -56,9 +93,11 @@ class MetricsWriter:
     def _run(self) -> None:
         board = self.board
         try:
-            with open(self.path, "a") as f, tqdm(total=len(self.steps), desc="steps", file=sys.stderr,
-                                                 dynamic_ncols=True) as bar:
+            with open(self.path, "a") as f, progress(total=len(self.steps), first=self.steps.start) as bar:
                 for step in self.steps:
+                    decision = Decision.read(self._store, step)  # published before any record of the step
+                    if decision.abort:  # a stop dropped the step: it has no records
+                        break
                     row: dict = {"step": step}
                     records = {}
                     for name in self.executors:
@@ -79,13 +118,28 @@ class MetricsWriter:
                     sample, self._samples_offset = first_sample(self.samples_path, step, self._samples_offset)
                     if sample is not None:
                         bar.write(console_line(sample))
-                    if Decision.read(self._store, step).stop:  # decided before any record of the step
+                    warning = reward_warning(row)
+                    if warning:
+                        bar.write(warning)
+                    if decision.stop:
                         break
         except BaseException as exc:  # surfaced by join()
             self._error = exc
         finally:
             if board:
                 board.close()
+
+
+def reward_warning(row: Mapping[str, object], *, limit: int = 300) -> str | None:
+    """One console line when more than half of a step's rewards failed: under reward.on_error=zero
+    they score 0 and the run looks like any other (reward 0), so say it, with the first error."""
+    failed, samples = row.get("reward_failures") or 0, row.get("samples") or 0
+    if not samples or 2 * failed <= samples:
+        return None
+    first = str(row.get("reward_first_error") or "")
+    first = first if len(first) <= limit else first[:limit - 3] + "..."
+    return (f"warning: step {row['step']}: {failed} of {samples} rewards failed and scored 0 "
+            f"(reward.on_error=zero); the first: {first}")
 
 
 def post_metrics(store, *, step: int, executor: str, wall_s: float, record: Mapping[str, object]) -> None:

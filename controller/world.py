@@ -130,6 +130,10 @@ class World:
         outbound = {port: group[0] if len(group) == 1 else FanOut(group) for port, group in senders.items()}
         return inbound, outbound
 
+    def receivers(self) -> list:
+        """This rank's receivers of same-step channels (a lagged one's items belong to the next step)."""
+        return [rx for ch, (_, rx) in zip(self.graph.channels, self._endpoints) if rx is not None and ch.step_lag == 0]
+
     def bind_channels(self) -> None:
         self._endpoints = []
         for cid, ch in enumerate(self.graph.channels):
@@ -154,11 +158,17 @@ def build_world(graph: Graph, *, device: torch.device, seed: int, output_dir: Pa
         if rank in ranks:
             local_name, local_group = ex.name, group
     control_group = dist.new_group(backend="gloo", timeout=timeout)
+    unit_group = None
+    for ex in graph.executors:  # same order on every rank
+        for unit in units[ex.name] if ex.ranks_per_unit > 1 else ():
+            group = dist.new_group(list(unit), backend="gloo", timeout=timeout)
+            if rank in unit:
+                unit_group = group
     assert local_name is not None, f"rank {rank} not placed"
     ex_units = units[local_name]
     env = ExecutorEnv(name=local_name, ranks=tuple(r for u in ex_units for r in u), units=ex_units,
                       rank=rank, group=local_group, device=device, seed=seed, output_dir=output_dir,
-                      resume=resume)
+                      resume=resume, unit_group=unit_group)
     world = World(graph=graph, units=units, rank=rank, local_name=local_name, env=env,
                   store=store_client(timeout), control_group=control_group)
     world.bind_channels()

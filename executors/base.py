@@ -16,6 +16,8 @@ from typing import Any, ClassVar, Mapping
 import torch
 import torch.distributed as dist
 
+from common.stop import aborted
+
 
 @dataclass(frozen=True)
 class ExecutorEnv:
@@ -30,6 +32,9 @@ class ExecutorEnv:
     seed: int
     output_dir: Path
     resume: Path | None = None  # a checkpoint directory to continue from (its parts, as each executor saved them)
+    # a gloo group over this rank's unit, when the unit has several ranks: for small agreements (e.g.
+    # "stop decoding now") that must not interleave with the unit's own collectives on device
+    unit_group: dist.ProcessGroup | None = None
 
     @property
     def unit_index(self) -> int:
@@ -91,3 +96,13 @@ class Executor(ABC):
 
     def finalize(self, output_dir: Path) -> None:
         """Called once after the last step."""
+
+
+def unit_aborted(env: ExecutorEnv) -> bool:
+    """Is the step being abandoned (common/stop.py)? A unit's ranks run collectives together, so they
+    must all see the same answer at the same point: they agree over the unit's group."""
+    if env.unit_group is None:
+        return aborted()
+    flag = torch.tensor([int(aborted())])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=env.unit_group)
+    return bool(flag.item())

@@ -6,6 +6,8 @@ tokenizer), so every test and the CPU quick-start run without any download.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -106,10 +108,33 @@ def in_own_memory(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
+def quiet_loading() -> None:
+    """transformers' "Loading weights" bar: every rank that holds a model draws it, and a log that is no
+    terminal gets each redraw as a fragment; so it is drawn on global rank 0's terminal only. Only the
+    bars go: transformers' warnings and errors still print on every rank."""
+    if os.environ.get("RANK", "0") != "0" or not sys.stderr.isatty():
+        transformers.utils.logging.disable_progress_bar()
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` with its parameters in `dtype` and its buffers as they were, in place. `Module.to`
+    would also round RoPE's inv_freq buffer to bf16, which from_pretrained(dtype=bf16) keeps in
+    float32: measured on SmolLM2-135M, a bf16 inv_freq on one side only made the bf16 trainer's first
+    layer differ from the generator's as much as bf16 differs from fp32 (bench/bf16_gap.py). FSDP2's
+    mixed precision casts parameters only, so this is also what the FSDP layout computes with."""
+    buffers = dict(model.named_buffers())
+    model.to(dtype)
+    for name, buf in buffers.items():
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._buffers[attr] = buf
+    return model
+
+
 def load_model(path: str | None, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:
     """An HF causal LM from a local directory, or the embedded tiny Qwen3 initialised from `seed`."""
     if path is not None:
         check_weights(path)
+        quiet_loading()
         return in_own_memory(transformers.AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dtype, attn_implementation=ATTN_IMPL))
     tok = load_tokenizer(None)
@@ -119,7 +144,7 @@ def load_model(path: str | None, *, dtype: torch.dtype = torch.float32, seed: in
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config)
-    return model.to(dtype)
+    return cast_parameters(model, dtype)
 
 
 def load_config(path: str | None) -> transformers.PretrainedConfig:

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from launch.preflight import RunComplete
 from recipes.config import RunConfig, config_error
 
 
@@ -23,7 +24,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launch.py", description="Tidal: on-policy RL with periodic asynchrony. "
                                 "`python launch.py` starts the placement's ranks on this machine; or run it under "
                                 "torchrun --nproc-per-node N (N = ranks of the placement).")
-    p.add_argument("--algo", required=True, help="algorithm name (see the registry in algorithms/)")
+    from algorithms.registry import ALGORITHMS  # the names as registered: a new algorithm shows up here
+
+    p.add_argument("--algo", required=True, metavar="NAME",
+                   help=f"algorithm: {', '.join(ALGORITHMS.names())} (algorithms/registry.py)")
     p.add_argument("--config", type=Path, help="YAML or JSON run config")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field by dotted key, e.g. --set trainer.lr=1e-4 (repeatable)")
@@ -145,7 +149,7 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     try:
         cfg = RunConfig.model_validate(data).with_algorithm(args.algo)
     except ValidationError as exc:
-        raise ValueError(config_error(exc, source)) from None
+        raise ValueError(config_error(exc, source, model=RunConfig)) from None
     if args.resume is not None and cfg.output_dir is None:
         raise ValueError("--resume needs --output-dir (the run to continue), or a checkpoint path "
                          "<run>/checkpoints/step_NNNNNN")
@@ -202,9 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         if rank == "0":
             print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RunComplete as exc:  # --resume of a finished run: said, and nothing changed
+        if os.environ.get("RANK", "0") == "0":
+            print(f"tidal: {exc}", file=sys.stderr)
+        return 0
     from controller.world import placement, world_size_of
     from launch.selflaunch import launch_here, without_max_restarts
 
     roles = {rank: name for name, units in placement(graph).items() for unit in units for rank in unit}
     return launch_here(without_max_restarts(argv), nproc=world_size_of(graph), max_restarts=args.max_restarts or 0,
-                       roles=roles)
+                       roles=roles, stop_timeout_s=cfg.stop_timeout_s)

@@ -1,12 +1,19 @@
 """Memory per rank, estimated from the model's config and the run's layout (printed by --dry-run).
 
 Exact for what is allocated per parameter: weights, their copies (fp32 master / bf16 compute,
-reference, old policy), AdamW's two moments, the gradient accumulators. Rough for activations, which
-depend on the responses: a full `token_budget` row of a Llama-style layer keeps about (8 h + 5 i)
-values per token (h hidden, i MLP width), all of its layers without activation checkpointing, or
-each layer's input plus one layer's working set with it; plus the LM head's chunk (logits,
-log-probs and their gradient in fp32). The generator's KV cache is vLLM's share of the device
-(`gpu_memory_utilization`) or, for the native engine, one inference chunk at full length.
+reference, old policy), AdamW's two moments, the gradient accumulators, and the backward's own
+gradient (each micro-batch's .grad, before it is added to the accumulators). Rough for activations,
+which depend on the responses: the longest micro-batch row one group can make (the prompt at
+data.max_prompt_tokens, every response at generator.max_new_tokens, packed as trainer.shared_prompt
+and trainer.token_budget pack it; the whole token_budget only when a group fills it) keeps about
+(8 h + 5 i) values per token and layer (h hidden, i MLP width), all of its layers without activation
+checkpointing, or each layer's input plus one layer's working set with it; plus the LM head's chunk
+(logits, log-probs and their gradient in fp32) over the row's response tokens. The generator's KV
+cache is vLLM's share of the device (`gpu_memory_utilization`) or, for the native engine, the rows
+that decode together (one admission chunk of the step's prompts, G samples each) at full length.
+On CPU a rank's total adds the process itself (python, torch, transformers: PROCESS_BYTES, measured)
+and names the moment a model loads when that is the peak (loading_peak); on a GPU/NPU the runtime
+context is not counted. README "Memory" gives the estimates against measured peaks.
 """
 from __future__ import annotations
 
@@ -27,6 +34,12 @@ from recipes.config import RunConfig
 def _size(n_bytes: float) -> str:
     return f"{n_bytes / 1e9:.2f} GB" if n_bytes >= 1e9 else f"{n_bytes / 1e6:.0f} MB"
 _BYTES = {"float32": 4, "bfloat16": 2}
+# peak RSS of a rank's process before it builds anything (python, torch, transformers imported),
+# measured on CPU: 0.25 GB at start-up, 0.33 GB on a reward rank holding a tokenizer
+PROCESS_BYTES = 0.35e9
+# executors/training/packing.py's AUTO_MIN_SAVED (that module imports the model stack; --dry-run does
+# not): tests/test_memory.py checks that the two rules agree
+_AUTO_MIN_SAVED = 0.05
 
 
 @dataclass(frozen=True)
@@ -66,30 +79,70 @@ class Shape:
         return cls(params, h, i, layers, vocab, kv * d)
 
 
-def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passes: int, head: bool) -> dict[str, float]:
+def _row(*, prompt: int, response: int, samples: int, budget: int, shared: bool) -> tuple[int, int]:
+    """(tokens, response tokens) of the first row packing.py's greedy split makes of a group whose
+    samples are all `response` long: the longest, as every later row holds at most as many samples."""
+    if shared:  # [prompt, r_1, ..., r_n]: the prompt once
+        n = max(1, min(samples, (budget - prompt) // response))
+        return prompt + n * response, n * response
+    n = max(1, min(samples, budget // (prompt + response)))  # n rows [prompt, r_i] back to back
+    return n * (prompt + response), n * response
+
+
+def _auto_shares(prompt: int, response: int, samples: int) -> bool:
+    """shared_prompt=auto's choice (packing.auto_shared_prompt) for responses all `response` long."""
+    return samples >= 2 and (samples - 1) * prompt / (samples * (prompt + response)) >= _AUTO_MIN_SAVED
+
+
+def micro_batch_tokens(t: LearnerConfig, *, prompt: int, response: int, samples: int) -> tuple[int, int]:
+    """(tokens, response tokens) of the longest micro-batch the learner runs on a group of `samples`
+    responses of at most `response` tokens to a prompt of at most `prompt` tokens. The whole
+    token_budget (4096 by default) counts only when a group fills it: at B=4, G=4, 64 new tokens on
+    SmolLM2-135M it made the estimate 2.2x the measured peak."""
+    if t.shared_prompt == "padded":
+        n = min(t.micro_batch_size, samples)
+        return n * (prompt + response), n * response
+    # every prompt length up to the cap: a shorter prompt can leave room for one more sample in a row,
+    # and auto shares the prompt of long prompts only
+    shared = {"on": lambda p: True, "off": lambda p: False}.get(
+        t.shared_prompt, lambda p: _auto_shares(p, response, samples))
+    return max(_row(prompt=p, response=response, samples=samples, budget=t.token_budget, shared=shared(p))
+               for p in range(1, prompt + 1))
+
+
+def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passes: int, head: bool,
+                  tokens: tuple[int, int]) -> dict[str, float]:
     """Bytes per rank of a model trained on groups (the trainer's policy, the critic's value model), by
     part. copies: forward-only copies (reference, old policy); passes: gradient accumulators; head:
-    LM-head logits in chunks (the policy's log-probs, or a reference's)."""
+    LM-head logits in chunks (the policy's log-probs, or a reference's); tokens: the longest
+    micro-batch's (tokens, response tokens), micro_batch_tokens."""
     shard = t.tp * (t.dp if t.fsdp else 1)
     compute_copy = t.precision == "bf16" and not t.fsdp  # a bf16 copy beside the fp32 master
     copy_bytes = 2 if compute_copy else stored  # reference / old policy: copies of the compute weights
     act_bytes = 2 if t.precision == "bf16" or stored == 2 else 4
     per_token_layer = (8 * m.hidden + 5 * m.intermediate) * act_bytes / t.tp
-    tokens = t.token_budget
+    row, responses = tokens
     if t.activation_checkpointing:
-        activations = tokens * (m.layers * m.hidden * act_bytes + per_token_layer)
+        activations = row * (m.layers * m.hidden * act_bytes + per_token_layer)
     else:
-        activations = tokens * m.layers * per_token_layer
+        activations = row * m.layers * per_token_layer
     if head:
-        head_rows = min(t.logprob_chunk or tokens, tokens)
+        head_rows = min(t.logprob_chunk or responses, responses)
         activations += 3 * head_rows * m.vocab * 4  # logits, log-probs, their gradient: fp32
     return {
         "weights": m.params * (stored + (2 if compute_copy else 0)) / shard,
         "ref/old copies": copies * m.params * copy_bytes / shard,
         "AdamW state": 2 * m.params * stored / shard,
         "grad accumulators": passes * m.params * (8 if t.fp64_grad_accumulation else 4) / shard,
+        # the backward writes each micro-batch's gradient in the compute dtype before it is accumulated
+        "gradient": m.params * (2 if t.precision == "bf16" else stored) / shard,
         "activations (rough)": activations,
     }
+
+
+def _group_tokens(cfg: RunConfig, t: LearnerConfig) -> tuple[int, int]:
+    return micro_batch_tokens(t, prompt=cfg.data.max_prompt_tokens, response=cfg.generator.max_new_tokens,
+                              samples=cfg.generator.samples_per_prompt)
 
 
 def trainer_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
@@ -97,14 +150,16 @@ def trainer_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
     # a batch-scope algorithm's first pass keeps 2 gradients (3 with a KL in the loss): trainer/executor.py
     passes = 1 if get_algorithm(cfg.algo).advantage_scope != "batch" else 2 + int(kl_in_loss(algo))
     return learner_parts(t, m, stored=_BYTES[cfg.model.dtype], passes=passes, head=True,
-                         copies=int(algo.needs_reference) + int(t.epochs * t.mini_batches > 1))
+                         copies=int(algo.needs_reference) + int(t.epochs * t.mini_batches > 1),
+                         tokens=_group_tokens(cfg, t))
 
 
 def critic_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
     """The value model (its head is one number per token: no logits) and, for a KL in the reward, the
     reference. The decoder's count stands for the value model's (its head is smaller than an LM head)."""
     reference = cfg.algo_config.critic_reference  # a critic runs with PPOConfig
-    return learner_parts(cfg.critic, m, stored=_BYTES[cfg.model.dtype], copies=int(reference), passes=1, head=reference)
+    return learner_parts(cfg.critic, m, stored=_BYTES[cfg.model.dtype], copies=int(reference), passes=1, head=reference,
+                         tokens=_group_tokens(cfg, cfg.critic))
 
 
 def generator_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
@@ -113,29 +168,64 @@ def generator_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
     weights = m.params * dtype / g.tp
     parts = {"weights": weights, "push buffer": (weights if g.engine == "vllm" else 0)}
     if g.engine == "native":
-        rows = g.max_batch_prompts * g.samples_per_prompt
-        length = cfg.data.max_prompt_tokens + g.max_new_tokens
-        parts["KV cache"] = rows * length * m.layers * 2 * m.kv_width * dtype / g.tp
+        # the rows that decode together: a replica's share of the step's prompts (or of the evaluation's),
+        # at most max_batch_prompts of them; max_batch_prompts alone counted 4x the rows at B=4, G=4
+        def rows(prompts: int, samples: int) -> int:
+            return min(g.max_batch_prompts, -(-prompts // g.replicas)) * samples
+
+        shapes = [(rows(cfg.data.prompts_per_step, g.samples_per_prompt), g.max_new_tokens)]
+        if cfg.eval.every:
+            shapes.append((rows(cfg.eval.prompts, cfg.eval.samples), cfg.eval.max_new_tokens or g.max_new_tokens))
+        row_tokens = max(n * (cfg.data.max_prompt_tokens + new) for n, new in shapes)
+        parts["KV cache"] = row_tokens * m.layers * 2 * m.kv_width * dtype / g.tp
     return parts
 
 
 PARTS = {"generator": generator_parts, "critic": critic_parts, "trainer": trainer_parts}  # executors that hold a model
 
 
-def describe_memory(cfg: RunConfig, m: Shape | None, *, executors: tuple[str, ...] = ("generator", "trainer")) -> str:
-    """The table of --dry-run for the graph's `executors` (those of them that hold a model)."""
+def loading_peak(cfg: RunConfig, parts: dict[str, float]) -> float:
+    """A CPU rank's memory while its model loads: from_pretrained maps the weights file, and the copy
+    that gives the weights memory of their own (executors/hf.py, in_own_memory) sits beside the file's
+    pages until the load ends. Measured: the generator's peak on SmolLM2-135M (1.43 GB) is this moment.
+    0 for the embedded model (built, not loaded)."""
+    if not cfg.model.path:
+        return 0.0
+    from executors.hf import WEIGHTS_FILES
+
+    files = [f for f in Path(cfg.model.path).iterdir() if f.name in WEIGHTS_FILES or
+             (f.name.startswith(("model-", "pytorch_model-")) and f.suffix in (".safetensors", ".bin"))]
+    return parts.get("process", 0.0) + parts["weights"] + sum(f.stat().st_size for f in files)
+
+
+def describe_memory(cfg: RunConfig, m: Shape | None, *, executors: tuple[str, ...] = ("generator", "trainer"),
+                    device: str | None = None) -> str:
+    """The table of --dry-run for the graph's `executors` (those of them that hold a model). device:
+    cpu, cuda or npu (default: this machine's); on CPU a rank's total includes the process itself."""
     if m is None:
         return ("memory per rank: no estimate for this model (the estimate counts Llama-style decoders: "
                 "Llama, Qwen2, Qwen3, Mistral; its config.json lacks their sizes)")
+    if device is None:
+        from controller.devices import detect_device
+
+        device = detect_device().type
     rows = []
     for name in (e for e in executors if e in PARTS):
         parts = PARTS[name](cfg, m)
+        if device == "cpu":  # host memory is the rank's whole RSS; a device's holds no interpreter
+            parts["process"] = PROCESS_BYTES
         shown = ", ".join(f"{k} {_size(v)}" for k, v in parts.items() if v)
         total = _size(sum(parts.values()))
+        loading = loading_peak(cfg, parts) if device == "cpu" else 0.0
+        if loading > sum(parts.values()):
+            total += f" ({_size(loading)} while loading)"
         if name == "generator" and cfg.generator.engine == "vllm":
             total += " + KV cache (vLLM: generator.vllm.gpu_memory_utilization or kv_cache_gb)"
         rows.append([name, shown, total])
     count = f"{m.params / 1e9:.2f}B" if m.params >= 1e9 else f"{m.params / 1e6:.1f}M"
-    head = (f"memory per rank (estimate; {count} parameters, trainer precision "
-            f"{cfg.trainer.precision}, activation checkpointing {'on' if cfg.trainer.activation_checkpointing else 'off'}):")
+    where = ("process: python with torch and transformers, as measured on CPU" if device == "cpu" else
+             f"plus each rank's {device} runtime context, not counted")
+    ac = "on" if cfg.trainer.activation_checkpointing else "off"
+    head = (f"memory per rank (estimate; {count} parameters, trainer precision {cfg.trainer.precision}, "
+            f"activation checkpointing {ac}; prompts at data.max_prompt_tokens; {where}):")
     return head + "\n" + tabulate(rows, headers=["executor", "parts", "total per rank"], disable_numparse=True)

@@ -7,10 +7,11 @@ and a traceback per rank.
 """
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
-from controller.checkpoint import complete_checkpoints, open_checkpoint
+from controller.checkpoint import complete_checkpoints, open_checkpoint, step_dir
 from controller.devices import attempt
 from recipes.checks import check_groups
 from recipes.config import RunConfig
@@ -38,7 +39,7 @@ def preflight(cfg: RunConfig, *, resume: str | None, overwrite: bool, writes: bo
         except ValueError as exc:
             raise ValueError(f"model.path: {exc}") from None
     if writes:
-        check_output(cfg.output_dir, resume=resume, overwrite=overwrite)
+        check_output(cfg.output_dir, resume=resume, overwrite=overwrite, steps=cfg.steps)
 
 
 def check_data(path: str, columns, *, field: str = "data.path") -> list:
@@ -76,14 +77,14 @@ def check_reward_columns(rows: list, cfg: RunConfig, *, field: str, first: int =
                                      f"lacks (it has {has}); {hint}, or set reward.functions")
 
 
-def check_output(output_dir: str | None, *, resume: str | None, overwrite: bool) -> None:
+def check_output(output_dir: str | None, *, resume: str | None, overwrite: bool, steps: int) -> None:
     # the default is a new runs/<timestamp>: only its parents can be wrong
     out = Path(output_dir) if output_dir else Path("runs", "<timestamp>")
     check_writable(out)
     if output_dir is None:
         return
     if resume is not None:
-        check_resume(out, resume)
+        check_resume(out, resume, steps=steps)
     elif not overwrite and attempt() == 0:  # a restarted attempt continues the run its first attempt began
         held = [name for name in RUN_MARKERS if (out / name).exists()]
         if held:
@@ -116,26 +117,55 @@ def _whole(path: Path) -> bool:
         return False
 
 
-def check_resume(out: Path, resume: str) -> None:
-    """There is a checkpoint to continue from (sizes against its manifest; the ranks verify the hashes)."""
+class RunComplete(Exception):
+    """--resume of a run that has reached its steps: nothing to do (exit 0, nothing changed)."""
+
+
+def check_resume(out: Path, resume: str, *, steps: int) -> None:
+    """There is a checkpoint to continue from (sizes against its manifest; the ranks verify the hashes),
+    and steps left to run after it."""
     if resume == "latest":
         found = complete_checkpoints(out)
         if not found:
             raise ValueError(f"--resume: {out} holds no complete checkpoint (checkpoints/step_*/manifest.json); "
                              f"start it again without --resume (add --overwrite)")
         try:  # sizes here, in a second; the ranks verify the hashes
-            open_checkpoint(found[-1], hashes=False)
+            newest = open_checkpoint(found[-1], hashes=False)
         except ValueError as exc:  # the newest is damaged: never resumed from, but say which one is whole
             whole = next((p for p in reversed(found[:-1]) if _whole(p)), None)
             raise ValueError(f"--resume: {exc}" + (f"; the newest whole one before it is {whole}: pass --resume {whole}"
                                                    if whole else "")) from None
+        check_steps_left(out, newest.step, steps=steps)
         return
     path = Path(resume)
     if not path.is_dir():
         raise ValueError(f"--resume: no checkpoint directory at {path}")
     try:
-        open_checkpoint(path, hashes=False)
+        found = open_checkpoint(path, hashes=False)
     except OSError as exc:
         raise ValueError(f"--resume: checkpoint {path}: cannot read {exc.filename}: {exc.strerror}") from None
     except ValueError as exc:
         raise ValueError(f"--resume: {exc}") from None
+    if found.step + 1 >= steps:
+        raise ValueError(f"--resume: checkpoint {path} holds step {found.step}, the last of steps={steps}; "
+                         f"raise --steps to train further")
+
+
+def _last_logged_step(out: Path) -> int:
+    """The last step in metrics.jsonl (-1 without one): how far a run got."""
+    rows = [line for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()] \
+        if (out / "metrics.jsonl").is_file() else []
+    return max((json.loads(r)["step"] for r in rows), default=-1)
+
+
+def check_steps_left(out: Path, step: int, *, steps: int) -> None:
+    """A finished run (its last step is a checkpoint) says so and changes nothing; one that finished
+    before runs ended in a checkpoint would redo steps and rewrite final/ silently: refused."""
+    last = _last_logged_step(out)
+    if (out / "final").is_dir() and last > step:
+        raise ValueError(f"--resume: {out} finished at step {last} (final/), but its newest checkpoint is step {step}: "
+                         f"resuming would redo steps {step + 1}-{last} and rewrite final/; to do that anyway pass "
+                         f"--resume {step_dir(out, step)}")
+    if step + 1 >= steps:
+        raise RunComplete(f"{out} is complete: its checkpoint {step_dir(out, step)} holds step {step}, the last of "
+                          f"steps={steps}; nothing to do (extend it with --resume --steps N, N > {steps})")

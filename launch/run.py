@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from controller.checkpoint import config_changes, latest, open_checkpoint
+from controller.checkpoint import complete_checkpoints, config_changes, latest, open_checkpoint, step_dir
 from controller.control import Cadence
-from controller.job import Start, run_job
+from controller.job import Outcome, Start, run_job
 from controller.devices import attempt
 from controller.world import world_size_of
 from controller.graph import Graph
@@ -30,6 +30,7 @@ RUN_OUTPUTS = ("config.json", "metrics.jsonl", "samples.jsonl", "eval_samples.js
 def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = None, overwrite: bool = False) -> int:
     """resume: None (a fresh run), "latest" (the output dir's newest complete checkpoint) or a
     checkpoint directory. An elastic restart (torchrun --max-restarts) resumes by itself."""
+    began = time.time()
     def output_dir() -> Path:
         return Path(cfg.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
 
@@ -47,10 +48,46 @@ def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = No
                       start=partial(start, cfg=cfg, resume=resume), cadence=cadence, timeout_s=cfg.timeout_s,
                       console_keys=recipe.console, on_ready=write_config, derive=derive,
                       tensorboard=cfg.logging.tensorboard)
-    if outcome.stopped_after is not None and os.environ.get("RANK", "0") == "0":
-        print(f"tidal: stopped at step {outcome.stopped_after} (checkpoint saved); resume with: "
-              f"{resume_command(outcome.output_dir)}", file=sys.stderr, flush=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(end_line(outcome, steps=cfg.steps, wall_s=time.time() - began, resume=resume_command(outcome.output_dir)),
+              file=sys.stderr, flush=True)
     return outcome.exit_code
+
+
+def end_line(outcome: Outcome, *, steps: int, wall_s: float, resume: str) -> str:
+    """The run's last console lines: where a stop left it, or a summary of a finished run."""
+    k = outcome.stopped_after
+    if k is None:
+        return summary(outcome.output_dir, steps=steps, wall_s=wall_s)
+    if k < 0:
+        return "tidal: stopped during step 0: nothing was trained, so nothing was saved; start it again"
+    return (f"tidal: stopped after step {k} (checkpoint {step_dir(outcome.output_dir, k)} saved; the step in flight, "
+            f"if any, is redone on resume); resume with: {resume}")
+
+
+def summary(out: Path, *, steps: int, wall_s: float) -> str:
+    """What a finished run made: its length, its reward and evaluation, and where its outputs are."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()] \
+        if (out / "metrics.jsonl").is_file() else []
+    lines = [f"tidal: done: step {steps - 1} of {out} reached, {wall_s:.0f} s wall for this launch"]
+    if rows:
+        walls = sorted(r["step_s"] for r in rows if isinstance(r.get("step_s"), (int, float)))
+        tail = [r["reward_mean"] for r in rows[-20:] if isinstance(r.get("reward_mean"), (int, float))]
+        if walls:
+            lines.append(f"  median step {walls[len(walls) // 2]:.3g} s over {len(walls)} steps")
+        if tail:
+            lines.append(f"  reward_mean: {rows[0].get('reward_mean', float('nan')):.4g} at step {rows[0]['step']}, "
+                         f"{sum(tail) / len(tail):.4g} over the last {len(tail)} steps")
+        evals = [(r["eval/reward_mean"], r["step"]) for r in rows if isinstance(r.get("eval/reward_mean"), (int, float))]
+        if evals:
+            best, at = max(evals)
+            lines.append(f"  best eval/reward_mean {best:.4g} at step {at} (of {len(evals)} evaluations)")
+    found = complete_checkpoints(out)
+    made = [name for name in ("final", "metrics.jsonl", "metrics.png", "timeline.png", "samples.jsonl",
+                              "eval_samples.jsonl", "tensorboard") if (out / name).exists()]
+    lines.append(f"  outputs: {', '.join(made)}" + (f"; checkpoint {found[-1]} (extend with --resume --steps N)"
+                                                     if found else ""))
+    return "\n".join(lines)
 
 
 def start(out: Path, *, cfg: RunConfig, resume: str | None) -> Start:

@@ -25,9 +25,12 @@ def under_launcher() -> bool:
     return "RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def launch_here(argv: list[str], *, nproc: int, max_restarts: int, roles: dict[int, str] | None = None) -> int:
+def launch_here(argv: list[str], *, nproc: int, max_restarts: int, roles: dict[int, str] | None = None,
+                stop_timeout_s: int = 300) -> int:
     """Run `launch.py argv` on `nproc` local ranks; the exit code of the job: a rank killed by a signal's
-    (128 + N), else its first failed rank's. roles: global rank -> executor name, for the message."""
+    (128 + N), else its first failed rank's. roles: global rank -> executor name, for the message.
+    stop_timeout_s: how long the agent waits for the ranks to stop (checkpoint first) after a signal
+    before it kills them (torchrun's --shutdown-timeout, 30 s by default)."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -40,7 +43,7 @@ def launch_here(argv: list[str], *, nproc: int, max_restarts: int, roles: dict[i
     os.environ["TIDAL_LAUNCHER"] = launcher_command(max_restarts=max_restarts)
     # --standalone: a rendezvous on a free local port, so two jobs on one machine never collide
     args = torchrun.parse_args(["--nproc-per-node", str(nproc), "--standalone", "--max-restarts", str(max_restarts),
-                                str(SCRIPT), *argv])
+                                "--shutdown-timeout", str(stop_timeout_s), str(SCRIPT), *argv])
     try:
         torchrun.run(args)
     except ChildFailedError as exc:

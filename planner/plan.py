@@ -1,5 +1,7 @@
 """`launch.py --algo NAME --plan [--devices N]`: every split of N devices between the generator
-and the trainer, with the model's sync and periodic step time and TPSPD, and the split to use.
+and the trainer, with the model's sync and periodic step time and TPSPD, and the split to use; then,
+for that split, the generator's admission (groups decoded at once) that the model's periodic step
+is fastest with.
 
 Rates come from a calibration on this machine (two short runs of the configured job, planner/
 calibrate.py) or from a YAML file (`--rates FILE`, e.g. configs/plan-qwen3-8b-16npu.yaml). A replica
@@ -9,6 +11,7 @@ units; all-reduce and push costs are taken as measured (they grow with dp in a r
 """
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
 import sys
@@ -65,7 +68,7 @@ def splits(shapes: list[StepShape], rates: Rates, *, devices: int, gen_tp: int =
 def table(rows: list[Split], *, devices: int) -> str:
     if not rows:
         return "no split of the devices gives both the generator and the trainer a whole unit"
-    best = max(rows, key=lambda r: r.tpspd(r.periodic_s, devices))
+    best = best_split(rows, devices=devices)
     body = [[r.gen_devices, r.train_devices, r.replicas, r.dp, r.sync_s, r.periodic_s, r.sync_s / r.periodic_s,
              r.tpspd(r.sync_s, devices), r.tpspd(r.periodic_s, devices), "<- use" if r is best else ""] for r in rows]
     return tabulate(body, floatfmt=(".0f", ".0f", ".0f", ".0f", ".3g", ".3g", ".2f", ".4g", ".4g", ""), headers=[
@@ -73,10 +76,51 @@ def table(rows: list[Split], *, devices: int) -> str:
         "periodic speed-up", "TPSPD sync", "TPSPD periodic", ""])
 
 
+@dataclass(frozen=True, kw_only=True)
+class Slots:
+    """One admission setting of the generator: max_batch_prompts (vLLM: max_num_seqs / G)."""
+    slots: int
+    periodic_s: float
+    overlap_s: float
+
+
+def slot_choices(shapes: list[StepShape], rates: Rates, *, replicas: int, dp: int) -> list[Slots]:
+    """The periodic step at 1, 2, 4, ... slots up to a replica's whole share of the step (and the
+    slots the job ran with): fewer slots make waves whose first lets the trainer start early, more
+    take fewer forwards; which wins depends on the rates (README, reading overlap_s)."""
+    per_replica = -(-len(shapes[0].lengths) // replicas)
+    values = {min(shapes[0].max_batch_prompts, per_replica), per_replica}
+    values |= {1 << k for k in range(per_replica.bit_length()) if 1 << k <= per_replica}
+    out = []
+    for n in sorted(values):
+        laid = [replace(s, max_batch_prompts=n, replicas=replicas, dp=dp) for s in shapes]
+        runs = [simulate(s, rates, schedule="periodic") for s in laid]
+        out.append(Slots(slots=n, periodic_s=statistics.median(r.step_s for r in runs),
+                         overlap_s=statistics.median(r.overlap_s for r in runs)))
+    return out
+
+
+def best_split(rows: list[Split], *, devices: int) -> Split:
+    return max(rows, key=lambda r: r.tpspd(r.periodic_s, devices))
+
+
+def slots_table(shapes: list[StepShape], rates: Rates, split: Split, *, samples: int, engine: str = "native") -> str:
+    """The admission settings for `split`, the fastest periodic one marked, as the --set to use."""
+    rows = slot_choices(shapes, rates, replicas=split.replicas, dp=split.dp)
+    best = min(rows, key=lambda r: r.periodic_s)
+    key, value = (("generator.vllm.max_num_seqs", best.slots * samples) if engine == "vllm"
+                  else ("generator.max_batch_prompts", best.slots))
+    body = [[r.slots, r.slots * samples, r.periodic_s, r.overlap_s, "<- use" if r is best else ""] for r in rows]
+    return (f"generator admission for {split.gen_devices} generator / {split.train_devices} trainer devices "
+            f"(periodic): --set {key}={value}, predicted {best.periodic_s:.3g} s/step\n"
+            + tabulate(body, floatfmt=(".0f", ".0f", ".3g", ".3g", ""), headers=[
+                "groups at once", "sample rows", "periodic step s", "overlap s", ""]))
+
+
 def load_rates(path: Path) -> tuple[Rates, list[StepShape], dict]:
     """A rates file: rates (gen, train, reward_group_s, handoff_s, concurrency), step (prompts,
     samples, prompt_len, lengths: one list of response lengths cycled over the samples,
-    max_batch_prompts, admission) and layout (devices, gen_tp, train_tp, other_devices)."""
+    max_batch_prompts, admission) and layout (devices, gen_tp, train_tp, other_devices, engine: native or vllm)."""
     if not Path(path).is_file():
         raise ValueError(f"rates file {path} does not exist")
     data = yaml.safe_load(Path(path).read_text())
@@ -119,6 +163,7 @@ def plan_here(argv: list[str], *, devices: int, gen_tp: int, train_tp: int) -> s
         rates = calibrate(sync_dir)
         rates = replace(rates, concurrency=fit_concurrency(rates, periodic_dir))
         shapes = [s for step, s in sorted(shapes_of(sync_dir).items()) if step >= 1]
+        gen = json.loads((sync_dir / "config.json").read_text())["generator"]
     # per-term rates are not all identifiable from one job's shape; what the model makes of it is
     steps = [simulate(s, rates, schedule="sync") for s in shapes]
     head = (f"calibrated on this machine (sync, as run): generation "
@@ -126,7 +171,12 @@ def plan_here(argv: list[str], *, devices: int, gen_tp: int, train_tp: int) -> s
             f"{statistics.median(p.train_end_s - p.first_train_s for p in steps):.3g} s, barrier+push "
             f"{rates.train.barrier_s + rates.train.push_s:.3g} s per step; executors keep "
             f"{rates.concurrency:.2f} of their speed while overlapping")
-    return head + "\n" + table(splits(shapes, rates, devices=devices, gen_tp=gen_tp, train_tp=train_tp), devices=devices)
+    rows = splits(shapes, rates, devices=devices, gen_tp=gen_tp, train_tp=train_tp)
+    text = head + "\n" + table(rows, devices=devices)
+    if rows:
+        text += "\n\n" + slots_table(shapes, rates, best_split(rows, devices=devices),
+                                      samples=gen["samples_per_prompt"], engine=gen.get("engine", "native"))
+    return text
 
 
 def plan_from_file(path: Path, *, devices: int | None) -> str:
@@ -134,5 +184,10 @@ def plan_from_file(path: Path, *, devices: int | None) -> str:
     n = devices or layout.get("devices")
     if not n:
         raise ValueError(f"--plan --rates {path}: give --devices N (the file names no layout.devices)")
-    return table(splits(shapes, rates, devices=n, gen_tp=layout.get("gen_tp", 1), train_tp=layout.get("train_tp", 1),
-                        other_devices=layout.get("other_devices", 0)), devices=n)
+    rows = splits(shapes, rates, devices=n, gen_tp=layout.get("gen_tp", 1), train_tp=layout.get("train_tp", 1),
+                  other_devices=layout.get("other_devices", 0))
+    if not rows:
+        return table(rows, devices=n)
+    return table(rows, devices=n) + "\n\n" + slots_table(shapes, rates, best_split(rows, devices=n),
+                                                          samples=len(shapes[0].lengths[0]),
+                                                          engine=layout.get("engine", "native"))

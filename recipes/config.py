@@ -39,6 +39,9 @@ class RunConfig(BaseModel):
                                       "since the last; 0 = never by time")
     checkpoint_keep: int = Field(2, ge=0, description="keep the newest K complete checkpoints; 0 = all")
     timeout_s: float = Field(1800.0, gt=0, description="collective / channel timeout")
+    stop_timeout_s: int = Field(300, ge=1, description="python launch.py: how long a stop (SIGTERM, Ctrl-C) may "
+                                "take, checkpoint included, before the launcher kills the ranks (torchrun's "
+                                "--shutdown-timeout; under torchrun pass that flag)")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     generator: GeneratorConfig = GeneratorConfig()
@@ -59,7 +62,8 @@ class RunConfig(BaseModel):
         try:
             algo_config = algorithm.config_cls.model_validate(self.algorithm)
         except ValidationError as exc:
-            raise ValueError(config_error(exc, "algorithm section", prefix="algorithm.")) from None
+            raise ValueError(config_error(exc, "algorithm section", prefix="algorithm.",
+                                          model=algorithm.config_cls)) from None
         return self.model_copy(update={"algo": name, "algo_config": algo_config})
 
     @property
@@ -92,13 +96,31 @@ def non_defaults(cfg: RunConfig) -> list[tuple[str, object, str]]:
             if cfg.sources.get(key, "default") != "default"]
 
 
-def config_error(exc: ValidationError, source: str, *, prefix: str = "") -> str:
-    """One line per problem, naming the dotted field: `trainer.lr: Input should be ...`."""
+def config_error(exc: ValidationError, source: str, *, prefix: str = "",
+                 model: type[BaseModel] | None = None) -> str:
+    """One line per problem, naming the dotted field: `trainer.lr: Input should be ...`; an unknown
+    key gets the closest known key of its section (`model`: the class validated)."""
     lines = []
     for err in exc.errors():
         field = prefix + ".".join(str(p) for p in err["loc"]) or "(top level)"
         got = f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and "input" in err and \
             not isinstance(err["input"], dict) else ""
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        if err["type"] == "extra_forbidden" and model is not None:
+            msg += _did_you_mean(model, err["loc"], prefix=prefix)
         lines.append(f"{field}: {msg}{got}")
     return f"invalid config ({source}): " + "; ".join(lines)
+
+
+def _did_you_mean(model: type[BaseModel], loc: tuple, *, prefix: str) -> str:
+    """`; did you mean trainer.lr?` for the unknown key at `loc`, or "" when no known key is close."""
+    import difflib
+
+    for part in loc[:-1]:  # down to the section that holds the key
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return ""
+        model = field.annotation
+    known = [name for name, f in model.model_fields.items() if not f.exclude]  # algo, sources: not user keys
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    return f"; did you mean {prefix}{'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""

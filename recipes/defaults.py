@@ -3,9 +3,9 @@
 The classes' defaults are tuned for the embedded task (a 1M-parameter model trained from scratch:
 lr 1e-3, 8-token answers). A pretrained `model.path` gets RL fine-tuning defaults instead, where
 the user left a value unset: lr 1e-6 with a short warm-up (TRL's and verl's GRPO defaults; 1e-3
-wrecked a 135M instruct model in one step), TRL's prompt/completion lengths, 16 decode slots for
-the native engine (the embedded job's 2 would leave a real model's batch nearly empty), and the tokenizer's
-chat template when it has one. KL stays off (beta 0) and grad_clip 1.0, as for the embedded task.
+wrecked a 135M instruct model in one step), TRL's prompt/completion lengths, decode slots chosen
+from the step's shape and the device (decode_slots: why), and the tokenizer's chat template when it
+has one. KL stays off (beta 0) and grad_clip 1.0, as for the embedded task.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ PRETRAINED: dict[str, object] = {
     "trainer.lr": 1e-6,
     "trainer.warmup_steps": 10,
     "generator.max_new_tokens": 256,
-    "generator.max_batch_prompts": 16,
     "data.max_prompt_tokens": 512,
 }
 # a value model's decoder is pretrained but its head is new: verl's and OpenRLHF's critic lr is ~10x the actor's
@@ -25,6 +24,13 @@ PRETRAINED_CRITIC: dict[str, object] = {
     "critic.warmup_steps": 10,
 }
 PRETRAINED_SOURCE = "pretrained default"
+# The sample rows a wave of decoding holds. A decode forward costs a fixed part (reading every
+# weight) plus a part per row, and each wave pays the fixed part again. Measured on this CPU,
+# SmolLM2-135M, one thread: 64 ms at 4 rows, 79 at 8, 111 at 16 (fixed ~48 ms, ~4 ms a row), so 2
+# waves of 8 rows decode in 1.4x the time of 16 at once, 4 waves of 4 in 2.3x. On a GPU/NPU a
+# decode forward is bound by reading the weights up to a few hundred rows: vLLM's default
+# max_num_seqs, 256.
+SATURATING_ROWS = {"cpu": 16, "gpu": 256}
 
 
 def flatten(data: dict, prefix: str = "") -> dict[str, object]:
@@ -73,9 +79,64 @@ def pretrained_defaults(data: dict, *, critic: bool = False) -> dict[str, object
     if not model_path:
         return {}
     chosen = dict(PRETRAINED) | (dict(PRETRAINED_CRITIC) if critic else {})
+    chosen |= admission_defaults(data, device_type=_device_type())
     if _has_chat_template(str(model_path)):
         chosen["data.chat_template"] = True
     return {key: value for key, value in chosen.items() if not _is_set(data, key)}
+
+
+def decode_slots(*, prompts: int, samples: int, replicas: int, device_type: str) -> int:
+    """Prompt groups a generator replica decodes at once, so that periodic mode overlaps.
+
+    All groups of a replica decoding together reach the token cap together and leave at the end:
+    the trainer waits for all of generation (a real model's run overlapped 0 s in 20 of 20 steps at
+    16 slots). Fewer slots make waves: the first leaves after a fraction of generation and the
+    trainer starts on it while the next waves decode. A wave costs the forwards' fixed part once
+    more, so a wave holds about SATURATING_ROWS rows (where a row more is no longer nearly free);
+    on CPU, where that is a few groups, a replica's prompts also make at least two waves.
+    On a GPU/NPU a step of at most ~256 rows is one wave: splitting it would add a whole
+    generation's time for an overlap that can only recover the training that waits, and response
+    lengths that differ (the usual case) spread the groups' ends anyway."""
+    per_replica = -(-prompts // replicas)
+    by_rows = max(1, SATURATING_ROWS["cpu" if device_type == "cpu" else "gpu"] // samples)
+    if device_type == "cpu":
+        return max(1, min(by_rows, -(-per_replica // 2)))
+    return max(1, min(by_rows, per_replica))
+
+
+def admission_defaults(data: dict, *, device_type: str) -> dict[str, object]:
+    """The pretrained defaults of admission (decode_slots) from the step's shape as configured:
+    the native engine's slots, or vLLM's sample rows in flight (it admits requests first come,
+    first served, so a cap on rows makes the same waves)."""
+    from executors.generator.config import DataConfig, GeneratorConfig
+
+    classes = {"data": DataConfig, "generator": GeneratorConfig}
+
+    def get(key):  # the value as configured, else its class default
+        section, field = key.split(".")
+        node = data.get(section)
+        if isinstance(node, dict) and field in node:
+            return node[field]
+        return classes[section].model_fields[field].default
+
+    try:
+        samples, prompts, replicas = (int(get(k)) for k in ("generator.samples_per_prompt", "data.prompts_per_step",
+                                                              "generator.replicas"))
+    except (TypeError, ValueError):
+        return {}  # not a number: the config's validation names the field
+    if min(samples, prompts, replicas) < 1:
+        return {}
+    slots = decode_slots(prompts=prompts, samples=samples, replicas=replicas, device_type=device_type)
+    if get("generator.engine") == "vllm":
+        return {"generator.vllm.max_num_seqs": slots * samples}
+    return {"generator.max_batch_prompts": slots}
+
+
+def _device_type() -> str:
+    """cpu, or the accelerator the ranks of this machine will use (controller/devices.py decides)."""
+    from controller.devices import detect_device
+
+    return detect_device().type
 
 
 def apply(data: dict, defaults: dict[str, object]) -> None:

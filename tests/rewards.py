@@ -1,5 +1,7 @@
 """Reward callables used by e2e tests through the `module:function` config path."""
+import os
 import time
+from pathlib import Path
 
 from executors.embedded.task import embedded_reward
 
@@ -34,3 +36,19 @@ def hang(prompt: str, response: str, sample: dict) -> float:
     """A grader stuck for good (a deadlock, an endless regex)."""
     while True:
         time.sleep(1)
+
+
+_calls = 0
+
+
+def length_parity_then_stall(prompt: str, response: str, sample: dict) -> float:
+    """`length_parity`, except that with TIDAL_TEST_STALL_AFTER=N in the environment every call after
+    the N-th stalls for 1000 s (a step far longer than any launcher waits), after touching the file
+    TIDAL_TEST_STALL_FILE so a test knows the step is stuck."""
+    global _calls
+    _calls += 1
+    after = os.environ.get("TIDAL_TEST_STALL_AFTER")
+    if after is not None and _calls > int(after):
+        Path(os.environ["TIDAL_TEST_STALL_FILE"]).touch()
+        time.sleep(1000)
+    return length_parity(prompt, response, sample)

@@ -100,7 +100,9 @@ def test_lagged_channel_delivers_next_step(tmp_path):
 def test_timeline_of_a_user_graph_is_merged_and_drawn(tmp_path):
     spawn(_run, 3, _streaming_graph, 1, tmp_path)
     events = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
-    assert [e["kind"] for e in events if e["step"] >= 0] == ["step"] * 3  # one controller "step" span per rank
+    # per rank one controller "step" span, and the end-of-run checkpoint
+    assert sorted(e["kind"] for e in events if e["step"] >= 0) == ["checkpoint"] * 3 + ["step"] * 3
+    assert (tmp_path / "checkpoints/step_000000/manifest.json").is_file()  # the end of a run is a checkpoint
     assert {e["kind"] for e in events if e["step"] < 0} <= {"imports", "connect", "init"}  # start-up
     assert (tmp_path / "timeline.png").stat().st_size > 1000
 

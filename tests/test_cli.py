@@ -54,9 +54,11 @@ def test_dry_run_places_tensor_parallel_units():
 
 @pytest.mark.parametrize("args,message", [
     (["--set", "trainer.lr=abc"], "invalid config (command line): trainer.lr: Input should be a valid number"),
-    (["--set", "trainer.lrr=1"], "trainer.lrr: unknown key"),
+    (["--set", "trainer.lrr=1"], "trainer.lrr: unknown key; did you mean trainer.lr?"),
+    (["--set", "trainr.lr=1"], "trainr: unknown key; did you mean trainer?"),
+    (["--set", "algorithm.clip_lo=0.1"], "algorithm.clip_lo: unknown key; did you mean algorithm.clip_low?"),
     (["--set", "algorithm.clip_low=2"], "algorithm.clip_low: Input should be less than 1"),
-    (["--set", "algorithm.nope=1"], "algorithm.nope: unknown key"),
+    (["--set", "algorithm.nope=1"], "algorithm.nope: unknown key\n"),  # nothing close: no guess
     (["--set", "novalue"], "--set 'novalue': expected KEY=VALUE"),
     (["--steps", "0"], "steps: Input should be greater than or equal to 1 (got 0)"),
     (["--set", "trainer.mini_batches=20"], "trainer.mini_batches (20) x trainer.dp (1) exceeds data.prompts_per_step"),
@@ -72,6 +74,15 @@ def test_config_errors_name_the_field(args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_help_lists_the_registered_algorithms(monkeypatch):
+    from algorithms.registry import ALGORITHMS
+
+    help_text = " ".join(parser().format_help().split())
+    assert "--algo NAME algorithm: dapo, dr_grpo, grpo, gspo, ppo, reinforce_pp, rloo" in help_text
+    monkeypatch.setitem(ALGORITHMS._entries, "my_algo", ALGORITHMS.get("grpo"))  # a newly registered one shows too
+    assert "gspo, my_algo, ppo" in " ".join(parser().format_help().split())
 
 
 def test_unknown_algo_lists_known():

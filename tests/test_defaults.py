@@ -10,7 +10,7 @@ import pytest
 from executors.hf import load_model, load_tokenizer, save_hf
 from launch.cli import parser, resolve
 from recipes.config import non_defaults
-from recipes.defaults import PRETRAINED, flatten, sources
+from recipes.defaults import PRETRAINED, decode_slots, flatten, sources
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,6 +55,38 @@ def test_what_the_user_sets_wins_and_is_named(model_dir, tmp_path):
     # --set over the file: the later layer names the value
     cfg = _resolve("--config", str(config), "--set", "trainer.warmup_steps=0")
     assert cfg.trainer.warmup_steps == 0 and cfg.sources["trainer.warmup_steps"] == "--set"
+
+
+def test_decode_slots_come_from_the_step_shape_unless_set(model_dir):
+    """A pretrained model's slots make waves of a replica's prompts (so periodic overlaps even when
+    every sample reaches the cap: tests/test_overlap_default.py); what the user sets wins."""
+    cfg = _resolve("--set", f"model.path={model_dir}")  # B=8, G=16 on this CPU: one group (16 rows) a wave
+    assert cfg.generator.max_batch_prompts == 1 and cfg.sources["generator.max_batch_prompts"] == "pretrained default"
+    cfg = _resolve("--set", f"model.path={model_dir}", "--set", "data.prompts_per_step=16",
+                   "--set", "generator.samples_per_prompt=4", "--set", "generator.replicas=2")
+    assert cfg.generator.max_batch_prompts == 4  # 16 rows a wave, 8 prompts per replica: 2 waves
+    cfg = _resolve("--set", f"model.path={model_dir}", "--set", "data.prompts_per_step=4",
+                   "--set", "generator.samples_per_prompt=4")
+    assert cfg.generator.max_batch_prompts == 2  # 4 prompts: at least 2 waves on CPU
+    cfg = _resolve("--set", f"model.path={model_dir}", "--set", "generator.max_batch_prompts=16")
+    assert cfg.generator.max_batch_prompts == 16 and cfg.sources["generator.max_batch_prompts"] == "--set"
+    # vLLM: the same waves as a cap on the sample rows in flight; the native slots keep their default
+    cfg = _resolve("--set", f"model.path={model_dir}", "--set", "generator.engine=vllm")
+    assert cfg.generator.vllm.max_num_seqs == 16 and cfg.sources["generator.vllm.max_num_seqs"] == "pretrained default"
+    assert cfg.sources["generator.max_batch_prompts"] == "default"
+    cfg = _resolve("--set", f"model.path={model_dir}", "--set", "generator.engine=vllm",
+                   "--set", "generator.vllm.max_num_seqs=64")
+    assert cfg.generator.vllm.max_num_seqs == 64 and cfg.sources["generator.vllm.max_num_seqs"] == "--set"
+    assert _resolve().generator.max_batch_prompts == 2  # the embedded job keeps its tuned 2
+
+
+def test_decode_slots_on_an_accelerator_fill_a_wave_of_256_rows():
+    """Rows are nearly free there up to a few hundred: one wave unless the step has more rows."""
+    assert decode_slots(prompts=8, samples=16, replicas=1, device_type="cuda") == 8  # 128 rows, one wave
+    assert decode_slots(prompts=64, samples=16, replicas=1, device_type="npu") == 16  # 4 waves of 256 rows
+    assert decode_slots(prompts=64, samples=16, replicas=4, device_type="cuda") == 16  # 16 a replica: one wave
+    assert decode_slots(prompts=4, samples=512, replicas=1, device_type="cuda") == 1
+    assert decode_slots(prompts=1, samples=4, replicas=1, device_type="cpu") == 1
 
 
 def test_chat_template_on_for_a_tokenizer_that_has_one(model_dir, tmp_path):

@@ -88,6 +88,12 @@ def test_samples_log(periodic_run):
         first = lines[16 * step]
         assert f"sample (prompt 0, reward {first['reward']:.3g}, advantage {first['advantage']:.3g}" in console
     assert console.count("\n  response: ") == 3
+    # a log is no terminal: plain progress lines, no tqdm bar fragments between the tables
+    assert "progress: 3/3 steps done, " in console and "it/s]" not in console and "\r" not in console
+    import numpy as np
+
+    # float32 values in their shortest form: 0.1, not 0.10000000149011612
+    assert all(float(str(np.float32(r[k]))) == r[k] for r in lines for k in ("reward", "advantage"))
     for r in lines:
         assert 1 <= r["length"] <= 4 and (r["finished"] or r["length"] == 4)  # only EOS ends a sample early
         assert r["prompt"].endswith(" answer:") and isinstance(r["response"], str)

@@ -306,3 +306,20 @@ def test_the_planner_replays_this_engine(ending, requests):
 def test_admission_is_checked():
     with pytest.raises(ValueError, match="admission must be one of"):
         NativeEngine(torch.nn.Linear(1, 1), eos_token_id=0, pad_token_id=0, admission="eager")
+
+
+def test_stop_ends_the_stream_at_the_next_decode_iteration(model, tok, requests):
+    """A stop request abandons the step: `stop()` is asked before every decode iteration, and once it
+    says True no further token is decoded and the groups in flight are dropped; the groups finished
+    before it are the same as without a stop."""
+    params = SamplingParams(n=2, max_new_tokens=6, seed=0)
+    whole = [g.index for g in _engine(model, tok, max_batch_prompts=2).generate(requests[:6], params, step=0)]
+    asked = []
+
+    def stop():  # True from the 7th iteration on: the first chunk of 2 groups (6 tokens) is done by then
+        asked.append(len(asked))
+        return len(asked) > 7
+
+    got = [g.index for g in _engine(model, tok, max_batch_prompts=2).generate(requests[:6], params, step=0, stop=stop)]
+    assert len(asked) == 8  # asked once more, then nothing decoded
+    assert got == whole[:len(got)] and 0 < len(got) < len(whole), (got, whole)

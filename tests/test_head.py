@@ -6,9 +6,15 @@ shared-prompt micro-batches; the whole head equals the textbook computation on e
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate
 
+from executors.generator.engine import NativeEngine
+from executors.training.head import Fp32Head, fp32_logits
 from executors.training.packing import make_micro_batches
 from tests.test_parallel import tiny
 
@@ -109,3 +115,71 @@ def test_chunks_are_recomputed_not_kept():
 
     assert saved_vocab_rows(0) >= 80  # the whole head: every response token's logits are kept
     assert saved_vocab_rows(8) == 0  # chunks: recomputed in the backward, only hidden states kept
+
+
+def test_bf16_head_logits_are_float32_products_of_its_bf16_inputs():
+    """A bf16 head's logits are the exact product of its bf16 inputs, in float32 (not rounded to
+    bf16, whose rounding alone moved a log-prob by up to 0.06 on a real model); a float32 head runs
+    as itself, bit for bit."""
+    head = tiny("llama", tie=False).get_output_embeddings()
+    h_CH = torch.randn(7, head.in_features, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(fp32_logits(head, h_CH), head(h_CH))
+    head16, h16_CH = copy.deepcopy(head).bfloat16(), h_CH.bfloat16()
+    exact_CV = h16_CH.double() @ head16.weight.double().T
+    got_CV = fp32_logits(head16, h16_CH)
+    assert got_CV.dtype == torch.float32
+    scale = exact_CV.abs().max().item()
+    assert (got_CV.double() - exact_CV).abs().max().item() < 1e-6 * scale
+    assert (head16(h16_CH).double() - exact_CV).abs().max().item() > 1e-3 * scale  # what bf16 logits lose
+
+
+def test_fp32_head_hook_follows_pushed_weights():
+    """The generator's hook keeps its head's float32 weight, and re-casts it after a push: one that
+    lands through a torch op (the version counter moves) and one written into the weight's storage
+    unseen (as the WEIGHTS channel's receives are), announced by the engine's load_weights."""
+    assert Fp32Head.install(tiny("llama", tie=False)) is None  # a float32 model keeps its own head
+    model = tiny("llama", tie=False).bfloat16()
+    engine = NativeEngine(model, eos_token_id=0, pad_token_id=0)
+    ids = torch.randint(1, 96, (2, 5), generator=torch.Generator().manual_seed(2))
+    weight = model.get_output_embeddings().weight
+    with torch.inference_mode():  # as the engine runs it
+        for push in (None, lambda: weight.mul_(2), lambda: weight.data.mul_(3)):
+            if push is not None:
+                push()
+                engine.load_weights(None, None)
+            logits = model(input_ids=ids).logits
+            h = model.model(input_ids=ids).last_hidden_state
+            assert logits.dtype == torch.float32
+            assert torch.equal(logits, F.linear(h.float(), weight.float()))
+
+
+def _tp_head(world: int):
+    """On 2 gloo ranks: a bf16 vocabulary-sharded head (ColwiseParallel, as parallel/tp.py lays it)
+    gives the unsharded head's float32 logits and the full gradient of its replicated input."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo")  # rank and world from spawn's environment
+    try:
+        head = tiny("llama", tie=False).get_output_embeddings().bfloat16()
+        h_CH = torch.randn(6, head.in_features, generator=torch.Generator().manual_seed(3)).bfloat16()
+        w_CV = torch.randn(6, head.out_features, generator=torch.Generator().manual_seed(4))
+        ref_h = h_CH.clone().requires_grad_()
+        ref = fp32_logits(head, ref_h)
+        (ref * w_CV).sum().backward()
+        sharded = parallelize_module(copy.deepcopy(head), init_device_mesh("cpu", (world,)),
+                                     ColwiseParallel(output_layouts=Replicate()))
+        tp_h = h_CH.clone().requires_grad_()
+        got = fp32_logits(sharded, tp_h)
+        (got * w_CV).sum().backward()
+        return torch.equal(got, ref), (tp_h.grad.float() - ref_h.grad.float()).abs().max().item()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bf16_head_logits_under_tensor_parallel():
+    from controller.spawn import spawn
+
+    for same, grad_err in spawn(_tp_head, 2, 2, timeout_s=120):
+        assert same and grad_err < 1e-2, grad_err  # the input's gradient: bf16, summed over the shards

@@ -51,3 +51,71 @@ def test_a_model_that_is_not_llama_style_gets_no_estimate_not_a_crash(tmp_path):
     transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=512).save_pretrained(tmp_path)
     assert Shape.of(str(tmp_path)) is None
     assert describe_memory(small_config(), None).startswith("memory per rank: no estimate for this model")
+
+
+@pytest.mark.parametrize("mode", ["on", "off", "auto", "padded"])
+def test_longest_micro_batch_is_the_one_the_trainer_packs(mode):
+    """micro_batch_tokens against executors/training/packing.py's own rows, prompt lengths 1..P: the
+    activations are counted on the row the trainer really builds, not on a whole token_budget."""
+    import torch
+
+    from executors.training.config import LearnerConfig
+    from executors.training.packing import make_micro_batches
+    from launch.memory import micro_batch_tokens
+
+    for P, R, G, budget in [(40, 8, 4, 4096), (3, 64, 4, 4096), (40, 8, 8, 100), (300, 50, 4, 256), (2, 9, 5, 30)]:
+        t = LearnerConfig(shared_prompt=mode, token_budget=budget, micro_batch_size=3)
+        longest = 0
+        for p in range(1, P + 1):
+            batches = make_micro_batches(torch.ones(p, dtype=torch.long), [torch.ones(R, dtype=torch.long)] * G,
+                                         mode=mode, token_budget=budget, micro_batch_size=3, pad_id=0,
+                                         device=torch.device("cpu"))
+            # padded: the forward runs on the padding too
+            longest = max(longest, max(mb.input_ids_NL.numel() if mode == "padded" else mb.input_ids_1L.numel()
+                                       for mb in batches))
+        assert micro_batch_tokens(t, prompt=P, response=R, samples=G)[0] == longest, (mode, P, R, G, budget)
+
+
+# SmolLM2-135M-Instruct (a Llama), as its config.json gives it
+SMOLLM2 = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("B, new_tokens, slots, measured", [
+    # peak RSS (VmHWM) of each rank, python launch.py on the real model and HumanEval prompts, 2 steps, fp32,
+    # G=4, generator.max_batch_prompts=slots (README, Memory): (generator, trainer) bytes. The generator's
+    # peak at slots=2 is its load, which the estimate's steady total leaves out (loading_peak: 1.43 GB)
+    (4, 64, 16, (1.43e9, 4.28e9)),
+    (8, 128, 16, (1.89e9, 4.90e9)),
+    (4, 64, 2, (1.43e9, 4.37e9)),
+])
+def test_estimate_is_within_30_percent_of_measured_peaks(B, new_tokens, slots, measured):
+    from launch.memory import PROCESS_BYTES, generator_parts
+
+    shape = Shape.from_fields(SMOLLM2)
+    assert round(shape.params / 1e6, 1) == 134.5
+    cfg = small_config(data={"prompts_per_step": B, "max_prompt_tokens": 512},
+                       generator={"samples_per_prompt": 4, "max_new_tokens": new_tokens, "max_batch_prompts": slots})
+    for parts, peak in zip((generator_parts(cfg, shape), trainer_parts(cfg, shape)), measured):
+        estimate = sum(parts.values()) + PROCESS_BYTES
+        assert abs(estimate / peak - 1) < 0.3, (parts, peak)
+
+
+def test_cpu_totals_count_the_process_and_the_load(tmp_path):
+    """On CPU a rank holds its interpreter too, and while a model loads, the weights file's pages beside
+    their copy (the generator's measured peak); a GPU's memory holds neither."""
+    from executors.hf import load_model, load_tokenizer, save_hf
+    from launch.memory import PROCESS_BYTES, describe_memory, generator_parts, loading_peak
+
+    save_hf(load_model(None), load_tokenizer(None), tmp_path)
+    cfg = small_config(model={"path": str(tmp_path)}, data={"max_prompt_tokens": 8})  # a KV cache below the file
+    shape = Shape.of(str(tmp_path))
+    parts = {**generator_parts(cfg, shape), "process": PROCESS_BYTES}
+    file_bytes = (tmp_path / "model.safetensors").stat().st_size
+    assert loading_peak(cfg, parts) == PROCESS_BYTES + parts["weights"] + file_bytes
+    assert loading_peak(small_config(), parts) == 0.0  # the embedded model is built, not loaded
+    cpu = describe_memory(cfg, shape, device="cpu")
+    assert "process 350 MB" in cpu and "while loading" in cpu.splitlines()[3]  # the generator's row
+    cuda = describe_memory(cfg, shape, device="cuda")
+    assert "process" not in cuda.split("\n", 1)[1] and "while loading" not in cuda
+    assert "cuda runtime context, not counted" in cuda

@@ -4,9 +4,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib.image
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from controller.metrics_plot import _panels, plot_metrics
+from controller.timeline import _BUSY, figure, plot, utilisation
 from controller.tensorboard import TensorBoardLog, tags_of
 
 
@@ -46,3 +48,115 @@ def test_tensorboard_tags_and_a_resumed_run_writes_each_step_once(tmp_path):
         resumed.write({"step": step, "loss": 10.0 + step}, tags=tags)
     resumed.close()
     assert scalars(tmp_path) == {"trainer/loss": {0: 0.0, 1: 11.0, 2: 12.0, 3: 13.0}}
+
+
+def _span(executor, rank, step, kind, t0, t1, **kw):
+    return {"executor": executor, "rank": rank, "step": step, "kind": kind, "t0": t0, "t1": t1, **kw}
+
+
+def synthetic_timeline(steps: int) -> list[dict]:
+    """A periodic GRPO run's spans, 13.6 s a step: 10 s of generation; four reward spans of 1.6 ms (as
+    measured on a real run), each followed by a 3 s train (they overlap); a 0.5 s barrier, a 0.1 s push."""
+    events = [_span(ex, r, -1, "imports", 0.0, 2.0) for r, ex in enumerate(("generator", "reward", "trainer"))]
+    t = 5.0
+    for step in range(steps):
+        events += [_span("generator", 0, step, "step", t, t + 10), _span("generator", 0, step, "generate", t, t + 10)]
+        for i in range(4):
+            done = t + 2.5 * (i + 1)
+            events += [_span("reward", 1, step, "scored", done, done + 0.0016, index=i),
+                       _span("trainer", 2, step, "train", done + 0.01, done + 3.01, index=i)]
+        end = t + 13.01
+        events += [_span("trainer", 2, step, "barrier", end, end + 0.5),
+                   _span("trainer", 2, step, "push", end + 0.5, end + 0.6)]
+        t = end + 0.6
+    return events
+
+
+def _inside_figure(fig, artist) -> bool:
+    fig.canvas.draw()
+    box, page = artist.get_window_extent(), fig.bbox
+    return page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
+
+
+def test_timeline_of_a_long_run_draws_the_last_steps_and_every_step_s_busy_fraction(tmp_path):
+    import matplotlib.pyplot as plt
+
+    events = synthetic_timeline(300)
+    executors, steps, busy = utilisation(events)
+    assert executors == ["generator", "reward", "trainer"] and steps == list(range(300))
+    step_s = 13.61
+    # the trainer's overlapping train spans count once: 2.51 s after the step began until the push ended
+    for row, expected in zip(busy, (10 / step_s, 4 * 0.0016 / step_s, (step_s - 2.51) / step_s)):
+        assert row[0] == pytest.approx(expected, rel=1e-6) and row[-1] == pytest.approx(expected, rel=1e-6)
+    fig = figure(events, detail_steps=20)
+    strip, detail = (ax for ax in fig.axes if ax.get_label() != "<colorbar>")
+    assert "0.047% busy" in strip.get_yticklabels()[1].get_text()
+    lo, hi = detail.get_xlim()  # the last 20 steps only, in seconds since step 280 began
+    assert -20 * step_s * 0.1 < lo < 0 and 20 * step_s < hi < 20 * step_s * 1.1
+    assert "step 280" in detail.get_xlabel()
+    assert _inside_figure(fig, fig.legends[0])
+    plt.close(fig)
+    plot(events, tmp_path / "timeline.png")
+    height, width = matplotlib.image.imread(tmp_path / "timeline.png").shape[:2]
+    assert width == 1320 and 600 < height < 800
+
+
+def test_timeline_legend_of_every_kind_stays_inside_the_figure():
+    """All 13 kinds in one legend row ran past both edges of the 12-inch figure; now it wraps."""
+    import matplotlib.pyplot as plt
+
+    events = synthetic_timeline(3)
+    events += [_span("trainer", 2, 2, kind, 40.0 + i, 40.5 + i) for i, kind in enumerate(_BUSY)]
+    fig = figure(events)
+    assert len([ax for ax in fig.axes]) == 1  # a short run: spans only, start-up included
+    assert len(fig.legends[0].get_texts()) == len(_BUSY)
+    assert _inside_figure(fig, fig.legends[0])
+    plt.close(fig)
+
+
+def test_progress_is_plain_lines_off_a_terminal_and_tqdm_on_one(capsys, monkeypatch):
+    import os
+    import sys
+
+    from tqdm import tqdm
+
+    from controller.metrics import PlainProgress, progress
+
+    bar = progress(total=3, first=5)  # pytest's captured stderr is no terminal
+    assert isinstance(bar, PlainProgress)
+    bar.every_s = 3600
+    bar.write("a step table")
+    bar.update()
+    bar.update()
+    bar.update()  # the last step prints its line whatever the time
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "a step table" and len(lines) == 2
+    assert lines[1].startswith("progress: 8/8 steps done, ") and lines[1].endswith(" s/step, 0.0 min left")
+    _, terminal = os.openpty()
+    with open(terminal, "w") as tty:
+        monkeypatch.setattr(sys, "stderr", tty)
+        bar = progress(total=3, first=0)
+        assert isinstance(bar, tqdm)
+        bar.close()
+
+
+def test_loading_bars_stay_out_of_logs(tmp_path):
+    """transformers draws a "Loading weights" bar per model load, on every rank: a log that is no terminal
+    gets none (transformers 5 draws none on a terminal either; global rank 0's would be kept)."""
+    import os
+    import subprocess
+    import sys
+
+    from executors.hf import load_model, load_tokenizer, save_hf
+
+    save_hf(load_model(None), load_tokenizer(None), tmp_path)
+    root = Path(__file__).resolve().parents[1]
+
+    def stderr_of(code: str, rank: str) -> str:
+        return subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "RANK": rank},
+                              capture_output=True, text=True, timeout=120, check=True).stderr
+
+    plain = f"import transformers; transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})"
+    assert "Loading weights" in stderr_of(plain, "0")  # what a rank's log got
+    ours = f"from executors.hf import load_model; load_model({str(tmp_path)!r})"
+    assert "Loading weights" not in stderr_of(ours, "0") and "Loading weights" not in stderr_of(ours, "1")

@@ -3,6 +3,7 @@ calibration against a run whose timeline the model itself wrote, and `launch.py 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from launch.cli import main as cli_main
 from planner.calibrate import calibrate, fit_concurrency
 from planner.model import GenFeatures, GenRates, Rates, StepShape, TrainRates, replay_engine, simulate
-from planner.plan import load_rates, splits, table
+from planner.plan import load_rates, slot_choices, slots_table, splits, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -172,6 +173,30 @@ def test_splits_table_recommends_the_fastest_periodic_split():
     assert len(best) == 1 and best[0].split()[:2] == ["2", "2"]
 
 
+@pytest.mark.parametrize("rows_cost, want", [(False, 4), (True, 1)])
+def test_admission_recommendation_follows_what_a_row_costs(rows_cost, want):
+    """4 prompts x 4 samples, every sample at the 10-token cap. If a forward costs the same for any
+    number of rows and training is light, waves only add forwards: all 4 groups at once. If the cost is
+    all per row, waves cost nothing and each lets the trainer start earlier: one group at a time,
+    and then training runs beside all but the first group's generation."""
+    shape = _shape(B=4, G=4, L=10, P=2, mbp=4)
+    gen = GenRates(row_s=0.01) if rows_cost else GenRates(forward_s=0.1)
+    rates = Rates(gen=gen, train=TrainRates(token_s=0.01 if rows_cost else 1e-4))
+    rows = slot_choices([shape], rates, replicas=1, dp=1)
+    assert [r.slots for r in rows] == [1, 2, 4]
+    assert rows[-1].overlap_s == 0.0  # all at the cap together: nothing leaves before the end
+    assert min(rows, key=lambda r: r.periodic_s).slots == want
+    if rows_cost:  # a group: 9 decode forwards (the prefill gives token 1) x 4 rows x 0.01 s = 0.36 s,
+        # trained in 42 tokens x 0.01 s = 0.42 s: training is the longer side from the first group on
+        assert rows[0].periodic_s == pytest.approx(0.36 + 4 * 0.42)
+        assert rows[0].overlap_s == pytest.approx(3 * 0.36)
+    split = splits([shape], rates, devices=2)[0]
+    text = slots_table([shape], rates, split, samples=4)
+    assert f"--set generator.max_batch_prompts={want}," in text.splitlines()[0]
+    assert f"--set generator.vllm.max_num_seqs={want * 4}," in slots_table([shape], rates, split, samples=4,
+                                                                          engine="vllm").splitlines()[0]
+
+
 def test_paper_scale_rates_file_gives_a_table():
     rates, shapes, layout = load_rates(ROOT / "configs" / "plan-qwen3-8b-16npu.yaml")
     assert layout["devices"] == 16 and len(shapes[0].lengths) == 32
@@ -196,8 +221,16 @@ def test_plan_calibrates_the_job_on_this_machine():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "calibrated on this machine" in proc.stdout
-    lines = [line for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    splits_text, admission = proc.stdout.split("\n\ngenerator admission for ")
+    lines = [line for line in splits_text.splitlines() if line.strip()[:1].isdigit()]
     assert [line.split()[:2] for line in lines] == [["1", "2"], ["2", "1"]]
+    # for the marked split, the embedded job's B=8 prompts over its replicas: 1, 2 (as run), 4 and,
+    # on one replica, 8 groups at once; one marked
+    head, *table_lines = admission.splitlines()
+    assert re.match(r"[12] generator / [12] trainer devices", head) and "--set generator.max_batch_prompts=" in head
+    rows = [line.split() for line in table_lines if line.strip()[:1].isdigit()]
+    want = ["1", "2", "4", "8"] if head.startswith("1 generator") else ["1", "2", "4"]
+    assert [r[0] for r in rows] == want and sum(r[-1] == "use" for r in rows) == 1
     assert sum("<- use" in line for line in lines) == 1
     for line in lines:
         sync_s, periodic_s = float(line.split()[4]), float(line.split()[5])

@@ -203,7 +203,7 @@ def test_self_launch_runs_a_job_to_the_end(tmp_path):
     _no_launcher_noise(proc.stderr)
     # the same dir again: refused, and --overwrite starts over
     proc, _ = _launch("--steps", "1", "--output-dir", str(tmp_path), *SMALL)
-    assert proc.returncode == 2 and "already holds a run (config.json, metrics.jsonl, final)" in proc.stderr
+    assert proc.returncode == 2 and "already holds a run (config.json, metrics.jsonl, checkpoints, final)" in proc.stderr
     proc, _ = _launch("--steps", "1", "--output-dir", str(tmp_path), "--overwrite", *SMALL, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path)] == [0]

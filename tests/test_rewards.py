@@ -1,6 +1,5 @@
 """Rule rewards: math_simple (math_verify: test_math_verify.py), reward resolution, and how reward
 failures are reported."""
-import math
 
 import pytest
 
@@ -44,8 +43,10 @@ def test_math_simple_missing_answer_names_field():
 
 
 def test_resolve_reward():
+    from tests.rewards import boom
+
     assert resolve_reward("math_verify") is math_verify
-    assert resolve_reward("math:floor") is math.floor
+    assert resolve_reward("tests.rewards:boom") is boom
     assert "math_verify" in REWARDS.names()
     with pytest.raises(ValueError, match="unknown reward 'nope'; known: embedded, math_simple, math_verify"):
         resolve_reward("nope")
@@ -57,10 +58,87 @@ def test_resolve_reward():
         resolve_reward("math:pi")
 
 
+def _user_module(tmp_path, monkeypatch, name: str, source: str) -> str:
+    """A module `name` written to a directory put on sys.path, as a user's reward file would be."""
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_a_module_not_on_the_path_gets_a_pythonpath_hint(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"^reward 'no_such_module_xyz:f': cannot import module 'no_such_module_xyz'"
+                                         r": No module named 'no_such_module_xyz' \(is its directory on PYTHONPATH\? "
+                                         r"e\.g\. PYTHONPATH=/path/to/dir python launch\.py \.\.\.\)$"):
+        resolve_reward("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match=r"PYTHONPATH"):  # its package is missing: the same hint
+        resolve_reward("no_such_pkg_xyz.rewards:f")
+    # the module is found but one of its own imports is not: a missing dependency, not a path problem
+    name = _user_module(tmp_path, monkeypatch, "tidal_reward_needs_dep",
+                        "import no_such_dependency_xyz\ndef score(prompt, response, sample):\n    return 1.0\n")
+    with pytest.raises(ValueError) as e:
+        resolve_reward(f"{name}:score")
+    assert "No module named 'no_such_dependency_xyz'" in str(e.value) and "PYTHONPATH" not in str(e.value)
+
+
+def test_a_reward_that_cannot_take_three_arguments_is_refused_at_resolution(tmp_path, monkeypatch):
+    name = _user_module(tmp_path, monkeypatch, "tidal_reward_signatures", """
+def two(prompt, response):
+    return 1.0
+def needs_key(prompt, response, sample, *, weight):
+    return weight
+def four(prompt, response, sample, extra):
+    return 1.0
+def varargs(*args):
+    return 1.0
+def defaults(prompt, response, sample=None, scale=1.0):
+    return scale
+class Scorer:
+    def __call__(self, prompt, response, sample):
+        return 1.0
+scorer = Scorer()
+""")
+    for attr, signature in [("two", "(prompt, response)"), ("needs_key", "(prompt, response, sample, *, weight)"),
+                            ("four", "(prompt, response, sample, extra)"), ("math:floor", "(x, /)")]:
+        spec = attr if ":" in attr else f"{name}:{attr}"
+        with pytest.raises(ValueError) as e:
+            resolve_reward(spec)
+        assert str(e.value) == (f"reward {spec!r}: its signature {signature} cannot take the 3 positional "
+                                f"arguments (prompt, response, sample) a reward is called with")
+    for attr in ("varargs", "defaults", "scorer"):
+        assert resolve_reward(f"{name}:{attr}")("p", "r", {}) == 1.0
+
+
 def _flaky(prompt, response, sample):
     if response == "raise":
         return 1 / 0
     return {"ok": 1.0, "nan": float("nan"), "str": "1.0"}[response]
+
+
+def test_errors_name_the_data_row_and_its_id_column():
+    def fail(**where):
+        with pytest.raises(RewardError) as e:
+            score_group(_flaky, name="he", prompt="q", responses=["ok", "ok", "raise"], on_error="fail", **where)
+        return str(e.value)
+
+    assert fail(sample={"task_id": "HumanEval/16", "answer": "x"}, prompt_index=2, data_row=17) == (
+        "reward 'he' failed on data row 17 (task_id HumanEval/16), sample 2: ZeroDivisionError: division by zero")
+    # `id` comes first of the id columns; a row without one is named by its line alone
+    assert "on data row 3 (id 7), sample 2" in fail(sample={"problem_id": 1, "id": 7}, prompt_index=0, data_row=3)
+    assert "on data row 3, sample 2" in fail(sample={"answer": "1"}, prompt_index=0, data_row=3)
+    # the embedded task has no data file: its prompts are named by their index in the step
+    assert "on prompt 5, sample 2" in fail(sample={"task_id": "t"}, prompt_index=5, data_row=None)
+    scores, errors = score_group(_flaky, name="he", prompt="q", responses=["raise", "ok"], sample={"uid": "u9"},
+                                 prompt_index=0, data_row=4, on_error="zero")
+    assert scores == [0.0, 1.0]
+    assert errors == {0: "reward 'he' failed on data row 4 (uid u9), sample 0: ZeroDivisionError: division by zero"}
+
+
+def test_data_rows_know_their_line(tmp_path):
+    from executors.generator.data import load_prompts
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "task_id": "T/0"}\n\n{"prompt": "b", "task_id": "T/1"}\n')
+    assert [(r.prompt, r.line) for r in load_prompts(str(path))] == [("a", 1), ("b", 3)]  # blank lines count
 
 
 def test_score_group_fail_names_reward_prompt_and_sample():
@@ -78,18 +156,19 @@ def test_score_group_fail_names_reward_prompt_and_sample():
 
 
 def test_score_group_zero_counts_failures():
-    scores, failures = score_group(_flaky, name="flaky", prompt="q", responses=["ok", "raise", "nan", "str", "ok"],
-                                   sample={}, prompt_index=0, on_error="zero")
+    scores, errors = score_group(_flaky, name="flaky", prompt="q", responses=["ok", "raise", "nan", "str", "ok"],
+                                 sample={}, prompt_index=0, on_error="zero")
     assert scores == [1.0, 0.0, 0.0, 0.0, 1.0]
-    assert failures == 3
+    assert sorted(errors) == [1, 2, 3]
+    assert errors[2] == "reward 'flaky' failed on prompt 0, sample 2: ValueError: returned non-finite nan"
     with pytest.raises(ValueError, match="on_error"):
         score_group(_flaky, name="flaky", prompt="q", responses=[], sample={}, prompt_index=0, on_error="skip")
 
 
 def test_score_group_with_math_verify():
-    scores, failures = score_group(math_verify, name="math_verify", prompt="q", responses=["\\boxed{3}", "4"],
-                                   sample={"answer": "3"}, prompt_index=0, on_error="fail")
-    assert (scores, failures) == ([1.0, 0.0], 0)
+    scores, errors = score_group(math_verify, name="math_verify", prompt="q", responses=["\\boxed{3}", "4"],
+                                 sample={"answer": "3"}, prompt_index=0, on_error="fail")
+    assert (scores, errors) == ([1.0, 0.0], {})
 
 
 @pytest.mark.parametrize("on_error", ["fail", "zero"])
@@ -112,5 +191,6 @@ def test_a_reward_past_its_timeout_is_named_or_counted(on_error):
     else:
         scores, failed = score_group(sometimes_hangs, name="slow", prompt="p", responses=["a", "b", "c"], sample={},
                                      prompt_index=3, on_error=on_error, timeout_s=0.5)
-        assert scores == [1.0, 0.0, 1.0] and failed == 1 and calls == ["a", "b", "c"]  # the next call still runs
+        assert scores == [1.0, 0.0, 1.0] and list(failed) == [1] and calls == ["a", "b", "c"]  # the next call still runs
+        assert failed[1] == "reward 'slow' timed out after 0.5 s on prompt 3, sample 1"
     assert time.monotonic() - t0 < 5

@@ -33,3 +33,21 @@ def test_console_line_is_short_and_names_the_sample():
     head, prompt, response = text.splitlines()
     assert head == "sample (prompt 0, reward 0.5, advantage -1.25, 8 tokens, unfinished):"
     assert prompt == "  prompt:   p q" and response == "  response: " + "r" * 37 + "..."
+
+
+def test_sample_lines_write_float32_values_short(tmp_path):
+    """A float32 tensor's 0.1 is written 0.1 (not 0.10000000149011612) and reads back to the same float32;
+    a reward function's own float64 keeps every digit."""
+    import numpy as np
+    import torch
+
+    from common.files import append_jsonl
+
+    rewards = torch.tensor([0.1, -1.25, 2 / 3], dtype=torch.float32)
+    rows = [{"reward": float(r), "rewards": {"fn": [1 / 3, float(r)]}, "length": 8} for r in rewards]
+    append_jsonl(tmp_path / "samples.jsonl", rows)
+    text = (tmp_path / "samples.jsonl").read_text()
+    assert text.splitlines()[0] == '{"reward": 0.1, "rewards": {"fn": [0.3333333333333333, 0.1]}, "length": 8}'
+    assert '"reward": 0.6666667,' in text
+    back = [json.loads(line)["reward"] for line in text.splitlines()]
+    assert [np.float32(v) for v in back] == rewards.tolist()

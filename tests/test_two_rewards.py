@@ -82,6 +82,12 @@ def test_combine_weights_and_order_independence():
     out = combine(rule[1], model[1], rule_weight=1.0, model_weight=0.25)
     assert torch.allclose(out.rewards, rule[1].rewards + 0.25 * model[1].rewards)
     assert out.index == 1 and out.prompt == "p1"
+    # a failure on either input is counted, and its message reaches the trainer's warning
+    failed = dataclasses.replace(rule[1], reward_failures=2, first_error="reward 'r' failed on prompt 1, sample 0")
+    both = combine(failed, model[1], rule_weight=1.0, model_weight=1.0)
+    assert (both.reward_failures, both.first_error) == (2, failed.first_error)
+    assert combine(model[1], failed, rule_weight=1.0, model_weight=1.0).first_error == failed.first_error
+    assert out.first_error is None
     results = set()
     for rule_order, model_order in itertools.product(itertools.permutations(range(4)), [(0, 1, 2, 3), (3, 1, 0, 2)]):
         pairs = list(pair_by_index([model[i] for i in model_order], [rule[i] for i in rule_order]))

@@ -66,7 +66,8 @@ class VllmConfig(BaseModel):
     enforce_eager: bool | None = Field(None, description="no torch.compile / CUDA graphs: faster start, slower "
                                        "decode; None: eager on CPU (compiling made start-up 44-92 s there), compiled elsewhere")
     prefix_caching: bool = Field(True, description="a prompt's G samples share its KV blocks")
-    max_num_seqs: int = Field(256, ge=1, description="sample rows decoded together (continuous batching)")
+    max_num_seqs: int = Field(256, ge=1, description="sample rows decoded together (continuous batching); with "
+                              "a model.path: G x the native engine's slots, so the step's requests run in waves")
 
 
 class GeneratorConfig(BaseModel):
@@ -80,8 +81,11 @@ class GeneratorConfig(BaseModel):
     top_k: int = Field(0, ge=0, description="sample among the k most likely tokens only; 0: all")
     max_new_tokens: int = Field(8, ge=1)
     # the embedded job's: 2 slots refilled at once spread the groups' ends over the step, so the
-    # trainer starts after ~1/4 of generation (bench/periodic_vs_sync.py); a model.path gets 16
-    max_batch_prompts: int = Field(2, ge=1, description="prompt groups the native engine decodes at once")
+    # trainer starts after ~1/4 of generation (bench/periodic_vs_sync.py); a model.path gets slots
+    # chosen from the step's shape and the device (recipes/defaults.py decode_slots)
+    max_batch_prompts: int = Field(2, ge=1, description="prompt groups the native engine decodes at once; with a "
+                                   "model.path: waves of ~16 sample rows (CPU, at least 2 per replica) or ~256 "
+                                   "(GPU/NPU), so that groups leave while the trainer works")
     admission: Literal["chunked", "continuous"] = Field(
         "continuous", description="native engine: chunked: the next max_batch_prompts prompts start when all are "
         "done; continuous: a finished group's slot takes the next prompt at once. Same samples either way")

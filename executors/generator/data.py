@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -21,6 +21,9 @@ _JSONL_SUFFIXES = (".jsonl", ".json")
 class PromptRow:
     prompt: str
     extras: dict  # every other column (e.g. `answer`), handed to the reward as `sample`
+    # 1-based line of a JSONL file (row of a Parquet file), named by reward errors; None for the
+    # embedded task. Not compared: it says where a row is, not what it is
+    line: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class Columns:
     answer: str = "answer"
 
 
-def _row(obj: Any, *, where: str, columns: Columns) -> PromptRow:
+def _row(obj: Any, *, where: str, columns: Columns, line: int) -> PromptRow:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected an object, got {type(obj).__name__}")
     key = columns.prompt
@@ -47,7 +50,7 @@ def _row(obj: Any, *, where: str, columns: Columns) -> PromptRow:
             raise ValueError(f"{where}: field {columns.answer!r} (data.answer_key) is missing (the row has "
                              f"{', '.join(map(repr, list(obj)[:8]))})")
         extras["answer"] = obj[columns.answer]
-    return PromptRow(prompt=prompt, extras=extras)
+    return PromptRow(prompt=prompt, extras=extras, line=line)
 
 
 def _load_jsonl(path: Path, columns: Columns) -> list[PromptRow]:
@@ -62,7 +65,7 @@ def _load_jsonl(path: Path, columns: Columns) -> list[PromptRow]:
                 # the line is parsed with its newline: an error past its text is "line 2" to json
                 where = f"column {e.colno}" if e.lineno == 1 else "at the end of the line"
                 raise ValueError(f"{path}:{line_no}: invalid JSON: {e.msg}, {where}") from e
-            rows.append(_row(obj, where=f"{path}:{line_no}", columns=columns))
+            rows.append(_row(obj, where=f"{path}:{line_no}", columns=columns, line=line_no))
     return rows
 
 
@@ -70,7 +73,8 @@ def _load_parquet(path: Path, columns: Columns) -> list[PromptRow]:
     import pyarrow.parquet as pq  # only Parquet users pay for the import
 
     table = pq.read_table(path)
-    return [_row(obj, where=f"{path}: row {i}", columns=columns) for i, obj in enumerate(table.to_pylist(), start=1)]
+    return [_row(obj, where=f"{path}: row {i}", columns=columns, line=i)
+            for i, obj in enumerate(table.to_pylist(), start=1)]
 
 
 def load_prompts(path: str, columns: Columns = Columns()) -> list[PromptRow]:

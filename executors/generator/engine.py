@@ -23,9 +23,10 @@ from __future__ import annotations
 import collections
 import hashlib
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
+
 if TYPE_CHECKING:  # transformers loads with the first chunk: building a graph stays light
     import transformers
 
@@ -147,6 +148,15 @@ class NativeEngine:
         if admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
         self.model = model.eval()
+        # a bf16 model's logits in float32, and its attention in float32, as the trainer computes them
+        # (training/head.py, training/packed_attention.py: off a packed row its attention is SDPA's)
+        from executors.training.head import Fp32Head  # DTensor: loaded on the generator's ranks only
+
+        self._fp32_head = Fp32Head.install(model)
+        if next(model.parameters()).dtype != torch.float32 and model.config._attn_implementation == "sdpa":
+            from executors.training.packed_attention import install
+
+            install(model)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.max_batch_prompts = max_batch_prompts
@@ -157,27 +167,32 @@ class NativeEngine:
         return next(self.model.parameters()).device
 
     def load_weights(self, shards, specs) -> None:
-        """Nothing to do: the WEIGHTS channel receives straight into this engine's parameters."""
+        """The WEIGHTS channel received straight into this engine's parameters: only the float32
+        copy of a bf16 head is stale."""
+        if self._fp32_head is not None:
+            self._fp32_head.refresh()
 
     def close(self) -> None:
         """Nothing to release."""
 
     def generate(
-        self, requests: list[PromptRequest], params: SamplingParams, *, step: int
+        self, requests: list[PromptRequest], params: SamplingParams, *, step: int, stop: Callable[[], bool] = lambda: False
     ) -> Iterator[GroupCompletion]:
-        """Stream the G-sample group of every request, each as soon as it is complete."""
+        """Stream the G-sample group of every request, each as soon as it is complete. `stop()` is
+        asked before every decode iteration: True ends the stream there (the groups in flight are
+        dropped: a stop request abandons the step, common/stop.py)."""
         indices = [r.index for r in requests]
         if len(set(indices)) != len(indices):
             raise ValueError(f"duplicate prompt indices in one generate call: {sorted(indices)}")
         prompts = [torch.as_tensor(r.prompt_ids, dtype=torch.long).reshape(-1).cpu() for r in requests]
         if any(p.numel() == 0 for p in prompts):
             raise ValueError("empty prompt")
-        return self._stream(indices, prompts, params, step)  # validated now, not at the first next()
+        return self._stream(indices, prompts, params, step, stop)  # validated now, not at the first next()
 
-    def _stream(self, indices, prompts, params, step) -> Iterator[GroupCompletion]:
+    def _stream(self, indices, prompts, params, step, stop) -> Iterator[GroupCompletion]:
         waiting = collections.deque(zip(indices, prompts))
         batch = _Batch(self, params, step)
-        while waiting or batch.groups:
+        while (waiting or batch.groups) and not stop():
             free = self.max_batch_prompts - len(batch.groups)
             # continuous: a finished group's slot takes the next prompt at once; chunked: the next
             # max_batch_prompts prompts start when the whole batch is done

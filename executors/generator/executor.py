@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass
 
 from channels.payloads import GroupVerdict, RolloutGroup, WeightsUpdate
-from executors.base import Executor, ExecutorEnv, StepContext
+from executors.base import Executor, ExecutorEnv, StepContext, unit_aborted
 from executors.embedded.task import embedded_prompts, held_out_prompts
 from executors.generator.config import DataConfig, EvalConfig, GeneratorConfig, ModelConfig
 from executors.generator.data import PromptRow, PromptSet, load_prompts
@@ -141,7 +141,7 @@ class Generator(Executor):
         with ctx.timeline.span("generate"):
             while True:
                 tokens += self._generate(ctx, indices)
-                if not self.dynamic:
+                if not self.dynamic or self._stop_now():  # a stop: no top-up round
                     break
                 # dynamic sampling: every replica hears every verdict, so all agree on the top-up
                 kept += sum(next(verdicts).kept for _ in indices)
@@ -154,7 +154,7 @@ class Generator(Executor):
                 indices = list(range(next_index, next_index + B - kept))
                 next_index += B - kept
         gen_s, gen_end_t, eval_s = time.perf_counter() - t0, time.time(), None
-        if self.eval_cfg and ctx.step % self.eval_cfg.every == 0:
+        if self.eval_cfg and ctx.step % self.eval_cfg.every == 0 and not self._stop_now():
             # the step's rollouts are complete: end their stream first, so the reward and the trainer
             # finish the step while the held-out prompts are sampled with the same weights
             ctx.outbound["rollouts"].close_step()
@@ -178,7 +178,11 @@ class Generator(Executor):
             row = rows[done.index][0]
             ctx.outbound["eval"].send(RolloutGroup(
                 step=ctx.step, index=done.index, prompt=row.prompt, extras=row.extras, prompt_ids=done.prompt_ids_P,
-                responses=done.response_ids, logprobs=done.logprobs, finished=done.finished_G))
+                responses=done.response_ids, logprobs=done.logprobs, finished=done.finished_G, data_row=row.line))
+
+    def _stop_now(self) -> bool:
+        """Asked before each decode iteration; a unit's ranks decode in lockstep, so they agree."""
+        return unit_aborted(self.env)
 
     def _generate(self, ctx: StepContext, indices: list[int]) -> int:
         """Sample this replica's share of `indices` and send each group the moment it is done."""
@@ -190,10 +194,11 @@ class Generator(Executor):
         rows = {i: row for i, row, _ in mine}
         requests = [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in mine]
         out, tokens = ctx.outbound["rollouts"], 0
-        for done in self.engine.generate(requests, self.params, step=ctx.step):
+        for done in self.engine.generate(requests, self.params, step=ctx.step, stop=self._stop_now):
             group = RolloutGroup(step=ctx.step, index=done.index, prompt=rows[done.index].prompt,
                                  extras=rows[done.index].extras, prompt_ids=done.prompt_ids_P,
-                                 responses=done.response_ids, logprobs=done.logprobs, finished=done.finished_G)
+                                 responses=done.response_ids, logprobs=done.logprobs, finished=done.finished_G,
+                                 data_row=rows[done.index].line)
             tokens += sum(r.numel() for r in done.response_ids)
             ctx.timeline.mark("generated", index=done.index)
             out.send(group)

@@ -6,8 +6,11 @@ on NPU: one API, the platform is vLLM's own plugin).
 * Per-sample seeds: each of the G samples is its own request, seeded from (run seed, step, prompt
   index, sample index) like the native engine's samples; the prompt's KV is shared by prefix caching.
   The tokens are vLLM's (its own sampler), not the native engine's.
-* Continuous admission and streaming: all of a call's requests are queued at once, vLLM's scheduler
-  admits them as slots free up, and a group is yielded the moment its G requests are done.
+* Continuous admission and streaming: all of a call's requests are queued at once, in prompt order,
+  vLLM's scheduler admits them first come, first served as slots free up (max_num_seqs sample rows),
+  and a group is yielded the moment its G requests are done. A pretrained model's default
+  max_num_seqs is G x the native engine's slots (recipes/defaults.py), so the groups run in the
+  same waves and the first leave early enough for periodic mode to overlap.
 * Log-probs: `processed_logprobs` = log_softmax(logits / T) of the sampled token, our definition
   (with top_p = 1; under top-p vLLM renormalises over the nucleus, so the config refuses top_p < 1).
 * Weights: `load_weights` hands this rank's received shards (Hugging Face names, tp-local) to vLLM's
@@ -21,7 +24,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Mapping
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 import torch
 
@@ -115,9 +118,11 @@ class VllmEngine:
 
     # -- generation -------------------------------------------------------------------------------
 
-    def generate(self, requests: list[PromptRequest], params: SamplingParams, *, step: int
-                 ) -> Iterator[GroupCompletion]:
-        """Stream the G-sample group of every request, each as soon as its G samples are done."""
+    def generate(self, requests: list[PromptRequest], params: SamplingParams, *, step: int,
+                 stop: Callable[[], bool] = lambda: False) -> Iterator[GroupCompletion]:
+        """Stream the G-sample group of every request, each as soon as its G samples are done.
+        `stop()` is asked before every engine step: True aborts the requests in flight and ends the
+        stream (a stop request abandons the step, common/stop.py)."""
         import vllm
 
         indices = [r.index for r in requests]
@@ -143,11 +148,14 @@ class VllmEngine:
                 self._next_id += 1
                 owner[rid] = (r.index, j)
                 engine.add_request(rid, {"prompt_token_ids": ids}, sp)
-        return self._stream(engine, owner, prompts, params.n)
+        return self._stream(engine, owner, prompts, params.n, stop)
 
-    def _stream(self, engine, owner, prompts, G) -> Iterator[GroupCompletion]:
+    def _stream(self, engine, owner, prompts, G, stop) -> Iterator[GroupCompletion]:
         done: dict[int, dict[int, tuple]] = defaultdict(dict)
         while engine.has_unfinished_requests():
+            if stop():
+                engine.abort_request(list(owner))  # the engine is left empty for whatever comes next
+                return
             for out in engine.step():
                 if not out.finished:
                     continue

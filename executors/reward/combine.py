@@ -58,7 +58,8 @@ def combine(rule: ScoredGroup, model: ScoredGroup, *, rule_weight: float, model_
     # float64 then one rounding: the sum is a fixed expression of the two scores, whoever came first
     rewards_G = (rule_weight * rule.rewards.double() + model_weight * model.rewards.double()).float()
     return dataclasses.replace(rule, rewards=rewards_G, reward_failures=rule.reward_failures + model.reward_failures,
-                               reward_parts={**rule.reward_parts, **model.reward_parts})
+                               reward_parts={**rule.reward_parts, **model.reward_parts},
+                               first_error=rule.first_error or model.first_error)
 
 
 @dataclass(frozen=True)

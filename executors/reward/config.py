@@ -17,6 +17,8 @@ class RewardConfig(BaseModel):
                              "failed (on_error decides), naming the reward, prompt and sample")
     on_error: Literal["fail", "zero"] = Field("fail", description="a reward that raises or returns NaN: "
                                               "stop the run, or score 0 and count it")
+    max_failed_steps: int = Field(3, ge=0, description="with on_error=zero: stop the run, naming the first "
+                                  "error, once every reward of this many steps in a row failed (0: never)")
 
     @model_validator(mode="after")
     def _weights_match(self):

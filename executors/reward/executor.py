@@ -14,7 +14,7 @@ from common.files import append_jsonl
 from executors.base import Executor, ExecutorEnv, StepContext
 from executors.generator.config import EvalConfig
 from executors.reward.config import RewardConfig
-from executors.reward.functions import resolve_reward, score_group
+from executors.reward.functions import RewardError, resolve_reward, score_group
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class Reward(Executor):
         if self.eval_cfg:
             self.inputs = {**self.inputs, "eval": RolloutGroup}
         self.fns = [resolve_reward(spec) for spec in functions]  # fail at build time, before any rank blocks
+        self.failed_steps = 0  # steps in a row whose every reward failed (on_error="zero")
 
     def describe(self):
         return {"replicas": self.cfg.replicas, "functions": ",".join(self.specs)}
@@ -53,29 +54,34 @@ class Reward(Executor):
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.weights = self.cfg.weights or [1.0] * len(self.fns)
 
-    def _score(self, group: RolloutGroup) -> tuple[list[str], torch.Tensor, dict[str, list[float]], int]:
-        """(texts, the weighted reward [G], each function's scores, failures) of one group."""
+    def _score(self, group: RolloutGroup) -> tuple[list[str], torch.Tensor, dict[str, list[float]], dict[int, str]]:
+        """(texts, the weighted reward [G], each function's scores, {failed sample: its first error}) of
+        one group. A sample counts as failed once, however many of its functions failed: its reward is off."""
         texts = self.tokenizer.batch_decode(group.responses, skip_special_tokens=True)
         total_G = torch.zeros(len(texts), dtype=torch.float32)
-        failures, parts = 0, {}
+        errors, parts = {}, {}
         for spec, fn, w in zip(self.specs, self.fns, self.weights):
             scores, failed = score_group(fn, name=spec, prompt=group.prompt, responses=texts, sample=group.extras,
-                                         prompt_index=group.index, on_error=self.cfg.on_error,
-                                         timeout_s=self.cfg.timeout_s)
+                                         prompt_index=group.index, data_row=group.data_row,
+                                         on_error=self.cfg.on_error, timeout_s=self.cfg.timeout_s)
             total_G += w * torch.tensor(scores, dtype=torch.float32)
-            failures += failed
+            for sample_index, message in failed.items():
+                errors.setdefault(sample_index, message)
             parts[spec] = scores
-        return texts, total_G, parts, failures
+        return texts, total_G, parts, errors
 
     def step(self, ctx: StepContext):
-        busy, failures = 0.0, 0
+        busy, failures, samples, first = 0.0, 0, 0, None
         for group in ctx.inbound["rollouts"]:
             t0 = time.perf_counter()
             with ctx.timeline.span("scored", index=group.index):
-                _, total_G, parts, group_failures = self._score(group)
-                scored = ScoredGroup(**vars(group), rewards=total_G, reward_failures=group_failures,
-                                     reward_parts=parts)
-            failures += group_failures
+                _, total_G, parts, errors = self._score(group)
+                first_error = errors[min(errors)] if errors else None
+                scored = ScoredGroup(**vars(group), rewards=total_G, reward_failures=len(errors),
+                                     reward_parts=parts, first_error=first_error)
+            failures, samples = failures + len(errors), samples + total_G.numel()
+            if errors and (first is None or group.index < first[0]):  # by index: the same in any arrival order
+                first = (group.index, first_error)
             if self.keep is None:
                 ctx.outbound["scored"].send(scored)
             else:
@@ -84,6 +90,7 @@ class Reward(Executor):
                     ctx.outbound["scored"].send(scored)
                 ctx.outbound["verdicts"].send(GroupVerdict(index=group.index, kept=kept))
             busy += time.perf_counter() - t0
+        self._stop_if_all_failed(failures=failures, samples=samples, first_error=first[1] if first else None)
         record = RewardMetrics(score_s=busy)
         if not self.eval_cfg:
             return record
@@ -91,6 +98,21 @@ class Reward(Executor):
             sender.close_step()
         scores = self._evaluate(ctx)
         return {**dataclasses.asdict(record), **scores} if scores else record
+
+    def _stop_if_all_failed(self, *, failures: int, samples: int, first_error: str | None) -> None:
+        """on_error=zero carries a run over failing rewards, but one whose rewards all fail, step after
+        step, trains on zeros: stop it, naming the error. Each replica counts its own groups, with no
+        collective: a step that a stop request cuts short on one replica cannot leave another waiting.
+        When every reward fails, every replica sees it at the same step."""
+        if self.cfg.on_error != "zero" or not self.cfg.max_failed_steps:
+            return
+        self.failed_steps = self.failed_steps + 1 if samples and failures == samples else 0
+        if self.failed_steps >= self.cfg.max_failed_steps:
+            first = f"; the first error: {first_error}" if first_error else ""
+            steps = f"{self.failed_steps} step" + ("s" if self.failed_steps > 1 else "")
+            raise RewardError(f"every reward failed in {steps} in a row (scored 0 by "
+                              f"reward.on_error=zero){first}; fix the reward, or set reward.max_failed_steps=0 "
+                              f"to train on")
 
     def _evaluate(self, ctx: StepContext) -> dict:
         """Score the held-out groups (none on other steps); eval/* over all replicas, and

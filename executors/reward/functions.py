@@ -6,15 +6,18 @@ registered name or by "module:function", so users add rewards without touching t
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import numbers
 import re
 import queue
 import threading
+import time
 from fractions import Fraction
 from typing import Callable, Literal
 
 from common.registry import Registry
+from common.stop import StepAborted, aborted
 from executors.embedded.task import embedded_reward
 
 RewardFn = Callable[[str, str, dict], float]
@@ -178,20 +181,53 @@ REWARDS.register("embedded", embedded_reward)
 
 
 def resolve_reward(spec: str) -> RewardFn:
-    """A registered reward name, or "package.module:function" for a user's own callable."""
+    """A registered reward name, or "package.module:function" for a user's own callable; a callable
+    that cannot take (prompt, response, sample) is refused here, at launch, not at its first call."""
     if ":" not in spec:
         return REWARDS.get(spec)
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {e}") from e
+        # the module itself (or its package) is missing, not something it imports: a path problem
+        missing = isinstance(e, ModuleNotFoundError) and e.name is not None and (
+            module_name == e.name or module_name.startswith(e.name + "."))
+        hint = (" (is its directory on PYTHONPATH? e.g. PYTHONPATH=/path/to/dir python launch.py ...)"
+                if missing else "")
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {e}{hint}") from e
     fn = getattr(module, attr, None) if attr else None
     if fn is None:
         raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: {attr!r} is a {type(fn).__name__}, not callable")
+    check_signature(fn, spec=spec)
     return fn
+
+
+def check_signature(fn: Callable, *, spec: str) -> None:
+    """ValueError unless `fn(prompt, response, sample)` binds; a callable without a readable signature
+    (some builtins) passes, as it can only be checked by calling it."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind("prompt", "response", {})
+    except TypeError:
+        raise ValueError(f"reward {spec!r}: its signature {signature} cannot take the 3 positional arguments "
+                         f"(prompt, response, sample) a reward is called with") from None
+
+
+# a data row's own name for itself, when it has one (HumanEval: task_id), for error messages
+ID_COLUMNS = ("id", "task_id", "uid", "problem_id")
+
+
+def describe_row(*, prompt_index: int, data_row: int | None, sample: dict) -> str:
+    """Where a prompt came from: "data row 17 (task_id HumanEval/16)", else its index in the step."""
+    if data_row is None:
+        return f"prompt {prompt_index}"
+    column = next((c for c in ID_COLUMNS if c in sample), None)
+    return f"data row {data_row}" + (f" ({column} {sample[column]})" if column else "")
 
 
 def score_group(
@@ -204,12 +240,15 @@ def score_group(
     prompt_index: int,
     on_error: Literal["fail", "zero"],
     timeout_s: float | None = None,
-) -> tuple[list[float], int]:
-    """Score the G responses of one prompt; returns (scores, number of failed samples).
-    timeout_s: each call's limit; a call past it fails like one that raised."""
+    data_row: int | None = None,
+) -> tuple[list[float], dict[int, str]]:
+    """Score the G responses of one prompt; returns (scores, {failed sample: its error message}).
+    timeout_s: each call's limit; a call past it fails like one that raised. data_row: the prompt's
+    line in its data file, named in errors (with the row's id column) instead of `prompt_index`."""
     if on_error not in ("fail", "zero"):
         raise ValueError(f"on_error must be 'fail' or 'zero', got {on_error!r}")
-    scores, failures = [], 0
+    scores, errors = [], {}
+    row = describe_row(prompt_index=prompt_index, data_row=data_row, sample=sample)
     for sample_index, response in enumerate(responses):
         try:
             value = fn(prompt, response, sample) if timeout_s is None else _call_with_timeout(
@@ -221,13 +260,14 @@ def score_group(
                 raise ValueError(f"returned non-finite {value!r}")
             scores.append(float(value))
         except Exception as e:  # any failure of user code is reported the same way
+            where = f"on {row}, sample {sample_index}"
+            message = (f"reward {name!r} timed out after {timeout_s:g} s {where}" if isinstance(e, _Timeout)
+                       else f"reward {name!r} failed {where}: {type(e).__name__}: {' '.join(str(e).split())}")
             if on_error == "fail":
-                where = f"on prompt {prompt_index}, sample {sample_index}"
-                raise RewardError(f"reward {name!r} timed out after {timeout_s:g} s {where}" if isinstance(e, _Timeout)
-                                  else f"reward {name!r} failed {where}: {type(e).__name__}: {e}") from e
+                raise RewardError(message) from e
             scores.append(0.0)
-            failures += 1
-    return scores, failures
+            errors[sample_index] = message
+    return scores, errors
 
 
 class _Timeout(Exception):
@@ -255,6 +295,17 @@ class _Worker:
 _worker: _Worker | None = None
 
 
+def _wait(done: threading.Event, timeout_s: float) -> bool:
+    """done.wait(timeout_s), in slices: a stop request abandons the call (common/stop.py)."""
+    deadline = time.monotonic() + timeout_s
+    while not done.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+        if aborted():
+            raise StepAborted()
+        if time.monotonic() >= deadline:
+            return False
+    return True
+
+
 def _call_with_timeout(fn: RewardFn, args: tuple, *, timeout_s: float) -> float:
     """`fn(*args)` on the worker thread, waited for at most `timeout_s`. A call past it is abandoned
     with its thread (Python cannot stop a thread; under on_error=zero it may keep a core busy until it
@@ -264,7 +315,7 @@ def _call_with_timeout(fn: RewardFn, args: tuple, *, timeout_s: float) -> float:
         _worker = _Worker()
     box, done = [], threading.Event()
     _worker.calls.put((fn, args, box, done))
-    if not done.wait(timeout_s):
+    if not _wait(done, timeout_s):
         _worker = None
         raise _Timeout()
     ok, value = box[0]

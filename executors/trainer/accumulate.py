@@ -2,6 +2,7 @@
 
 - `Pass`: the advantages a loss pass is evaluated at; each pass has its own gradient buffers.
 - `LossSums`: the loss passes' sums and the batch denominator of one optimizer step.
+- `Mismatch`: the trainer's log-prob of each sampled token minus the sampler's (the on-policy check).
 - `GroupRecord`: what was sampled and scored, summed over the groups of a step.
 Both are additive over micro-batches, groups and dp ranks, so a streamed step sums them as groups
 arrive and all-reduces them once, at the barrier.
@@ -28,6 +29,53 @@ class Pass(str, Enum):
 
 
 @dataclass
+class Mismatch:
+    """trainer - sampler log-prob of every sampled token of a step's first pass, kept as values (B*G*T
+    floats) rather than sums: a quantile needs them all. Exact under streaming and over dp: each dp
+    rank keeps its groups' values and `all_gather` hands every rank the step's full set at the
+    barrier; `summary` sorts them first, so arrival order cannot change a bit of any figure."""
+
+    diffs: list[torch.Tensor] = field(default_factory=list)  # float64, CPU, one per micro-batch
+
+    def add(self, *, logp_NT: torch.Tensor, sampled_NT: torch.Tensor, mask_NT: torch.Tensor) -> None:
+        mask_NT = mask_NT.bool()
+        self.diffs.append((logp_NT.detach()[mask_NT].double() - sampled_NT[mask_NT].double()).cpu())
+
+    def __iadd__(self, other: "Mismatch") -> "Mismatch":
+        self.diffs = self.diffs + other.diffs
+        return self
+
+    def values(self) -> torch.Tensor:
+        return torch.cat(self.diffs) if self.diffs else torch.zeros(0, dtype=torch.float64)
+
+    def all_gather(self, *, group: dist.ProcessGroup | None) -> "Mismatch":
+        """Every dp rank's values on every rank (padded to the longest: all_gather wants equal sizes)."""
+        d_K = self.values()
+        if group is None or dist.get_world_size(group) == 1:
+            return Mismatch([d_K])
+        n = dist.get_world_size(group)
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+        dist.all_gather(counts, torch.tensor([d_K.numel()]), group=group)
+        longest = max(int(c) for c in counts)
+        padded = [torch.zeros(longest, dtype=torch.float64) for _ in range(n)]
+        dist.all_gather(padded, torch.cat([d_K, d_K.new_zeros(longest - d_K.numel())]), group=group)
+        return Mismatch([p[: int(c)] for p, c in zip(padded, counts)])
+
+    def summary(self) -> dict[str, float]:
+        """logp_mismatch_{max, mean, p99} of |trainer - sampler| over the tokens, and logp_mismatch_kl:
+        KL(sampler || trainer) per token, k3 estimator exp(d) - 1 - d with d = trainer - sampler (the
+        tokens were drawn from the sampler; k3 is >= 0 and unbiased); 0 for a step with no tokens."""
+        d_K = self.values().sort().values  # sorted: the sums below are independent of arrival order
+        if d_K.numel() == 0:
+            return {"logp_mismatch_max": 0.0, "logp_mismatch_mean": 0.0, "logp_mismatch_p99": 0.0,
+                    "logp_mismatch_kl": 0.0}
+        abs_K = d_K.abs().sort().values
+        k3_K = (torch.expm1(d_K) - d_K).sort().values
+        return {"logp_mismatch_max": abs_K[-1].item(), "logp_mismatch_mean": abs_K.mean().item(),
+                "logp_mismatch_p99": torch.quantile(abs_K, 0.99).item(), "logp_mismatch_kl": k3_K.mean().item()}
+
+
+@dataclass
 class LossSums:
     """Sums of one optimizer step's micro-batches (NOT divided by the batch denominator)."""
 
@@ -37,7 +85,7 @@ class LossSums:
     clip_sum: float = 0.0
     entropy_sum: float = 0.0  # the policy's token entropy, summed over the response tokens trained on
     entropy_tokens: float = 0.0
-    mismatch: float = 0.0  # max |trainer - sampler| log-prob of a sampled token: a max, not a sum
+    mismatch: Mismatch = field(default_factory=Mismatch)  # values, not a sum: gathered over dp
     ratio_sum: float = 0.0  # the policy / old-policy ratio summed over tokens (/ entropy_tokens: a mean)
     ratio_max: float = 0.0  # its largest token (sequence, for GSPO) value: a max
 
@@ -49,7 +97,7 @@ class LossSums:
         self.clip_sum += other.clip_sum
         self.entropy_sum += other.entropy_sum
         self.entropy_tokens += other.entropy_tokens
-        self.mismatch = max(self.mismatch, other.mismatch)
+        self.mismatch += other.mismatch
         self.ratio_sum += other.ratio_sum
         self.ratio_max = max(self.ratio_max, other.ratio_max)
         return self
@@ -59,11 +107,12 @@ class LossSums:
             return self
         sums = torch.tensor([*(self.loss[n] for n in Pass), self.denom, self.kl_sum, self.clip_sum,
                              self.entropy_sum, self.entropy_tokens, self.ratio_sum], dtype=torch.float64)
-        maxima = torch.tensor([self.mismatch, self.ratio_max], dtype=torch.float64)
+        maxima = torch.tensor([self.ratio_max], dtype=torch.float64)
         dist.all_reduce(sums, group=group)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         *loss, denom, kl_sum, clip_sum, entropy_sum, entropy_tokens, ratio_sum = sums.tolist()
-        mismatch, ratio_max = maxima.tolist()
+        (ratio_max,) = maxima.tolist()
+        mismatch = self.mismatch.all_gather(group=group)
         return LossSums(dict(zip(Pass, loss)), denom, kl_sum, clip_sum, entropy_sum, entropy_tokens, mismatch,
                         ratio_sum, ratio_max)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from algorithms.batch_scope import batch_normalise_at_barrier
-from executors.trainer.accumulate import LossSums, Pass
+from executors.trainer.accumulate import LossSums, Mismatch, Pass
 from executors.training.optim import Optimizer
 
 
@@ -26,7 +26,7 @@ class OptimizerStep:
     entropy_sum: float
     entropy_tokens: float
     grad_norm: float  # before clipping
-    mismatch: float
+    mismatch: Mismatch  # every dp rank's values (gathered)
     lr: float
     ratio_sum: float = 0.0
     ratio_max: float = 0.0

@@ -25,7 +25,8 @@ from algorithms.base import Algorithm, AlgoConfig, LossInputs
 from algorithms.batch_scope import batch_mean_scale, batch_normalise, linear_passes, score_moments
 from algorithms.kl import kl_in_loss, kl_in_reward, kl_penalised_rewards
 from channels.payloads import AdvantagedGroup, ScoredGroup, WeightsUpdate
-from executors.base import ExecutorEnv, StepContext
+from common.stop import StepAborted
+from executors.base import ExecutorEnv, StepContext, unit_aborted
 from executors.trainer.accumulate import GroupRecord, LossSums, Pass
 from executors.trainer.config import TrainerConfig
 from executors.trainer.stats import StepState, TrainerMetrics, group_digest
@@ -87,6 +88,10 @@ class Trainer(Learner):
         self.models.snapshot_()  # the weights that generated this step's samples
         state = StepState()
         for work in self._work(self._in_order(ctx.inbound["scored"])):  # as the schedule hands them over
+            # a stop drops the step: its groups need not be trained (not in lockstep, where every dp
+            # rank would have to agree at the same round)
+            if not self.shards_over_units and unit_aborted(self.env):
+                raise StepAborted()
             t0 = time.perf_counter()
             self._take(work, state, ctx)
             state.train_s += time.perf_counter() - t0
@@ -98,6 +103,8 @@ class Trainer(Learner):
             state.first_train_t = state.first_train_t or time.time()
             state.record += GroupRecord.of(group, shared_prompt=self.models.shares_prompt(group))
             state.digests[group.index] = group_digest(group)
+            if group.first_error is not None:
+                state.errors[group.index] = group.first_error
             if self.passes > 1:
                 state.held.append(group)
             if self._logs_samples(ctx.step):
@@ -156,7 +163,7 @@ class Trainer(Learner):
             logp_NT = self._micro_step(mb, refs[k], score_G[idx], first_pass=first_pass, linear=linear, sums=sums)
             if first_pass:  # on-policy check: the trainer recomputes what the generator sampled
                 sampled_NT = sampled_logprobs(group, idx, like=logp_NT)
-                sums.mismatch = max(sums.mismatch, ((logp_NT.detach() - sampled_NT).abs() * mb.mask_NT).max().item())
+                sums.mismatch.add(logp_NT=logp_NT, sampled_NT=sampled_NT, mask_NT=mb.mask_NT)
         return sums
 
     def _micro_step(self, mb, ref_NT, score, *, first_pass: bool, linear: bool, sums: LossSums) -> torch.Tensor:
@@ -201,7 +208,7 @@ class Trainer(Learner):
         """All groups are in: optimizer step(s), then the weights go to the generator."""
         t0 = time.perf_counter()
         with ctx.timeline.span("barrier"):
-            record, digests, mu_scale = self._gather(state)
+            record, digests, errors, mu_scale = self._gather(state)
             steps = [self.optim.step(state.sums, passes=self.first_passes, mu_scale=mu_scale)]
             steps += self._later_passes(state, mu_scale)
             self.optim.end_of_batch()
@@ -212,7 +219,7 @@ class Trainer(Learner):
         with ctx.timeline.span("push"):
             ctx.outbound["weights"].push(self.models.shards(), self.models.specs)
             ctx.outbound["weights"].flush()
-        return TrainerMetrics.of(record, steps, digests, train_s=train_s, push_s=time.perf_counter() - t0,
+        return TrainerMetrics.of(record, steps, digests, errors=errors, train_s=train_s, push_s=time.perf_counter() - t0,
                                  first_train_t=state.first_train_t, push_end_t=time.time())
 
     def _log_samples(self, state: StepState, mu_scale) -> None:
@@ -223,16 +230,17 @@ class Trainer(Learner):
         append_samples(self.env.output_dir / "samples.jsonl", state.logged, advantages, self.models.tokenizer)
 
     def _gather(self, state: StepState):
-        """Per-group records, digests and score moments over dp, once per step."""
-        record, digests, moments = state.record, state.digests, state.moments
+        """Per-group records, digests, reward errors and score moments over dp, once per step."""
+        record, digests, errors, moments = state.record, state.digests, state.errors, state.moments
         if self.units > 1:
             record = record.all_reduce(group=self.models.dp_group)
             gathered = [None] * self.units
-            dist.all_gather_object(gathered, (digests, moments), group=self.models.dp_group)
-            digests = {k: v for d, _ in gathered for k, v in d.items()}
-            moments = {k: v for _, m in gathered for k, v in m.items()}
+            dist.all_gather_object(gathered, (digests, errors, moments), group=self.models.dp_group)
+            digests = {k: v for d, _, _ in gathered for k, v in d.items()}
+            errors = {k: v for _, e, _ in gathered for k, v in e.items()}
+            moments = {k: v for _, _, m in gathered for k, v in m.items()}
         mu_scale = batch_mean_scale(moments, eps=self.algo_cfg.eps) if self.batch_scope else None
-        return record, digests, mu_scale
+        return record, digests, errors, mu_scale
 
     def _later_passes(self, state: StepState, mu_scale) -> list:
         """Mini-batches after the first, and further epochs: all groups are in, in index order,

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from channels.payloads import ScoredGroup
 from executors.base import ExecutorEnv
-from executors.hf import load_model, load_tokenizer
+from executors.hf import cast_parameters, load_model, load_tokenizer
 from executors.parallel import copy_params_, local_shards, param_specs
 from executors.trainer.config import TrainerConfig
 from executors.training.models import (PRECISIONS, LearnerModels, frozen_logprobs, lay_out, learner_mesh, save_full,
@@ -60,7 +60,7 @@ class TriModel(LearnerModels):
         initial = policy
         if policy_path and reference:
             initial = load_model(model_path, dtype=dtype, seed=env.seed).to(env.device)
-            initial = initial if cfg.fsdp else initial.to(compute or dtype)
+            initial = initial if cfg.fsdp or compute is None else cast_parameters(initial, compute)
         for model in {id(policy): policy, id(initial): initial}.values():
             if cfg.shared_prompt != "padded":  # packed rows need the block-mask attention (copies inherit it)
                 install_packed_attention(model)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from channels.payloads import ScoredGroup
-from executors.trainer.accumulate import GroupRecord, LossSums
+from executors.trainer.accumulate import GroupRecord, LossSums, Mismatch
 
 
 @dataclass
@@ -18,6 +18,7 @@ class StepState:
     record: GroupRecord = field(default_factory=GroupRecord)
     sums: LossSums = field(default_factory=LossSums)  # mini-batch 0, trained as the groups arrived
     digests: dict[int, str] = field(default_factory=dict)  # group index -> digest of its tokens
+    errors: dict[int, str] = field(default_factory=dict)  # group index -> its first failed reward's message
     # group index -> advantages (batch scope: the scores, normalised at the barrier); computed once
     # per group and step, since they may need reference forwards (a KL in the reward)
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -43,9 +44,16 @@ class TrainerMetrics:
     entropy: float  # the policy's mean token entropy (at the sampling temperature) over the tokens trained on
     grad_norm: float  # mean over the step's optimizer steps, before clipping
     lr: float
-    logp_mismatch_max: float  # on-policy check: trainer vs sampler log-probs of the sampled tokens
+    # on-policy check, |trainer - sampler| log-prob of the sampled tokens (accumulate.Mismatch): the
+    # largest, the mean, the exact 99th percentile over the step's tokens, and the per-token KL(sampler || trainer)
+    logp_mismatch_max: float
+    logp_mismatch_mean: float
+    logp_mismatch_p99: float
+    logp_mismatch_kl: float
     groups: int
-    reward_failures: int
+    samples: int
+    reward_failures: int  # samples whose reward failed and was scored 0 (reward.on_error=zero)
+    reward_first_error: str | None  # the message of the first (lowest prompt index) of them
     tokens: int
     optimizer_steps: int
     train_s: float
@@ -55,8 +63,10 @@ class TrainerMetrics:
     push_end_t: float
 
     @classmethod
-    def of(cls, record: GroupRecord, steps: list, digests: dict[int, str], **timing) -> "TrainerMetrics":
-        """From the step's dp-reduced record and its optimizer steps (barrier.OptimizerStep)."""
+    def of(cls, record: GroupRecord, steps: list, digests: dict[int, str], *, errors: dict[int, str],
+           **timing) -> "TrainerMetrics":
+        """From the step's dp-reduced record and its optimizer steps (barrier.OptimizerStep); `errors`:
+        the first reward error of each group that had one, over all dp ranks."""
         n, denom = record.samples, sum(s.denom for s in steps)
         mean = record.reward_sum / n
         digest = hashlib.sha256("".join(digests[i] for i in sorted(digests)).encode()).hexdigest()[:16]
@@ -66,9 +76,18 @@ class TrainerMetrics:
                    ratio_mean=sum(s.ratio_sum for s in steps) / max(1.0, sum(s.entropy_tokens for s in steps)), ratio_max=max(s.ratio_max for s in steps),
                    entropy=sum(s.entropy_sum for s in steps) / max(1.0, sum(s.entropy_tokens for s in steps)),
                    grad_norm=sum(s.grad_norm / len(steps) for s in steps), lr=steps[-1].lr,
-                   logp_mismatch_max=max(s.mismatch for s in steps), groups=int(record.groups),
-                   reward_failures=int(record.reward_failures), tokens=int(record.tokens),
+                   **_mismatch(steps), groups=int(record.groups), samples=int(record.samples),
+                   reward_failures=int(record.reward_failures),
+                   reward_first_error=errors[min(errors)] if errors else None, tokens=int(record.tokens),
                    optimizer_steps=len(steps), rollout_digest=digest, **timing)
+
+
+def _mismatch(steps: list) -> dict[str, float]:
+    """The mismatch figures over the step's optimizer steps (only a batch's first pass has values)."""
+    total = Mismatch()
+    for s in steps:
+        total += s.mismatch
+    return total.summary()
 
 
 def group_digest(group: ScoredGroup) -> str:

@@ -10,6 +10,11 @@ forward and backward. `bench/logprobs.py` measures the peak memory.
 The head is reached through hooks on the model's output embeddings, inside the model's own forward:
 FSDP has gathered the root's weights by then and tensor parallelism's hooks still apply, so the
 chunks see exactly what the unchunked head sees.
+
+A low-precision head (trainer.precision=bf16) computes its logits in float32 (`fp32_logits`): bf16
+logits keep 8 significant bits (0.125 apart near 20), and that rounding alone moved a sampled
+token's log-prob by up to 0.12 (mean 0.019) on SmolLM2-135M (bench/bf16_gap.py). The inputs (bf16 hidden states and weights) are exact in float32, so the generator's head
+(`Fp32Head`, executors/generator/engine.py) and this one compute the same product.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from contextlib import contextmanager
 from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -26,9 +32,66 @@ class TokenLogprobs(NamedTuple):
     entropy_K: torch.Tensor | None  # float32 entropy of softmax(logits / T), no gradient; None unless asked
 
 
+def fp32_logits(head: nn.Module, h_CH: torch.Tensor, *, weight_VH: torch.Tensor | None = None) -> torch.Tensor:
+    """The head's logits [C, V] in float32. A float32 head runs as itself (bit for bit as before); a
+    low-precision nn.Linear head multiplies its inputs cast to float32 (exact), so no logit is
+    rounded to bf16. weight_VH: the head's weight already in float32 (the generator caches it).
+    Under tensor parallelism (a DTensor weight, vocabulary-sharded) the product is a DTensor
+    whose full tensor is gathered, as ColwiseParallel(output_layouts=Replicate()) does."""
+    from torch.distributed.tensor import DTensor, Replicate  # here: importing this module stays light
+
+    w = head.weight
+    if w.dtype == torch.float32 or not isinstance(head, nn.Linear):
+        return head(h_CH).float()
+    w32 = weight_VH if weight_VH is not None else w.float()
+    bias = None if head.bias is None else head.bias.float()
+    if isinstance(w, DTensor):
+        if not isinstance(h_CH, DTensor):  # replicated over tp, as the module's input hook would make it
+            h_CH = DTensor.from_local(h_CH, w.device_mesh, [Replicate()] * w.device_mesh.ndim, run_check=False)
+        return F.linear(h_CH.float(), w32, bias).full_tensor()
+    return F.linear(h_CH.float(), w32, bias)
+
+
+class Fp32Head:
+    """A forward hook that makes a low-precision LM head return float32 logits (`fp32_logits`) for a
+    model that only runs forward (the generator's). Its float32 weight is cast once and kept, not
+    cast per call (the cast of a 49k x 576 bf16 head took 14x its bf16 product here); `refresh()`
+    drops it after a push (the WEIGHTS channel may receive straight into the weight's storage,
+    which no version counter sees), and an in-place change through torch ops re-casts it too."""
+
+    def __init__(self, head: nn.Module):
+        self.head, self._key, self._weight_VH = head, None, None
+        self.handle = head.register_forward_hook(self)
+
+    @classmethod
+    def install(cls, model: nn.Module) -> "Fp32Head | None":
+        """The hook, or None where the head is float32 already, vocabulary-sharded (DTensor: the
+        generator's tp > 1 keeps its bf16 head) or not a Linear."""
+        from torch.distributed.tensor import DTensor
+
+        head = model.get_output_embeddings()
+        if (head is None or not isinstance(head, nn.Linear) or head.weight.dtype == torch.float32
+                or isinstance(head.weight, DTensor)):
+            return None
+        return cls(head)
+
+    def refresh(self) -> None:
+        self._key = self._weight_VH = None
+
+    def weight(self) -> torch.Tensor:
+        w = self.head.weight
+        key = (w.data_ptr(), w._version)
+        if key != self._key or self._weight_VH is None:
+            self._key, self._weight_VH = key, w.detach().float()
+        return self._weight_VH
+
+    def __call__(self, module, args, output):
+        return fp32_logits(module, args[0], weight_VH=self.weight())
+
+
 def _chunk(head: nn.Module, h_CH: torch.Tensor, targets_C: torch.Tensor, temperature: float,
            entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    logp_CV = torch.log_softmax(head(h_CH).float() / temperature, dim=-1)
+    logp_CV = torch.log_softmax(fp32_logits(head, h_CH) / temperature, dim=-1)
     ent_C = None
     if entropy:
         with torch.no_grad():

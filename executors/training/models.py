@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from executors.base import ExecutorEnv
-from executors.hf import save_hf
+from executors.hf import cast_parameters, save_hf
 from executors.parallel import apply_ac, build_mesh, full_state_dict, parallelize
 from executors.training.config import LearnerConfig
 from executors.training.packing import auto_shared_prompt, make_micro_batches
@@ -34,7 +34,7 @@ def trainable_copy(master: nn.Module, cfg: LearnerConfig) -> nn.Module:
     FSDP its bf16 copy (FSDP2 casts the sharded master itself); each decoder layer checkpointed
     with activation_checkpointing (forward-only copies made from it later are unaffected)."""
     compute = PRECISIONS[cfg.precision]
-    model = copy.deepcopy(master).to(compute) if compute is not None and not cfg.fsdp else master
+    model = cast_parameters(copy.deepcopy(master), compute) if compute is not None and not cfg.fsdp else master
     if cfg.activation_checkpointing:
         apply_ac(model)
     return model

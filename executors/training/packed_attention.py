@@ -94,6 +94,16 @@ def _mask(*args, **kwargs):
 
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    if query.dtype in (torch.bfloat16, torch.float16) and query.device.type != "npu":
+        # scores, softmax and both products in float32: a low-precision kernel rounds its softmax
+        # weights, and differently for each query tiling (a packed row, a padded one, one decoded
+        # token), so the generator's and the trainer's bf16 forwards drifted apart layer by layer
+        # (bench/bf16_gap.py); the projections around it stay in bf16. (The NPU kernel is bf16/fp16 only.)
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.is_floating_point():
+            attention_mask = attention_mask.float()
+        out, weights = _attention(module, query.float(), key.float(), value.float(), attention_mask,
+                                  dropout=dropout, scaling=scaling, **kwargs)
+        return out.to(query.dtype), weights
     if not isinstance(attention_mask, PackMask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
