@@ -49,17 +49,13 @@ class Mismatch:
         return torch.cat(self.diffs) if self.diffs else torch.zeros(0, dtype=torch.float64)
 
     def all_gather(self, *, group: dist.ProcessGroup | None) -> "Mismatch":
-        """Every dp rank's values on every rank (padded to the longest: all_gather wants equal sizes)."""
+        """Every dp rank's values on every rank, in rank order."""
         d_K = self.values()
         if group is None or dist.get_world_size(group) == 1:
             return Mismatch([d_K])
-        n = dist.get_world_size(group)
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-        dist.all_gather(counts, torch.tensor([d_K.numel()]), group=group)
-        longest = max(int(c) for c in counts)
-        padded = [torch.zeros(longest, dtype=torch.float64) for _ in range(n)]
-        dist.all_gather(padded, torch.cat([d_K, d_K.new_zeros(longest - d_K.numel())]), group=group)
-        return Mismatch([p[: int(c)] for p, c in zip(padded, counts)])
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, d_K, group=group)  # sizes differ by rank: objects, not tensors
+        return Mismatch(gathered)
 
     def summary(self) -> dict[str, float]:
         """logp_mismatch_{max, mean, p99} of |trainer - sampler| over the tokens, and logp_mismatch_kl:
