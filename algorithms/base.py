@@ -88,10 +88,26 @@ class LossInputs:
 
 
 @dataclass(frozen=True)
+class LossStats:
+    """What a loss reports of a micro-batch, besides its value: sums in the units of the algorithm's
+    normaliser (stat / summed denom is a mean), except the token-level ratio figures. A loss without
+    a figure leaves it at 0."""
+
+    clip_low_sum: float = 0.0  # clipped below (ratio < 1 - clip_low, negative advantage)
+    clip_high_sum: float = 0.0  # clipped above (ratio > 1 + clip_high, positive advantage)
+    clip_sum: float = 0.0  # clipped either way
+    kl_sum: float = 0.0  # the KL to the reference (0 without one)
+    ratio_sum: float = 0.0  # policy / old policy
+    ratio_token_sum: float = 0.0  # the ratio summed over the real tokens (for a token mean)
+    ratio_max: float = 0.0  # the largest ratio of a real token
+    adv_sum: float = 0.0  # the advantages
+
+
+@dataclass(frozen=True)
 class LossOutput:
     loss_sum: torch.Tensor  # scalar; summed over the micro-batch, NOT divided by the batch denominator
     denom: float  # this micro-batch's share of the batch denominator, in the units of Algorithm.normaliser
-    stats: dict[str, float] = field(default_factory=dict)  # sums (kl_sum, clip_sum, ...); stat/denom is a mean
+    stats: LossStats = field(default_factory=LossStats)
 
 
 AdvantageFn = Callable[[torch.Tensor, AlgoConfig], torch.Tensor]  # rewards_G -> adv_G
@@ -112,8 +128,8 @@ def keep_every_group(rewards_G: torch.Tensor, cfg: AlgoConfig) -> bool:
 class Algorithm:
     name: str
     config_cls: type[AlgoConfig]
-    # None: the advantages arrive with each group, one per token, from a learned value function
-    # (the critic of recipes/ppo.py); the trainer then takes them instead of computing them
+    # None: the advantages arrive with each group, one per token, from the registered source it names
+    # (recipes/advantages.py: "critic", a learned value function); the trainer takes them as they come
     advantages: AdvantageFn | None
     loss: LossFn
     normaliser: Normaliser = "sequences"
@@ -121,6 +137,7 @@ class Algorithm:
     shape_rewards: RewardShapeFn = unshaped
     keeps_group: GroupFilterFn = keep_every_group
     recipe: str = "grpo"  # the graph and step phases it runs in (recipes/): a name, so algorithms stay pure
+    advantage_source: str = "rewards"  # where its advantages come from (recipes/advantages.py), a name too
 
     def __post_init__(self) -> None:
         if self.normaliser not in get_args(Normaliser):

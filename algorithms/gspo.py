@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from algorithms.base import Algorithm, LossInputs, LossOutput, check_loss_inputs, upcast
+from algorithms.base import Algorithm, LossInputs, LossOutput, LossStats, check_loss_inputs, upcast
 from algorithms.grpo import group_normalised
 from algorithms.kl import check_kl_inputs, kl_in_loss, masked_kl_NT
 from algorithms.token_loss import ClipConfig, clipped_surrogate
@@ -55,16 +55,16 @@ def gspo_loss(inputs: LossInputs, cfg: GSPOConfig) -> LossOutput:
 
     with torch.no_grad():
         low_N, high_N = low_N & has_tokens_N, high_N & has_tokens_N
-        stats = {
-            "clip_low_sum": float(low_N.sum().item()),
-            "clip_high_sum": float(high_N.sum().item()),
-            "clip_sum": float((low_N | high_N).sum().item()),
-            "kl_sum": kl_N.sum().item() if kl_N is not None else 0.0,
-            "ratio_sum": torch.where(has_tokens_N, s_N, 0.0).sum().item(),
-            "ratio_token_sum": (s_N * mask_NT.sum(dim=1)).sum().item(),  # each token weighs its sequence's ratio
-            "ratio_max": torch.where(has_tokens_N, s_N, 0.0).max().item() if s_N.numel() else 0.0,
-            "adv_sum": adv_N.sum().item(),
-        }
+        stats = LossStats(
+            clip_low_sum=float(low_N.sum().item()),
+            clip_high_sum=float(high_N.sum().item()),
+            clip_sum=float((low_N | high_N).sum().item()),
+            kl_sum=kl_N.sum().item() if kl_N is not None else 0.0,
+            ratio_sum=torch.where(has_tokens_N, s_N, 0.0).sum().item(),
+            ratio_token_sum=(s_N * mask_NT.sum(dim=1)).sum().item(),  # each token weighs its sequence's ratio
+            ratio_max=torch.where(has_tokens_N, s_N, 0.0).max().item() if s_N.numel() else 0.0,
+            adv_sum=adv_N.sum().item(),
+        )
     return LossOutput(loss_sum=seq_N.sum(), denom=float(mask_NT.shape[0]), stats=stats)
 
 

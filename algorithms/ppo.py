@@ -62,4 +62,4 @@ def ppo_loss(inputs: LossInputs, cfg: PPOConfig) -> LossOutput:
 
 
 PPO = Algorithm(name="ppo", config_cls=PPOConfig, advantages=None, loss=ppo_loss, normaliser="tokens",
-                advantage_scope="batch", recipe="ppo")
+                advantage_scope="batch", recipe="ppo", advantage_source="critic")

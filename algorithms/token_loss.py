@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from algorithms.base import AlgoConfig, LossInputs, LossOutput, Normaliser, batch_denominator, check_loss_inputs, upcast
+from algorithms.base import (AlgoConfig, LossInputs, LossOutput, LossStats, Normaliser, batch_denominator,
+                             check_loss_inputs, upcast)
 from algorithms.kl import KLConfig, check_kl_inputs, kl_in_loss, masked_kl_NT
 
 
@@ -82,15 +83,15 @@ def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normali
     loss_sum = weighted_sum(tok_NT, per_sequence_mean)
     with torch.no_grad():
         per_seq = normaliser == "sequences"
-        stats = {
-            "clip_low_sum": weighted_sum(low_NT.to(logp_NT.dtype), per_seq).item(),
-            "clip_high_sum": weighted_sum(high_NT.to(logp_NT.dtype), per_seq).item(),
-            "clip_sum": weighted_sum((low_NT | high_NT).to(logp_NT.dtype), per_seq).item(),
-            "kl_sum": weighted_sum(kl_NT, per_seq).item() if kl_NT is not None else 0.0,
-            "ratio_sum": weighted_sum(ratio_NT, per_seq).item(),
-            "ratio_token_sum": torch.where(mask_NT, ratio_NT, 0.0).sum().item(),  # for a token mean
-            "ratio_max": torch.where(mask_NT, ratio_NT, 0.0).max().item() if mask_NT.numel() else 0.0,
-            "adv_sum": adv_NT.sum().item() if inputs.adv_NT is None else weighted_sum(adv_NT, True).item(),
-        }
+        stats = LossStats(
+            clip_low_sum=weighted_sum(low_NT.to(logp_NT.dtype), per_seq).item(),
+            clip_high_sum=weighted_sum(high_NT.to(logp_NT.dtype), per_seq).item(),
+            clip_sum=weighted_sum((low_NT | high_NT).to(logp_NT.dtype), per_seq).item(),
+            kl_sum=weighted_sum(kl_NT, per_seq).item() if kl_NT is not None else 0.0,
+            ratio_sum=weighted_sum(ratio_NT, per_seq).item(),
+            ratio_token_sum=torch.where(mask_NT, ratio_NT, 0.0).sum().item(),  # for a token mean
+            ratio_max=torch.where(mask_NT, ratio_NT, 0.0).max().item() if mask_NT.numel() else 0.0,
+            adv_sum=adv_NT.sum().item() if inputs.adv_NT is None else weighted_sum(adv_NT, True).item(),
+        )
     denom = batch_denominator(normaliser, mask_NT, max_response_tokens=max_response_tokens)
     return LossOutput(loss_sum=loss_sum, denom=denom, stats=stats)

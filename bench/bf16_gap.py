@@ -31,7 +31,7 @@ from tabulate import tabulate
 _ROOT = str(Path(__file__).resolve().parents[1])
 sys.path[:] = [_ROOT] + [p for p in sys.path if Path(p or ".").resolve() != Path(_ROOT, "bench") and p != _ROOT]
 
-from executors.generator.data import _tokenize
+from executors.data import _tokenize
 from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams
 from executors.hf import load_model, load_tokenizer
 from executors.trainer.accumulate import Mismatch

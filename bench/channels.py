@@ -33,9 +33,9 @@ from channels.channel import Channel, Route  # noqa: E402
 from channels.codec import encode  # noqa: E402
 from channels.kinds import Kind  # noqa: E402
 from controller.graph import Graph  # noqa: E402
-from controller.spawn import spawn  # noqa: E402
 from controller.world import build_world  # noqa: E402
-from executors.base import Executor, StepContext  # noqa: E402
+from executors.base import Endpoints, Executor, Input, Output, StepContext
+from tests.spawn import spawn  # noqa: E402
 
 WORLD = 3
 REPEATS = 5
@@ -67,29 +67,29 @@ def blob_bytes(blob: Blob) -> int:
 
 
 class Producer(Executor):
-    outputs = {"items": Blob}
+    items = Output(Blob)
 
     def __init__(self, *, units: int):
         super().__init__(name="producer", units=units)
-        self.items: list[Blob] = []  # built before the clock starts: we time transport, not rand()
+        self.blobs: list[Blob] = []  # built before the clock starts: we time transport, not rand()
 
     def step(self, ctx: StepContext):
-        for item in self.items[self.env.unit_index::self.units]:
-            ctx.outbound["items"].send(item)
-        return {}
+        for item in self.blobs[self.env.unit_index::self.units]:
+            ctx.outbound[self.items].send(item)
+        return None
 
 
 class Consumer(Executor):
-    inputs = {"items": Blob}
+    items = Input(Blob)
 
     def __init__(self, *, units: int):
         super().__init__(name="consumer", units=units)
         self.received_bytes = 0
 
     def step(self, ctx: StepContext):
-        for item in ctx.inbound["items"]:
+        for item in ctx.inbound[self.items]:
             self.received_bytes += blob_bytes(item)
-        return {}
+        return None
 
 
 def _slowest(fn, *, group) -> float:
@@ -119,24 +119,24 @@ class Case:
                       [Channel("items", "producer", "consumer", kind, Blob)])
         self.world = build_world(graph, device=torch.device("cpu"), seed=0, output_dir=Path("."),
                                  timeout=timeout)
-        self.world.local_executor.init(self.world.env)
+        self.world.local[0].init(self.world.env)
         self.route = Route(channel_id=RAW_TAG, src_units=self.world.units["producer"],
                            dst_units=self.world.units["consumer"])
         self.group = self.world.control_group
         self.bodies: list[torch.Tensor] = []
 
     def load(self, *, nbytes: int, items: int) -> None:
-        self.producer.items = [make_blob(index=i, nbytes=nbytes) for i in range(items)]
-        self.bodies = [encode(b)[1] for b in self.producer.items]
+        self.producer.blobs = [make_blob(index=i, nbytes=nbytes) for i in range(items)]
+        self.bodies = [encode(b)[1] for b in self.producer.blobs]
 
     def channel_step(self, step: int) -> tuple[float, int]:
-        ex = self.world.local_executor
+        ex = self.world.local[0]
         self.consumer.received_bytes = 0
 
         def run():
             # the controller's per-step sequence, minus metrics and timeline
-            inbound, outbound = self.world.endpoints(step, first_step=0, last_step=1 << 30)
-            ex.step(StepContext(step, inbound, outbound))
+            inbound, outbound = self.world.endpoints(step, ex.name, first_step=0, last_step=1 << 30)
+            ex.step(StepContext(step, Endpoints(inbound), Endpoints(outbound)))
             for sender in outbound.values():
                 sender.close_step()
             for sender in outbound.values():
@@ -146,7 +146,7 @@ class Case:
         return seconds, _total(self.consumer.received_bytes, group=self.group)
 
     def raw_step(self) -> tuple[float, int]:
-        rank, items = self.world.rank, self.producer.items
+        rank, items = self.world.rank, self.producer.blobs
         leaders = self.route.src_leaders
         received = 0
 

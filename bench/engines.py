@@ -30,11 +30,11 @@ import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from controller.spawn import free_port  # noqa: E402
 from executors.generator.config import VllmConfig  # noqa: E402
 from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams  # noqa: E402
 from executors.generator.vllm_engine import VllmEngine, receive_buffers  # noqa: E402
 from executors.hf import load_model, load_tokenizer, save_hf  # noqa: E402
+from tests.spawn import free_port  # noqa: E402
 
 REPEATS = 3
 # name -> (B prompts, G samples, prompt tokens, new tokens, model config or None = embedded)

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from controller.spawn import free_port  # noqa: E402
+from tests.spawn import free_port  # noqa: E402
 
 
 def run_job(out: Path, *, nproc: int = 3, steps: int, overrides: list[str], args: tuple[str, ...] = (),

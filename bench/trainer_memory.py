@@ -71,7 +71,7 @@ def _one(name: str, options: dict, G: int, R: int) -> dict:
     from algorithms.registry import get_algorithm
     from channels.payloads import ScoredGroup
     from controller.timeline import Timeline
-    from executors.base import ExecutorEnv, StepContext
+    from executors.base import ExecutorEnv, Endpoints, StepContext
     from executors.trainer.executor import Trainer, TrainerConfig
 
     torch.set_num_threads(2)
@@ -97,7 +97,7 @@ def _one(name: str, options: dict, G: int, R: int) -> dict:
         def flush(self):
             pass
 
-    ctx = StepContext(step=0, inbound={"scored": iter([group])}, outbound={"weights": Sink()},
+    ctx = StepContext(step=0, inbound=Endpoints({"scored": iter([group])}), outbound=Endpoints({"weights": Sink()}),
                       timeline=Timeline(executor="trainer", rank=0))
     t0 = time.process_time()
     record = trainer.barrier(ctx, trainer.step(ctx))

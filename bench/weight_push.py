@@ -4,8 +4,8 @@ One spawned world of 4 CPU gloo ranks: trainer ranks 0-1, generator ranks 2-3. P
 the shapes of Qwen3-like models (built on the meta device, so nothing is initialised); each rank
 allocates only its own shards. Per model size and layout:
 
-- direct: the planned push (channels/reshard.py), every piece straight from an owning trainer
-  rank to the generator rank that needs it, in buckets;
+- direct: the planned push (channels/push_plan.py, run by channels/push.py), every piece straight
+  from an owning trainer rank to the generator rank that needs it, in buckets;
 - gather+bcast: the trainer gathers the full model on trainer rank 0, which broadcasts each full
   parameter to the generator ranks; they keep their slice;
 - raw p2p: per (sender, receiver) link of the plan, one isend of that link's bytes from a ready
@@ -39,9 +39,10 @@ import torch.distributed as dist  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
-from channels.reshard import GeneratorLayout, TrainerLayout, WeightPush, build_plan  # noqa: E402
-from controller.spawn import spawn  # noqa: E402
+from channels.push import WeightPush  # noqa: E402
+from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan  # noqa: E402
 from executors.parallel import param_specs  # noqa: E402
+from tests.spawn import spawn  # noqa: E402
 
 REPEATS = 3
 TRAINER, GENERATOR = (0, 1), (2, 3)

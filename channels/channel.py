@@ -30,8 +30,8 @@ class Channel:
     dst: str  # executor name
     kind: Kind
     payload: type
-    src_port: str | None = None  # defaults to the channel name
-    dst_port: str | None = None
+    src_port: object = None  # the source's port (a Port, or its name); defaults to the channel name
+    dst_port: object = None
     lag: int | None = None  # 0: consumed in the step it is produced; 1: in the next step (WEIGHTS)
     # a same-step channel that closes a cycle: its consumer reads it only after producing, so the
     # cycle makes progress (e.g. reward -> generator verdicts for dynamic sampling)
@@ -42,11 +42,11 @@ class Channel:
 
     @property
     def out_port(self) -> str:
-        return self.src_port or self.name
+        return getattr(self.src_port, "name", self.src_port) or self.name
 
     @property
     def in_port(self) -> str:
-        return self.dst_port or self.name
+        return getattr(self.dst_port, "name", self.dst_port) or self.name
 
     @property
     def step_lag(self) -> int:
@@ -195,9 +195,6 @@ class Receiver:
                 f"rank {self.rank} ({self.channel.dst}) waited {time.monotonic() - t0:.0f} s on "
                 f"channel {self.channel.name!r} (step {self.step}) for {self.channel.src} rank(s) "
                 f"{sorted(open_sources)}, which did not finish sending ({exc_type})")
-
-    def receive_all(self) -> list:
-        return list(self)
 
     def drain(self) -> None:
         """Receive and drop what is left of the step: a sender's pending sends complete only when

@@ -1,6 +1,6 @@
 """The WEIGHTS channel: trainer shards go straight to the generator shards that need them.
 
-Both endpoints build the same `PushPlan` (channels/reshard.py) on their first use, from the two
+Both endpoints build the same `PushPlan` (channels/push_plan.py) on their first use, from the two
 layouts (the executors' units: trainer dp x tp, generator replicas x tp, and whether the trainer
 shards one copy over dp with FSDP) and the parameter specs the executors pass in. No rank gathers
 the model; bucket buffers are allocated on the first push and reused every step.
@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from channels.channel import Channel, Route
-from channels.reshard import GeneratorLayout, ParamSpec, TrainerLayout, WeightPush, build_plan
+from channels.payloads import ParamSpec
+from channels.push import WeightPush
+from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
 
 
 def _layouts(route: Route) -> tuple[TrainerLayout, GeneratorLayout]:

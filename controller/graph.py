@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields, is_dataclass
 
 from channels.channel import Channel
 from channels.kinds import Kind
-from executors.base import Executor
+from executors.base import Executor, Input, Output
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,15 @@ class Graph:
     def executor(self, name: str) -> Executor:
         return next(e for e in self.executors if e.name == name)
 
+    @property
+    def placed(self) -> tuple[Executor, ...]:
+        """The executors that hold ranks, in placement order (guests run on their hosts' ranks)."""
+        return tuple(e for e in self.executors if e.host is None)
+
+    def on_ranks_of(self, host: str) -> tuple[Executor, ...]:
+        """The executors a rank of `host` runs, in order: the host, then its guests."""
+        return tuple(e for e in self.executors if e.name == host or (e.host is not None and e.host.name == host))
+
 
 def _validate(graph: Graph) -> None:
     by_name: dict[str, Executor] = {}
@@ -29,6 +38,10 @@ def _validate(graph: Graph) -> None:
             raise ValueError(f"graph: two executors are named {ex.name!r}")
         by_name[ex.name] = ex
     known = ", ".join(by_name)
+    for ex in graph.executors:
+        if ex.host is not None and (by_name.get(ex.host.name) is not ex.host or ex.host.host is not None):
+            raise ValueError(f"executor {ex.name!r}: its host {ex.host.name!r} is not an executor of this graph "
+                             f"with ranks of its own (known: {known})")
     seen_channels, used_ports = set(), set()
     for ch in graph.channels:
         if ch.name in seen_channels:
@@ -39,8 +52,8 @@ def _validate(graph: Graph) -> None:
                 raise ValueError(f"channel {ch.name!r}: unknown {role} executor {ex_name!r} (known: {known})")
         if ch.src == ch.dst:
             raise ValueError(f"channel {ch.name!r}: source and destination are both {ch.src!r}")
-        _check_port(ch, by_name[ch.src], "outputs", ch.out_port)
-        _check_port(ch, by_name[ch.dst], "inputs", ch.in_port)
+        _check_port(ch, by_name[ch.src], Output, ch.out_port)
+        _check_port(ch, by_name[ch.dst], Input, ch.in_port)
         # an output port may fan out to several channels; an input port takes exactly one
         key = (ch.dst, "in", ch.in_port)
         if key in used_ports:
@@ -53,26 +66,29 @@ def _validate(graph: Graph) -> None:
         if ch.scheduled and (ch.step_lag or ch.feedback or ch.kind is Kind.WEIGHTS or not indexed):
             raise ValueError(f"channel {ch.name!r}: only a same-step channel of items with an `index` can be "
                              f"scheduled (the sync schedule hands a step's items over in index order)")
-    for ex in graph.executors:
-        for port in ex.inputs:
-            if (ex.name, "in", port) not in used_ports:
-                raise ValueError(f"executor {ex.name!r}: input {port!r} has no channel; it would wait forever")
+    for kind, side, why in ((Input, "in", "it would wait forever"), (Output, "out", "its items would have nowhere to go")):
+        for ex in graph.executors:
+            for port in ex.ports(kind).values():
+                if ex.needs(port) and (ex.name, side, port.name) not in used_ports:
+                    raise ValueError(f"executor {ex.name!r}: {kind.__name__.lower()} {port.name!r} has no channel; {why}")
     _check_cycles(graph)
 
 
-def _check_port(ch: Channel, ex: Executor, side: str, port: str) -> None:
-    ports = getattr(ex, side)
-    if port not in ports:
-        raise ValueError(f"channel {ch.name!r}: executor {ex.name!r} has no {side[:-1]} port {port!r} "
+def _check_port(ch: Channel, ex: Executor, kind: type, name: str) -> None:
+    ports = ex.ports(kind)
+    side = kind.__name__.lower()
+    if name not in ports:
+        raise ValueError(f"channel {ch.name!r}: executor {ex.name!r} has no {side} port {name!r} "
                          f"(it has: {', '.join(ports) or 'none'})")
     # payload subtyping: a producer may put a subclass of the channel's payload on it (only the
     # payload's fields travel), and a consumer may read a base of it (it gets the payload type)
-    declared = ports[port]
-    if side == "outputs" and not _extends(declared, ch.payload):
-        raise ValueError(f"channel {ch.name!r} carries {ch.payload.__name__}, but {ex.name}.{port} "
+    port = ports[name]
+    declared = ex.consumes(port) if kind is Input else port.payload
+    if kind is Output and not _extends(declared, ch.payload):
+        raise ValueError(f"channel {ch.name!r} carries {ch.payload.__name__}, but {ex.name}.{name} "
                          f"produces {declared.__name__}, which does not extend {ch.payload.__name__}")
-    if side == "inputs" and not _extends(ch.payload, declared):
-        raise ValueError(f"channel {ch.name!r} carries {ch.payload.__name__}, but {ex.name}.{port} "
+    if kind is Input and not _extends(ch.payload, declared):
+        raise ValueError(f"channel {ch.name!r} carries {ch.payload.__name__}, but {ex.name}.{name} "
                          f"consumes {declared.__name__}, which {ch.payload.__name__} does not extend")
 
 

@@ -20,6 +20,7 @@ from controller.metrics_plot import plot_metrics
 from controller.schedules import get_schedule
 from controller.timeline import merge, plot, process_start_time
 from controller.world import build_world, check_world_size, placement, store_client
+from controller.world import roles as rank_roles
 from controller.devices import detect_device, init_distributed, pin_threads
 
 
@@ -66,7 +67,7 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
                         resume=Path(begin.checkpoint) if begin.checkpoint else None)
     started = process_start_time()
     startup = ((("imports", started, entered),) if started else ()) + (("connect", entered, time.time()),)
-    roles = {r: name for name, units in placement(graph).items() for unit in units for r in unit}
+    roles = rank_roles(graph)
     watchdog = Watchdog(rank=rank, roles=roles).start()
     outcome = Outcome(output_dir=output_dir)
     control = None
@@ -75,7 +76,7 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
             on_ready(world)
         steps_run = range(begin.step, steps)
         # the decider: the first rank of the last executor, whose streamed phase ends last
-        decider = placement(graph)[graph.executors[-1].name][0][0]
+        decider = placement(graph)[graph.placed[-1].name][0][0]
         control = StepControl(store=store_client(timeout), watch_store=store_client(timeout), rank=rank, decider=decider,
                               cadence=cadence, run_dir=output_dir)
         writer = None

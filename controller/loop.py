@@ -1,6 +1,6 @@
 """The SPMD controller: the same loop on every rank (LlamaRL Algorithm 1, streamed).
 
-Per step, on each rank, for the executor placed there:
+Per step, on each rank, for the executor placed there (then for each of its guests, e.g. evaluation):
   open      this step's channel endpoints; the run's schedule wraps the scheduled inputs
   step      the streamed phase: consume inputs as they are handed over, send outputs as they are made
   close     end-of-step markers on every output, so the consumers' streams end
@@ -27,7 +27,7 @@ from controller.schedules import Periodic, Schedule
 from controller.timeline import Timeline
 from common.stop import StepAborted
 from controller.world import World
-from executors.base import StepContext
+from executors.base import Endpoints, StepContext
 
 
 @dataclass(frozen=True)
@@ -47,36 +47,32 @@ class Controller:
 
     def run(self) -> Stopped | None:
         """Run the steps; return where a stop ended the run, or None when all ran."""
-        executor, env = self.world.local_executor, self.world.env
+        executors, env = self.world.local, self.world.env  # the executor placed here, then its guests
         timeline = Timeline.resumed(executor=env.name, rank=env.rank, path=self.timeline_path,
                                     before=self.steps.start)
         for kind, t0, t1 in self.startup:  # step -1: before the first step
             timeline.add(kind, t0, t1)
         with timeline.span("init"):
-            executor.init(env)
+            for executor in executors:
+                executor.init(self.world.envs[executor.name])
         saved = set()  # steps checkpointed by this attempt
         for step in self.steps:
             timeline.step = step
             self.control.begin(step)
-            ctx = self.open(step, timeline)
+            contexts = [self.open(step, executor, timeline) for executor in executors]
             t0 = time.perf_counter()
             with timeline.span("step"):
-                try:
-                    state = executor.step(ctx)
-                except StepAborted:  # a stop dropped the step: what was sent still has to be received
-                    state = None
-                    for rx in self.world.receivers():
-                        rx.drain()
-                for sender in ctx.outbound.values():
-                    sender.close_step()
+                states = self.stream(executors, contexts)
                 decision = self.control.decide(step, last=step == self.steps.stop - 1)
-                assert state is not None or decision.abort, "StepAborted without an aborted step"
+                assert states is not None or decision.abort, "StepAborted without an aborted step"
+                outlets = [out for ctx in contexts for out in ctx.outbound.values()]
                 if decision.stop:
-                    self.world.cut_lagged(ctx.outbound)
+                    for out in outlets:
+                        out.cut_lagged()
                 if not decision.abort:
-                    record = executor.barrier(ctx, state)
-                for sender in ctx.outbound.values():
-                    sender.flush()
+                    records = [ex.barrier(ctx, state) for ex, ctx, state in zip(executors, contexts, states)]
+                for out in outlets:
+                    out.flush()
             if decision.abort:  # the step is dropped; its start state is the previous step's checkpoint
                 done = step - 1
                 if decision.checkpoint:
@@ -86,8 +82,9 @@ class Controller:
                 timeline.save(self.timeline_path)
                 return Stopped(after=done, signum=decision.signum, saved_here=done in saved)
             if env.is_leader:
-                post_metrics(self.world.store, step=step, executor=env.name, wall_s=time.perf_counter() - t0,
-                             record=dataclasses.asdict(record) if dataclasses.is_dataclass(record) else dict(record))
+                for executor, record in zip(executors, records):
+                    post_metrics(self.world.store, step=step, executor=executor.name,
+                                 wall_s=time.perf_counter() - t0, record=_fields(executor, record))
             if decision.checkpoint:
                 with timeline.span("checkpoint"):
                     self.checkpoint(step)
@@ -96,20 +93,42 @@ class Controller:
             if decision.stop:
                 timeline.save(self.timeline_path)
                 return Stopped(after=step, signum=decision.signum, saved_here=True)
-        executor.finalize(env.output_dir)
+        for executor in executors:
+            executor.finalize(env.output_dir)
         timeline.save(self.timeline_path)
         return None
 
-    def open(self, step: int, timeline: Timeline) -> StepContext:
-        inbound, outbound = self.world.endpoints(step, first_step=self.steps.start, last_step=self.steps.stop - 1)
-        scheduled = self.world.scheduled_ports
+    def stream(self, executors, contexts: list[StepContext]) -> list | None:
+        """Each executor's streamed phase in turn, its outputs closed after it (a guest runs once its
+        host's consumers can finish the step). None: a stop dropped the step; what was sent to this
+        rank is still received, and every output is closed, so no consumer waits on it."""
+        states = []
+        try:
+            for executor, ctx in zip(executors, contexts):
+                states.append(executor.step(ctx))
+                for out in ctx.outbound.values():
+                    out.close_step()
+        except StepAborted:
+            states = None
+            for rx in self.world.receivers():
+                rx.drain()
+            for ctx in contexts:
+                for out in ctx.outbound.values():
+                    out.close_step()
+        return states
+
+    def open(self, step: int, executor, timeline: Timeline) -> StepContext:
+        inbound, outbound = self.world.endpoints(step, executor.name, first_step=self.steps.start,
+                                                 last_step=self.steps.stop - 1)
+        scheduled = self.world.scheduled(executor.name)
         inbound = {port: self.schedule(rx) if port in scheduled else rx for port, rx in inbound.items()}
-        return StepContext(step, inbound, outbound, timeline)
+        return StepContext(step, Endpoints(inbound), Endpoints(outbound), timeline)
 
     def checkpoint(self, step: int) -> None:
         """Every rank writes its executor's part; the last one to finish commits the directory."""
         run_dir, store = self.world.env.output_dir, self.world.store
-        self.world.local_executor.save_checkpoint(ckpt.tmp_dir(run_dir, step))
+        for executor in self.world.local:
+            executor.save_checkpoint(ckpt.tmp_dir(run_dir, step))
         if store.add(f"ckpt/{step}", 1) == self.world.size:
             cadence = self.control.cadence
             ckpt.commit(run_dir, step, config=cadence.config or {}, keep=cadence.keep)
@@ -118,3 +137,12 @@ class Controller:
     @property
     def timeline_path(self) -> Path:
         return self.world.env.output_dir / "timeline" / f"rank{self.world.env.rank:03d}.jsonl"
+
+
+def _fields(executor, record) -> dict:
+    """An executor's metrics record (a dataclass; None: nothing this step) as the fields posted: its
+    own `as_metrics()` where it names them (e.g. pass@1), else its fields."""
+    if record is None:
+        return {}
+    assert dataclasses.is_dataclass(record), f"{executor.name}: a metrics record is a dataclass, got {type(record)}"
+    return record.as_metrics() if hasattr(record, "as_metrics") else dataclasses.asdict(record)

@@ -1,7 +1,10 @@
 """Per-step metrics: each executor's leader posts its record to the store; rank 0 merges and writes.
 
-A row of metrics.jsonl is every executor's record (its fields), `<executor>_s` (the controller's
-wall time of that executor's step) and what `derive` computes from the records, keyed by executor.
+A row of metrics.jsonl (`build_row`) is every executor's record, each field namespaced by its
+executor (`trainer/loss`, `generator/gen_s`; a field already holding a "/", like the reward
+executor's `eval/pass@1`, as it is), `<executor>_s` (the controller's wall time of that executor's
+step) and what `derive` computes from the records (step-level, unprefixed). Until the next release
+the rows also keep the flat names they had before (`loss`, `gen_s`, ...): see FLAT_ALIASES.
 
 The writer is a thread on global rank 0, so collecting metrics never adds a barrier between
 executors (a world-wide gather at the step end would stall periodic asynchrony).
@@ -66,6 +69,32 @@ def _key(step: int, executor: str) -> str:
     return f"metrics/{step}/{executor}"
 
 
+# Kept for one release (until the next): the executors whose fields a row also holds under the flat
+# name it had before the keys were namespaced, prefix + field (`loss` beside `trainer/loss`; the
+# evaluation sampler's `gen_s` as `eval_gen_s`, once the generator's). executor -> prefix. An executor
+# not listed (a new one, e.g. "eval", whose `reward_mean` would overwrite the trainer's) gets none.
+FLAT_ALIASES: dict[str, str] = {"generator": "", "reward": "", "trainer": "", "critic": "", "reward_model": "",
+                                "combine": "", "eval_sampler": "eval_"}
+
+
+def build_row(step: int, records: Mapping[str, Mapping[str, object]], walls: Mapping[str, float],
+              derived: Mapping[str, object], *, aliases: Mapping[str, str] = FLAT_ALIASES) -> dict:
+    """One row of metrics.jsonl from the executors' records (in graph order), their wall times and
+    the derived figures: `<executor>/<field>` for every field (one with a "/" in it as it is), then
+    `<executor>_s`, the flat aliases and the derived keys, in that order, a later key overwriting
+    an earlier one of the same name (as the rows were made before: an executor's field overwrote
+    an earlier executor's of the same name, and the derived figures overwrote both)."""
+    row: dict = {"step": step}
+    for name, record in records.items():
+        row.update({field if "/" in field else f"{name}/{field}": value for field, value in record.items()})
+    row.update({f"{name}_s": walls[name] for name in records})
+    for name, record in records.items():
+        if name in aliases:
+            row.update({aliases[name] + field: value for field, value in record.items() if "/" not in field})
+    row.update(derived)
+    return row
+
+
 class MetricsWriter:
     def __init__(self, *, executors: Sequence[str], steps: range, path: Path,
                  console_keys: Sequence[str] | None, timeout: timedelta, derive=None,
@@ -98,19 +127,16 @@ class MetricsWriter:
                     decision = Decision.read(self._store, step)  # published before any record of the step
                     if decision.abort:  # a stop dropped the step: it has no records
                         break
-                    row: dict = {"step": step}
-                    records = {}
+                    records, walls = {}, {}
                     for name in self.executors:
                         posted = json.loads(self._store.get(_key(step, name)))
-                        records[name] = posted["record"]
-                        row.update(posted["record"])
-                        row[f"{name}_s"] = posted["wall_s"]
+                        records[name], walls[name] = posted["record"], posted["wall_s"]
                     derived = self.derive(records) if self.derive else {}
-                    row.update(derived)
+                    row = build_row(step, records, walls, derived)
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     if board:
-                        board.write(row, tags=tags_of(records, derived))
+                        board.write(row, tags=tags_of(row, executors=self.executors, derived=derived))
                     bar.update(1)
                     keys = [k for k in (self.console_keys or row) if k in row]
                     bar.write(tabulate([[row[k] for k in keys]], headers=keys, floatfmt=".4g"))
@@ -132,7 +158,8 @@ class MetricsWriter:
 
 def reward_warning(row: Mapping[str, object], *, limit: int = 300) -> str | None:
     """One console line when more than half of a step's rewards failed: under reward.on_error=zero
-    they score 0 and the run looks like any other (reward 0), so say it, with the first error."""
+    they score 0 and the run looks like any other (reward 0), so say it, with the first error.
+    Reads the trainer's flat aliases (reward_failures, samples, reward_first_error)."""
     failed, samples = row.get("reward_failures") or 0, row.get("samples") or 0
     if not samples or 2 * failed <= samples:
         return None

@@ -1,8 +1,10 @@
 """TensorBoard event files of the metrics rows (`logging.tensorboard`), written by rank 0's metrics
-thread: every number of a row as a scalar at its step, tagged by the executor that reported it."""
+thread: every number of a row as a scalar at its step, tagged by the executor that reported it
+(the row's namespaced keys); the row's flat aliases are not written, so no curve is drawn twice."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable, Mapping
 
 
 class TensorBoardLog:
@@ -12,23 +14,23 @@ class TensorBoardLog:
         # a resumed run redoes the steps from first_step: purge what an earlier attempt wrote past it
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=first_step if first_step > 0 else None)
 
-    def write(self, row: dict, *, tags: dict[str, str]) -> None:
-        """tags: row key -> tag (e.g. loss -> trainer/loss); keys without one keep their name."""
+    def write(self, row: dict, *, tags: Mapping[str, str]) -> None:
+        """tags: row key -> tag (tags_of); keys without one are not written."""
         for key, value in row.items():
             # wall-clock stamps (gen_start_t, push_end_t, ...) are not curves
-            if key == "step" or key.endswith("_t") or isinstance(value, bool) or not isinstance(value, (int, float)):
+            if key not in tags or key.endswith("_t") or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            self.writer.add_scalar(tags.get(key, key), value, global_step=row["step"])
+            self.writer.add_scalar(tags[key], value, global_step=row["step"])
         self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
 
 
-def tags_of(records: dict[str, dict], derived: dict) -> dict[str, str]:
-    """trainer/loss, generator/gen_s, ..., time/<executor>_s, step/<derived>; eval/* as they are."""
-    tags = {f"{name}_s": f"time/{name}_s" for name in records}
+def tags_of(row: Mapping[str, object], *, executors: Iterable[str], derived: Mapping[str, object]) -> dict[str, str]:
+    """row key -> tag: the namespaced keys as they are (trainer/loss, generator/gen_s, eval/pass@1),
+    time/<executor>_s, step/<derived>; none for the flat aliases (loss, gen_s, ...)."""
+    tags = {k: k for k in row if "/" in k}
+    tags.update({f"{name}_s": f"time/{name}_s" for name in executors})
     tags.update({k: f"step/{k}" for k in derived})
-    for name, record in records.items():
-        tags.update({k: k if "/" in k else f"{name}/{k}" for k in record})
     return tags

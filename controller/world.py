@@ -5,7 +5,6 @@ Every rank runs this identically: groups are created by every rank, in graph ord
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,8 +28,8 @@ ENDPOINTS: dict[Kind, tuple[type, type]] = {  # (sender, receiver) classes per c
 }
 
 
-class FanOut:
-    """One output port feeding several channels: every item goes into each of them."""
+class Outlet:
+    """An output port of one step: the senders of every channel it feeds (one, or a fan-out)."""
 
     def __init__(self, senders: list):
         self.senders = senders
@@ -38,6 +37,11 @@ class FanOut:
     def send(self, item) -> None:
         for sender in self.senders:
             sender.send(item)
+
+    def push(self, shards, specs) -> None:
+        """A WEIGHTS port: push the trainer's shards (channels/weights.py)."""
+        for sender in self.senders:
+            sender.push(shards, specs)
 
     def close_step(self) -> None:
         for sender in self.senders:
@@ -47,27 +51,39 @@ class FanOut:
         for sender in self.senders:
             sender.flush()
 
+    def cut_lagged(self) -> None:
+        """The run ends after this step: what its lagged channels carry has no consumer."""
+        for sender in self.senders:
+            if sender.channel.step_lag > 0:
+                sender.deliverable = False
+
 
 def placement(graph: Graph) -> dict[str, tuple[tuple[int, ...], ...]]:
-    """Executor name -> global ranks per unit; contiguous ranges in graph order."""
+    """Executor name -> global ranks per unit; contiguous ranges in graph order; a guest gets its host's."""
     out, next_rank = {}, 0
-    for ex in graph.executors:
+    for ex in graph.placed:
         units = []
         for _ in range(ex.units):
             units.append(tuple(range(next_rank, next_rank + ex.ranks_per_unit)))
             next_rank += ex.ranks_per_unit
         out[ex.name] = tuple(units)
-    return out
+    return {ex.name: out[ex.host.name if ex.host else ex.name] for ex in graph.executors}
+
+
+def roles(graph: Graph) -> dict[int, str]:
+    """Global rank -> the executor placed there (what a failure report names)."""
+    units = placement(graph)
+    return {rank: ex.name for ex in graph.placed for unit in units[ex.name] for rank in unit}
 
 
 def world_size_of(graph: Graph) -> int:
-    return sum(ex.world_size for ex in graph.executors)
+    return sum(ex.world_size for ex in graph.placed)
 
 
 def check_world_size(graph: Graph, world_size: int) -> None:
     need = world_size_of(graph)
     if world_size != need:
-        parts = " + ".join(f"{ex.name} {ex.world_size}" for ex in graph.executors)
+        parts = " + ".join(f"{ex.name} {ex.world_size}" for ex in graph.placed)
         raise ValueError(f"world size is {world_size} but the placement needs {need} ranks ({parts}); "
                          f"run torchrun --nproc-per-node {need} or change the placement")
 
@@ -87,48 +103,42 @@ def store_client(timeout: timedelta, *, per_attempt: bool = True) -> dist.Store:
 @dataclass
 class World:
     graph: Graph
-    units: dict[str, tuple[tuple[int, ...], ...]]
+    units: dict[str, tuple[tuple[int, ...], ...]]  # every executor's, a guest's being its host's
     rank: int
-    local_name: str
-    env: ExecutorEnv
+    host: str  # the executor placed on this rank; its guests run here too
+    envs: dict[str, ExecutorEnv]  # of the executors this rank runs
     store: dist.Store
     control_group: dist.ProcessGroup
 
     @property
     def size(self) -> int:
-        return sum(len(unit) for units in self.units.values() for unit in units)
-
-    def cut_lagged(self, outbound) -> None:
-        """The run ends after this step: its lagged outputs (the weight push) have no consumer."""
-        lagged = {ch.out_port for ch in self.graph.channels if ch.src == self.local_name and ch.step_lag > 0}
-        for port in lagged & outbound.keys():
-            senders = getattr(outbound[port], "senders", [outbound[port]])
-            for sender in senders:
-                if sender.channel.step_lag > 0:
-                    sender.deliverable = False
+        return sum(len(unit) for ex in self.graph.placed for unit in self.units[ex.name])
 
     @property
-    def local_executor(self):
-        return self.graph.executor(self.local_name)
+    def local(self) -> tuple:
+        """The executors this rank runs, in order: the one placed here, then its guests."""
+        return self.graph.on_ranks_of(self.host)
 
-    @functools.cached_property
-    def scheduled_ports(self) -> set[str]:
-        """This rank's input ports whose items the run's schedule hands over (controller/schedules.py)."""
-        return {ch.in_port for ch in self.graph.channels if ch.dst == self.local_name and ch.scheduled}
+    @property
+    def env(self) -> ExecutorEnv:
+        """The placed executor's (its guests' differ only in name)."""
+        return self.envs[self.host]
 
-    def endpoints(self, step: int, *, first_step: int, last_step: int):
-        """Open this rank's inbound/outbound endpoints for `step`, keyed by port."""
+    def endpoints(self, step: int, executor: str, *, first_step: int, last_step: int):
+        """Open `executor`'s endpoints on this rank for `step`: {port: receiver}, {port: Outlet}."""
         inbound, senders = {}, {}
         for ch, (sender, receiver) in zip(self.graph.channels, self._endpoints):
-            if sender is not None:
+            if sender is not None and ch.src == executor:
                 sender.open_step(step, deliverable=step + ch.step_lag <= last_step)
                 senders.setdefault(ch.out_port, []).append(sender)
-            if receiver is not None:
+            if receiver is not None and ch.dst == executor:
                 receiver.open_step(step - ch.step_lag, expected=step - ch.step_lag >= first_step)
                 inbound[ch.in_port] = receiver
-        # one output port may feed several channels (fan-out)
-        outbound = {port: group[0] if len(group) == 1 else FanOut(group) for port, group in senders.items()}
-        return inbound, outbound
+        return inbound, {port: Outlet(group) for port, group in senders.items()}
+
+    def scheduled(self, executor: str) -> set[str]:
+        """`executor`'s input ports whose items the run's schedule hands over (controller/schedules.py)."""
+        return {ch.in_port for ch in self.graph.channels if ch.dst == executor and ch.scheduled}
 
     def receivers(self) -> list:
         """This rank's receivers of same-step channels (a lagged one's items belong to the next step)."""
@@ -136,13 +146,14 @@ class World:
 
     def bind_channels(self) -> None:
         self._endpoints = []
+        here = {ex.name for ex in self.local}
         for cid, ch in enumerate(self.graph.channels):
             route = Route(channel_id=cid + 1, src_units=self.units[ch.src], dst_units=self.units[ch.dst],
                           src_sharded=self.graph.executor(ch.src).shards_over_units)
             send_cls, recv_cls = ENDPOINTS[ch.kind]
             common = dict(channel=ch, route=route, store=self.store, rank=self.rank, device=self.env.device)
-            sender = send_cls(**common) if ch.src == self.local_name else None
-            receiver = recv_cls(**common) if ch.dst == self.local_name else None
+            sender = send_cls(**common) if ch.src in here else None
+            receiver = recv_cls(**common) if ch.dst in here else None
             self._endpoints.append((sender, receiver))
 
 
@@ -151,26 +162,27 @@ def build_world(graph: Graph, *, device: torch.device, seed: int, output_dir: Pa
     rank, world_size = dist.get_rank(), dist.get_world_size()
     check_world_size(graph, world_size)
     units = placement(graph)
-    local_name, local_group = None, None
-    for ex in graph.executors:  # same order on every rank
+    host, local_group = None, None
+    for ex in graph.placed:  # same order on every rank
         ranks = [r for unit in units[ex.name] for r in unit]
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
-            local_name, local_group = ex.name, group
+            host, local_group = ex.name, group
     control_group = dist.new_group(backend="gloo", timeout=timeout)
     unit_group = None
-    for ex in graph.executors:  # same order on every rank
+    for ex in graph.placed:  # same order on every rank
         for unit in units[ex.name] if ex.ranks_per_unit > 1 else ():
             group = dist.new_group(list(unit), backend="gloo", timeout=timeout)
             if rank in unit:
                 unit_group = group
-    assert local_name is not None, f"rank {rank} not placed"
-    ex_units = units[local_name]
-    env = ExecutorEnv(name=local_name, ranks=tuple(r for u in ex_units for r in u), units=ex_units,
-                      rank=rank, group=local_group, device=device, seed=seed, output_dir=output_dir,
-                      resume=resume, unit_group=unit_group)
-    world = World(graph=graph, units=units, rank=rank, local_name=local_name, env=env,
-                  store=store_client(timeout), control_group=control_group)
+    assert host is not None, f"rank {rank} not placed"
+    ex_units = units[host]
+    # a guest shares its host's ranks and groups: it runs between the host's steps, never beside them
+    envs = {ex.name: ExecutorEnv(name=ex.name, ranks=tuple(r for u in ex_units for r in u), units=ex_units, rank=rank,
+                                 group=local_group, device=device, seed=seed, output_dir=output_dir, resume=resume,
+                                 unit_group=unit_group)
+            for ex in graph.on_ranks_of(host)}
+    world = World(graph=graph, units=units, rank=rank, host=host, envs=envs, store=store_client(timeout),
+                  control_group=control_group)
     world.bind_channels()
     return world
-

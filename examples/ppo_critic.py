@@ -40,15 +40,17 @@ def build_graph(*, steps: int) -> Graph:
         # the value model starts from the policy's weights (model.path) with a new one-output head
         Critic(config=CriticConfig(), model_path=model.path, dtype=model.torch_dtype, algo_config=algo_cfg,
                temperature=1.0, total_steps=steps),
+        # PPO's advantages come per token with each group (its advantage source: the critic)
         Trainer(config=TrainerConfig(), model_path=model.path, dtype=model.torch_dtype, algorithm=ppo,
-                algo_config=algo_cfg, temperature=1.0, total_steps=steps),
+                algo_config=algo_cfg, temperature=1.0, total_steps=steps, token_advantages=True),
     ]
     channels = [
         Channel("rollouts", "generator", "reward", Kind.SCATTER, RolloutGroup),
         # scheduled: the run's schedule (periodic by default) decides when each learner sees a group
         Channel("scored", "reward", "critic", Kind.SCATTER, ScoredGroup, scheduled=True),
-        # the trainer's input port is "scored"; this channel carries the subtype with advantages
-        Channel("advantaged", "critic", "trainer", Kind.SCATTER, AdvantagedGroup, dst_port="scored", scheduled=True),
+        # the trainer's input port is Trainer.scored; this channel carries the subtype with advantages
+        Channel("advantaged", "critic", "trainer", Kind.SCATTER, AdvantagedGroup, dst_port=Trainer.scored,
+                scheduled=True),
         # lag 1: the generator of step k+1 waits for the weights the trainer pushes at step k's end
         Channel("weights", "trainer", "generator", Kind.WEIGHTS, WeightsUpdate),
     ]

@@ -19,10 +19,10 @@ from controller.graph import Graph
 from controller.job import run_job
 from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig
 from executors.generator.executor import Generator
-from executors.reward.combine import CombineConfig, CombineRewards
-from executors.reward.config import RewardConfig
+from executors.reward.combine import CombineRewards
+from executors.reward.config import CombineConfig, RewardConfig, RewardModelConfig
 from executors.reward.executor import Reward
-from executors.reward.model import RewardModel, RewardModelConfig
+from executors.reward.model import RewardModel
 from executors.trainer.executor import Trainer, TrainerConfig
 
 

@@ -5,13 +5,21 @@ streamed phase) and `barrier(ctx, state)` (the end of the batch, after its outpu
 `save_checkpoint(path)` on cadence and `finalize(output_dir)` at the end. Concrete executors are
 their own classes; there are no role flags, and none knows which schedule runs: the controller
 hands each input over as the schedule says (controller/schedules.py).
+
+Ports are class attributes, `Input(payload)` / `Output(payload)`: the graph checks every channel
+against them when it is built, and an executor reads its endpoints by port, `ctx.inbound[self.weights]`.
+A port marked optional is connected only in some graphs; `needs` says when this instance needs it.
+
+A *guest* executor (`host=` another executor) holds no ranks of its own: it runs on its
+host's ranks, after the host's step (whose outputs are closed by then), with ports and a metrics
+record of its own. Evaluation is one: a phase of the step, not a branch in the generator or reward.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -46,33 +54,94 @@ class ExecutorEnv:
         return self.rank == self.ranks[0]
 
 
+@dataclass(frozen=True, eq=False)
+class Port:
+    """A typed endpoint of an executor class; its name is the attribute's (set by Python)."""
+
+    payload: type
+    optional: bool = False  # connected only in some graphs (e.g. dynamic sampling's verdicts)
+    name: str = ""
+
+    def __set_name__(self, owner, name: str) -> None:
+        object.__setattr__(self, "name", name)
+
+
+class Input(Port):
+    """Items of `payload` (or of a subclass) the executor consumes."""
+
+
+class Output(Port):
+    """Items of `payload` (or of a subclass) the executor produces."""
+
+
+class Endpoints(Mapping):
+    """One side of a step's endpoints, looked up by port (never by a string a recipe also spells)."""
+
+    def __init__(self, by_name: Mapping[str, Any]):
+        self._by_name = dict(by_name)
+
+    def __getitem__(self, port: Port):
+        assert isinstance(port, Port), f"look endpoints up by port, not {port!r}"
+        if port.name not in self._by_name:
+            raise KeyError(f"port {port.name!r} has no channel in this graph")
+        return self._by_name[port.name]
+
+    def __contains__(self, port) -> bool:
+        return isinstance(port, Port) and port.name in self._by_name
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def values(self):
+        return self._by_name.values()
+
+
 @dataclass
 class StepContext:
     step: int
-    inbound: Mapping[str, Any]  # port -> Receiver (or WeightsReceiver)
-    outbound: Mapping[str, Any]  # port -> Sender (or WeightsSender)
+    inbound: Endpoints  # port -> Receiver (or WeightsReceiver)
+    outbound: Endpoints  # port -> Outlet (a sender, or several: controller/world.py)
     timeline: Any = None  # controller.timeline.Timeline; records spans for timeline.jsonl
 
 
 class Executor(ABC):
-    inputs: ClassVar[Mapping[str, type]] = {}
-    outputs: ClassVar[Mapping[str, type]] = {}
     # True when the units hold disjoint shards of one model (FSDP) rather than full replicas; the
     # WEIGHTS channel then plans each piece from the one unit that holds it
     shards_over_units: bool = False
 
-    def __init__(self, *, name: str, units: int = 1, ranks_per_unit: int = 1):
+    def __init__(self, *, name: str, units: int = 1, ranks_per_unit: int = 1, host: Executor | None = None):
+        """host: the executor whose ranks this one runs on, after its step (a guest: no ranks of its own;
+        it may use the host's objects once both are initialised, e.g. the generator's engine)."""
         if units < 1 or ranks_per_unit < 1:
             raise ValueError(f"executor {name!r}: units and ranks_per_unit must be >= 1, "
                              f"got {units} and {ranks_per_unit}")
         self.name = name
         self.units = units
         self.ranks_per_unit = ranks_per_unit
+        self.host = host
         self.env: ExecutorEnv | None = None
 
     @property
     def world_size(self) -> int:
-        return self.units * self.ranks_per_unit
+        """Ranks this executor adds to the world (a guest adds none)."""
+        return 0 if self.host else self.units * self.ranks_per_unit
+
+    @classmethod
+    def ports(cls, kind: type[Port]) -> dict[str, Port]:
+        """The class's ports of one kind (Input or Output), by name."""
+        return {name: value for klass in reversed(cls.__mro__) for name, value in vars(klass).items()
+                if isinstance(value, kind)}
+
+    def needs(self, port: Port) -> bool:
+        """Must this instance's port have a channel? By default the non-optional ones."""
+        return not port.optional
+
+    def consumes(self, port: Input) -> type:
+        """The payload this instance needs on an input: the port's, or a subclass of it."""
+        return port.payload
 
     def describe(self) -> Mapping[str, object]:
         """Parallel sizes shown by --dry-run."""

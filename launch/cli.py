@@ -108,7 +108,9 @@ def _apply_override(data: dict, spec: str) -> None:
     node = data
     parts = key.split(".")
     for part in parts[:-1]:
-        node = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or an optional section left out (a run's config.json: null)
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
             raise ValueError(f"--set {spec!r}: {part!r} is not a section")
     node[parts[-1]] = yaml.safe_load(raw) if raw else ""
@@ -141,8 +143,10 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         layers.append(("--resume", {"output_dir": data["output_dir"]}))
     layers.append(("--algo", {"algo": args.algo}))
     from algorithms.registry import get_algorithm
+    from recipes.advantages import ADVANTAGE_SOURCES
 
-    pretrained = defaults.pretrained_defaults(data, critic=get_algorithm(args.algo).advantages is None)
+    sections = ADVANTAGE_SOURCES.get(get_algorithm(args.algo).advantage_source).sections
+    pretrained = defaults.pretrained_defaults(data, sections=sections)
     defaults.apply(data, pretrained)
     layers.insert(0, (defaults.PRETRAINED_SOURCE, {k: v for k, v in pretrained.items()}))
     source = str(args.config) if args.config else "command line"
@@ -210,9 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"tidal: {exc}", file=sys.stderr)
         return 0
-    from controller.world import placement, world_size_of
+    from controller.world import roles, world_size_of
     from launch.selflaunch import launch_here, without_max_restarts
 
-    roles = {rank: name for name, units in placement(graph).items() for unit in units for rank in unit}
     return launch_here(without_max_restarts(argv), nproc=world_size_of(graph), max_restarts=args.max_restarts or 0,
-                       roles=roles, stop_timeout_s=cfg.stop_timeout_s)
+                       roles=roles(graph), stop_timeout_s=cfg.stop_timeout_s)

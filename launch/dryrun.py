@@ -16,13 +16,15 @@ def describe(graph: Graph, cfg: RunConfig, recipe: Recipe, *, memory: str = "") 
     for ex in graph.executors:
         ranks = [r for unit in units[ex.name] for r in unit]
         rows.append([ex.name, type(ex).__name__, _span(ranks), " ".join(_span(list(u)) for u in units[ex.name]),
-                     f"group {graph.executors.index(ex)}: ranks {_span(ranks)}",
+                     f"{ex.host.name}'s, after its step" if ex.host else
+                     f"group {graph.placed.index(ex)}: ranks {_span(ranks)}",
                      ", ".join(f"{k}={v}" for k, v in ex.describe().items())])
     channels = [[ch.name, ch.kind.value, f"{ch.src}.{ch.out_port} -> {ch.dst}.{ch.in_port}",
                  ch.payload.__name__, "next step" if ch.step_lag else "same step"] for ch in graph.channels]
     # "where it lives": the executor's global ranks and the function that runs the phase
+    present = [ph for ph in recipe.phases if ph.executor in units]  # e.g. evaluation's only when it is on
     phases = [[f"{i}. {ph.name}", ph.executor, _span([r for u in units[ph.executor] for r in u]), ph.what, ph.where]
-              for i, ph in enumerate(recipe.phases, start=1)]
+              for i, ph in enumerate(present, start=1)]
     n = world_size_of(graph)
     return "\n\n".join([
         f"algo {cfg.algo}, schedule {cfg.schedule}, world size {n} "

@@ -11,12 +11,15 @@ checkpointing, or each layer's input plus one layer's working set with it; plus 
 (logits, log-probs and their gradient in fp32) over the row's response tokens. The generator's KV
 cache is vLLM's share of the device (`gpu_memory_utilization`) or, for the native engine, the rows
 that decode together (one admission chunk of the step's prompts, G samples each) at full length.
+A reward model (reward.model) counts its own weights (a one-logit classifier, from its own config.json)
+and, rough, one layer's working set over a group's G sequences at full length.
 On CPU a rank's total adds the process itself (python, torch, transformers: PROCESS_BYTES, measured)
 and names the moment a model loads when that is the peak (loading_peak); on a GPU/NPU the runtime
 context is not counted. README "Memory" gives the estimates against measured peaks.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,7 @@ from tabulate import tabulate
 from algorithms.kl import kl_in_loss
 from algorithms.registry import get_algorithm
 from executors.embedded import MODEL_SIZES
+from executors.generator.engines import ENGINES
 from executors.training.config import LearnerConfig
 from recipes.config import RunConfig
 
@@ -33,7 +37,7 @@ from recipes.config import RunConfig
 
 def _size(n_bytes: float) -> str:
     return f"{n_bytes / 1e9:.2f} GB" if n_bytes >= 1e9 else f"{n_bytes / 1e6:.0f} MB"
-_BYTES = {"float32": 4, "bfloat16": 2}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # peak RSS of a rank's process before it builds anything (python, torch, transformers imported),
 # measured on CPU: 0.25 GB at start-up, 0.33 GB on a reward rank holding a tokenizer
 PROCESS_BYTES = 0.35e9
@@ -52,13 +56,18 @@ class Shape:
     kv_width: int  # kv heads x head dim
 
     @classmethod
-    def of(cls, path: str | None) -> "Shape | None":
+    def of(cls, path: str | None, *, classifier: bool = False) -> "Shape | None":
         """From config.json alone (or the embedded model's sizes): --dry-run loads no model code. None:
-        not a Llama-style decoder (GPT-2 names its sizes n_embd, n_layer, ...), so no estimate."""
-        c = json.loads((Path(path) / "config.json").read_text()) if path else MODEL_SIZES
+        not a Llama-style decoder (GPT-2 names its sizes n_embd, n_layer, ...), so no estimate.
+        classifier: as AutoModelForSequenceClassification builds it with one label (a reward model): the
+        decoder and a score head of hidden x 1 instead of the LM head."""
+        c = _config_json(path)
         if any(k not in c for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size",
                                     "num_attention_heads")):
             return None
+        if classifier:
+            shape = cls.from_fields({**c, "tie_word_embeddings": True})  # the embeddings only, once
+            return dataclasses.replace(shape, params=shape.params + shape.hidden)
         return cls.from_fields(c)
 
     @classmethod
@@ -77,6 +86,10 @@ class Shape:
         per_layer = attention + mlp + 2 * h
         params = vocab * h * (1 if c.get("tie_word_embeddings", False) else 2) + layers * per_layer + h
         return cls(params, h, i, layers, vocab, kv * d)
+
+
+def _config_json(path: str | None) -> dict:
+    return json.loads((Path(path) / "config.json").read_text()) if path else MODEL_SIZES
 
 
 def _row(*, prompt: int, response: int, samples: int, budget: int, shared: bool) -> tuple[int, int]:
@@ -166,8 +179,9 @@ def generator_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
     g = cfg.generator
     dtype = 2 if cfg.trainer.precision == "bf16" or cfg.model.dtype == "bfloat16" else 4
     weights = m.params * dtype / g.tp
-    parts = {"weights": weights, "push buffer": (weights if g.engine == "vllm" else 0)}
-    if g.engine == "native":
+    engine = ENGINES.get(g.engine)
+    parts = {"weights": weights, "push buffer": (weights if engine.push_buffer else 0)}
+    if not engine.kv_note:  # the memory estimate sizes its KV cache
         # the rows that decode together: a replica's share of the step's prompts (or of the evaluation's),
         # at most max_batch_prompts of them; max_batch_prompts alone counted 4x the rows at B=4, G=4
         def rows(prompts: int, samples: int) -> int:
@@ -181,19 +195,38 @@ def generator_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
     return parts
 
 
-PARTS = {"generator": generator_parts, "critic": critic_parts, "trainer": trainer_parts}  # executors that hold a model
+def reward_model_parts(cfg: RunConfig, m: Shape) -> dict[str, float] | None:
+    """reward.model's ranks (not the policy's shape `m`: its own, a one-logit classifier): its weights
+    at the dtype it loads in (from_pretrained's "auto": config.json's; the embedded random one float32)
+    and, rough, one layer's working set over a group's sequences (inference: no layer keeps its
+    activations). None: its config.json is not a Llama-style decoder's, no estimate."""
+    rm = cfg.reward.model
+    shape = Shape.of(rm.path, classifier=True)
+    if shape is None:
+        return None
+    c = _config_json(rm.path)
+    dtype = _BYTES.get(str(c.get("dtype") or c.get("torch_dtype") or "float32"), 4) if rm.path else 4
+    tokens = cfg.generator.samples_per_prompt * (cfg.data.max_prompt_tokens + cfg.generator.max_new_tokens)
+    return {"weights": shape.params * dtype,
+            "activations (rough)": tokens * (8 * shape.hidden + 5 * shape.intermediate) * dtype}
 
 
-def loading_peak(cfg: RunConfig, parts: dict[str, float]) -> float:
+# executors that hold a model; a function of (cfg, the policy's shape) -> bytes by part (None: no estimate)
+PARTS = {"generator": generator_parts, "reward_model": reward_model_parts, "critic": critic_parts,
+         "trainer": trainer_parts}
+
+
+def loading_peak(cfg: RunConfig, parts: dict[str, float], *, executor: str = "generator") -> float:
     """A CPU rank's memory while its model loads: from_pretrained maps the weights file, and the copy
     that gives the weights memory of their own (executors/hf.py, in_own_memory) sits beside the file's
     pages until the load ends. Measured: the generator's peak on SmolLM2-135M (1.43 GB) is this moment.
-    0 for the embedded model (built, not loaded)."""
-    if not cfg.model.path:
+    0 for the embedded model (built, not loaded). executor: whose model (the reward model has its own path)."""
+    path = cfg.reward.model.path if executor == "reward_model" else cfg.model.path
+    if not path:
         return 0.0
     from executors.hf import WEIGHTS_FILES
 
-    files = [f for f in Path(cfg.model.path).iterdir() if f.name in WEIGHTS_FILES or
+    files = [f for f in Path(path).iterdir() if f.name in WEIGHTS_FILES or
              (f.name.startswith(("model-", "pytorch_model-")) and f.suffix in (".safetensors", ".bin"))]
     return parts.get("process", 0.0) + parts["weights"] + sum(f.stat().st_size for f in files)
 
@@ -212,15 +245,19 @@ def describe_memory(cfg: RunConfig, m: Shape | None, *, executors: tuple[str, ..
     rows = []
     for name in (e for e in executors if e in PARTS):
         parts = PARTS[name](cfg, m)
+        if parts is None:
+            rows.append([name, "no estimate (its config.json lacks a Llama-style decoder's sizes)", "?"])
+            continue
         if device == "cpu":  # host memory is the rank's whole RSS; a device's holds no interpreter
             parts["process"] = PROCESS_BYTES
         shown = ", ".join(f"{k} {_size(v)}" for k, v in parts.items() if v)
         total = _size(sum(parts.values()))
-        loading = loading_peak(cfg, parts) if device == "cpu" else 0.0
+        loading = loading_peak(cfg, parts, executor=name) if device == "cpu" else 0.0
         if loading > sum(parts.values()):
             total += f" ({_size(loading)} while loading)"
-        if name == "generator" and cfg.generator.engine == "vllm":
-            total += " + KV cache (vLLM: generator.vllm.gpu_memory_utilization or kv_cache_gb)"
+        note = ENGINES.get(cfg.generator.engine).kv_note
+        if name == "generator" and note:
+            total += f" + {note}"
         rows.append([name, shown, total])
     count = f"{m.params / 1e9:.2f}B" if m.params >= 1e9 else f"{m.params / 1e6:.1f}M"
     where = ("process: python with torch and transformers, as measured on CPU" if device == "cpu" else

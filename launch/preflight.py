@@ -45,7 +45,7 @@ def preflight(cfg: RunConfig, *, resume: str | None, overwrite: bool, writes: bo
 def check_data(path: str, columns, *, field: str = "data.path") -> list:
     """The whole file parses (load_prompts names file and line); tokenizing is left to the generator.
     Returns its rows."""
-    from executors.generator.data import load_prompts
+    from executors.data import load_prompts
 
     if Path(path).is_dir():
         raise ValueError(f"{field}: {path} is a directory, not a prompt file")

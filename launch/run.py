@@ -18,6 +18,7 @@ from controller.control import Cadence
 from controller.job import Outcome, Start, run_job
 from controller.devices import attempt
 from controller.world import world_size_of
+from executors.trainer.backends import BACKENDS
 from controller.graph import Graph
 from recipes.base import Recipe
 from recipes.config import RunConfig
@@ -115,8 +116,8 @@ def start(out: Path, *, cfg: RunConfig, resume: str | None) -> Start:
                          f"{'; '.join(changes)} (a resumed run may change only the layout, steps, timeouts and "
                          f"checkpoint settings)")
     saved = (found.config["trainer"]["dp"], found.config["trainer"]["tp"])
-    if cfg.trainer.backend == "megatron" and saved != (cfg.trainer.dp, cfg.trainer.tp):
-        raise ValueError(f"--resume: trainer.backend=megatron keeps its optimizer state per rank, so checkpoint "
+    if BACKENDS.get(cfg.trainer.backend).per_rank_optimizer and saved != (cfg.trainer.dp, cfg.trainer.tp):
+        raise ValueError(f"--resume: trainer.backend={cfg.trainer.backend} keeps its optimizer state per rank, so checkpoint "
                          f"{found.path} resumes with the layout it was saved under: trainer.dp={saved[0]}, "
                          f"trainer.tp={saved[1]} (this run: {cfg.trainer.dp}, {cfg.trainer.tp})")
     if found.step + 1 >= cfg.steps:

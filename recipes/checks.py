@@ -1,6 +1,8 @@
 """Checks of a run config against the graph it asks for, before any rank starts."""
 from __future__ import annotations
 
+from executors.generator.engines import ENGINES
+from executors.trainer.backends import BACKENDS
 from recipes.config import RunConfig
 
 
@@ -15,24 +17,10 @@ def check_trainer(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
     if t.precision == "bf16" and cfg.model.dtype != "float32":
         raise ValueError("trainer.precision=bf16 keeps float32 master weights: it needs model.dtype=float32 "
                          f"(got {cfg.model.dtype}; model.dtype=bfloat16 alone trains pure bf16 weights)")
-    if t.backend == "megatron":
-        check_megatron(cfg.model.path)
+    BACKENDS.get(t.backend).check(t, cfg.model.path)
     if dynamic_sampling and t.mini_batches > 1:
         raise ValueError("algorithm.dynamic_sampling with trainer.mini_batches > 1 is not supported yet "
                          "(kept prompt indices are not contiguous, so a mini-batch could be empty)")
-
-
-def check_megatron(model_path: str | None) -> None:
-    """trainer.backend=megatron: megatron-core is installed and converts this model (config.json only)."""
-    import importlib.util
-
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        raise ValueError("trainer.backend=megatron needs megatron-core: pip install -e \".[megatron]\" "
-                         "(megatron-core 0.16.1 on Python 3.11; `make install` includes it)")
-    from executors.hf import load_config
-    from executors.megatron.model import check_supported
-
-    check_supported(load_config(model_path))
 
 
 def check_critic(cfg: RunConfig) -> None:
@@ -62,22 +50,8 @@ def check_tp(cfg: RunConfig, *, critic: bool = False) -> None:
 
 
 def check_engine(cfg: RunConfig) -> None:
-    """The vLLM engine's limits, before any rank starts (vLLM itself is imported only by the generator)."""
-    g = cfg.generator
-    if g.engine != "vllm":
-        return
-    from executors.generator.vllm_engine import check_tp_fits_vllm, vllm_available
-
-    if g.top_p < 1.0 or g.top_k > 0:
-        raise ValueError("generator.engine=vllm needs generator.top_p=1 and generator.top_k=0: under top-p/top-k "
-                         "vLLM's log-probs are renormalised over the kept tokens, the trainer's (and the KL's) are not")
-    if not vllm_available():
-        raise ValueError("generator.engine=vllm: vLLM is not installed in this environment (CPU: `make install-vllm` "
-                         "builds .venv-vllm, run with .venv-vllm/bin/torchrun; GPU: pip install vllm; see README)")
-    if g.tp > 1:
-        from executors.hf import load_config  # config.json only
-
-        check_tp_fits_vllm(load_config(cfg.model.path), tp=g.tp)
+    """The engine's limits, before any rank starts (executors/generator/engines.py)."""
+    ENGINES.get(cfg.generator.engine).check(cfg.generator, cfg.model.path)
 
 
 def check_groups(cfg: RunConfig) -> None:

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from algorithms.base import AlgoConfig
 from algorithms.registry import get_algorithm
 from executors.critic.config import CriticConfig
-from executors.generator.config import DataConfig, EvalConfig, GeneratorConfig, ModelConfig
+from executors.evaluation.config import EvalConfig
+from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig
 from executors.reward.config import RewardConfig
 from executors.trainer.config import TrainerConfig
 

@@ -23,6 +23,7 @@ PRETRAINED_CRITIC: dict[str, object] = {
     "critic.lr": 1e-5,
     "critic.warmup_steps": 10,
 }
+PRETRAINED_SECTIONS = {"critic": PRETRAINED_CRITIC}  # by the sections an advantage source trains (recipes/advantages.py)
 PRETRAINED_SOURCE = "pretrained default"
 # The sample rows a wave of decoding holds. A decode forward costs a fixed part (reading every
 # weight) plus a part per row, and each wave pays the fixed part again. Measured on this CPU,
@@ -72,13 +73,16 @@ def _has_chat_template(model_path: str) -> bool:
     return (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file()
 
 
-def pretrained_defaults(data: dict, *, critic: bool = False) -> dict[str, object]:
+def pretrained_defaults(data: dict, *, sections: tuple[str, ...] = ()) -> dict[str, object]:
     """The values a pretrained model.path gets for what `data` (file + --set + flags) leaves unset;
-    critic: the algorithm trains a value model too (its section's values are listed only then)."""
+    sections: what the algorithm trains besides the policy (e.g. "critic", a value model: its section's
+    values are listed only then)."""
     model_path = (data.get("model") or {}).get("path") if isinstance(data.get("model"), dict) else None
     if not model_path:
         return {}
-    chosen = dict(PRETRAINED) | (dict(PRETRAINED_CRITIC) if critic else {})
+    chosen = dict(PRETRAINED)
+    for section in sections:
+        chosen |= PRETRAINED_SECTIONS[section]
     chosen |= admission_defaults(data, device_type=_device_type())
     if _has_chat_template(str(model_path)):
         chosen["data.chat_template"] = True
@@ -127,9 +131,13 @@ def admission_defaults(data: dict, *, device_type: str) -> dict[str, object]:
     if min(samples, prompts, replicas) < 1:
         return {}
     slots = decode_slots(prompts=prompts, samples=samples, replicas=replicas, device_type=device_type)
-    if get("generator.engine") == "vllm":
-        return {"generator.vllm.max_num_seqs": slots * samples}
-    return {"generator.max_batch_prompts": slots}
+    from executors.generator.engines import ENGINES
+
+    try:
+        engine = ENGINES.get(str(get("generator.engine")))
+    except ValueError:
+        return {}  # the config's validation names the field
+    return {engine.slots_key: slots * samples if engine.slots_are_rows else slots}
 
 
 def _device_type() -> str:

@@ -8,6 +8,9 @@
                                               the barrier (optimizer step) and the weight push
     g = generator.replicas * generator.tp,  r = reward.replicas,  t = trainer.dp * trainer.tp
 
+With `reward.model`, a reward model (reward.model.replicas ranks) scores beside the reward and a
+combiner (reward.model.combine_replicas ranks) sums the two before the trainer: reward_stage.
+
 `--dry-run` prints the same with this config's numbers, the channels and the phases below.
 """
 from __future__ import annotations
@@ -18,11 +21,16 @@ from channels.kinds import Kind
 from channels.payloads import GroupVerdict, RolloutGroup, ScoredGroup, WeightsUpdate
 from channels.weights import WeightsSender
 from controller.graph import Graph
-from executors.generator.data import PromptSet
+from executors.data import PromptSet
+from executors.evaluation.executor import EvalSampler, EvalScorer
 from executors.generator.executor import Generator, GeneratorMetrics
+from executors.reward.combine import CombineRewards
+from executors.reward.config import CombineConfig
 from executors.reward.executor import Reward
+from executors.reward.model import RewardModel
 from executors.trainer.executor import Trainer
 from executors.trainer.stats import TrainerMetrics
+from recipes.advantages import ADVANTAGE_SOURCES
 from recipes.base import Phase, Recipe
 from recipes.checks import check_engine, check_eval, check_tp, check_trainer
 from recipes.config import RunConfig
@@ -35,10 +43,18 @@ PHASES = (
     Phase("barrier", "trainer", Trainer.barrier, "all groups in: normalise, clip, optimizer step"),
     Phase("push", "trainer", WeightsSender.push, "trainer shards to generator shards; step k+1 waits for them"),
 )
+# with eval.every > 0, after the generator's and the reward's steps, on their ranks (executors/evaluation)
+EVAL_PHASES = (
+    Phase("evaluate", "eval_sampler", EvalSampler.step, "every eval.every steps: the held-out prompts, same weights"),
+    Phase("eval score", "eval", EvalScorer.step, "the held-out groups scored into eval/* and eval_samples.jsonl"),
+)
 
 
 def build(cfg: RunConfig) -> Graph:
+    """The GRPO family's graph; an algorithm whose advantages come from elsewhere (PPO's critic) gets
+    that source's stage between the reward and the trainer (recipes/advantages.py)."""
     algorithm = get_algorithm(cfg.algo)
+    source = ADVANTAGE_SOURCES.get(algorithm.advantage_source)
     algo_cfg = cfg.algo_config.fit_generation(max_new_tokens=cfg.generator.max_new_tokens)
     dynamic = algo_cfg.filters_groups  # DAPO: flat groups are dropped and the batch topped up
     check_trainer(cfg, dynamic_sampling=dynamic)
@@ -46,20 +62,20 @@ def build(cfg: RunConfig) -> Graph:
     check_engine(cfg)
     check_eval(cfg)
     keep = (lambda rewards_G: algorithm.keeps_group(rewards_G, algo_cfg)) if dynamic else None
+    scorers, to_scorers, scored_by = reward_stage(cfg, keep=keep)
+    gen, rew = generator(cfg, dynamic_sampling=dynamic), scorers[0]
+    stage, to_trainer = source.stage(cfg, algo_cfg, scored_by=scored_by)
     executors = [  # placed on contiguous ranks in this order
-        generator(cfg, dynamic_sampling=dynamic),
-        reward(cfg, keep=keep),
-        trainer(cfg, algorithm=algorithm, algo_cfg=algo_cfg),
+        gen,
+        *scorers,
+        *stage,
+        trainer(cfg, algorithm=algorithm, algo_cfg=algo_cfg, token_advantages=source.per_token),
     ]
-    channels = [
-        Channel("rollouts", "generator", "reward", Kind.SCATTER, RolloutGroup),
-        # scheduled: periodic hands each scored group to the trainer as it lands, sync the whole step
-        Channel("scored", "reward", "trainer", Kind.SCATTER, ScoredGroup, scheduled=True),
-        WEIGHTS,
-    ] + eval_channels(cfg)
+    channels = [*to_scorers, *to_trainer, WEIGHTS]
     if dynamic:  # verdicts close a same-step cycle: the generator reads them only after each round
         channels.append(Channel("verdicts", "reward", "generator", Kind.BROADCAST, GroupVerdict, feedback=True))
-    return Graph(executors, channels)
+    guests, eval_channels = evaluation(cfg, generator=gen, reward=rew)
+    return Graph(executors + guests, channels + eval_channels)
 
 
 # lag 1: what the trainer pushes at step k's barrier, the generator receives at step k+1's start
@@ -67,24 +83,56 @@ WEIGHTS = Channel("weights", "trainer", "generator", Kind.WEIGHTS, WeightsUpdate
 
 
 def generator(cfg: RunConfig, *, dynamic_sampling: bool = False) -> Generator:
+    longest = (cfg.eval.max_new_tokens or 0) if cfg.eval.every else 0  # the evaluation samples with this engine
     return Generator(config=cfg.generator, model=cfg.generator_model, data=cfg.data, dynamic_sampling=dynamic_sampling,
-                     evaluation=cfg.eval)
+                     longest_response=longest)
 
 
 def reward(cfg: RunConfig, *, keep=None) -> Reward:
-    return Reward(config=cfg.reward, functions=cfg.reward_functions, tokenizer_path=cfg.model.path, keep=keep,
-                  evaluation=cfg.eval)
+    return Reward(config=cfg.reward, functions=cfg.reward_functions, tokenizer_path=cfg.model.path, keep=keep)
 
 
-def trainer(cfg: RunConfig, *, algorithm, algo_cfg) -> Trainer:
+def reward_stage(cfg: RunConfig, *, keep=None) -> tuple[list, list[Channel], str]:
+    """What scores the rollouts: the reward alone, or with `reward.model` the reward and a reward model
+    side by side, their scores summed per sample by a combiner (as examples/two_rewards.py wires them).
+    -> (executors, the reward's first; channels from the generator on; the executor whose `scored` port
+    sends the scored groups on to the trainer or the advantage source's stage)."""
+    rew = reward(cfg, keep=keep)
+    rollouts = Channel("rollouts", "generator", rew.name, Kind.SCATTER, RolloutGroup)
+    rm_cfg = cfg.reward.model
+    if rm_cfg is None:
+        return [rew], [rollouts], rew.name
+    if keep is not None:
+        raise ValueError("reward.model with dynamic sampling (algorithm.dynamic_sampling=true) is not supported: "
+                         "the reward decides which groups to keep from its functions' scores alone, and the "
+                         "decision would need the combined score; set algorithm.dynamic_sampling=false or "
+                         "leave reward.model unset")
+    rm = RewardModel(config=rm_cfg)
+    combine = CombineRewards(config=CombineConfig(replicas=rm_cfg.combine_replicas))  # weights: reward.weights, scale
+    return [rew, rm, combine], [
+        rollouts,  # one output port, two channels: every rollout group goes to both scorers
+        Channel("rollouts_rm", "generator", rm.name, Kind.SCATTER, RolloutGroup, src_port=Generator.rollouts,
+                dst_port=RewardModel.rollouts),
+        Channel("rule", rew.name, combine.name, Kind.SCATTER, ScoredGroup, src_port=Reward.scored),
+        Channel("model", rm.name, combine.name, Kind.SCATTER, ScoredGroup, src_port=RewardModel.scored),
+    ], combine.name
+
+
+def trainer(cfg: RunConfig, *, algorithm, algo_cfg, token_advantages: bool = False) -> Trainer:
     return Trainer(config=cfg.trainer, model_path=cfg.model.path, dtype=cfg.model.torch_dtype, algorithm=algorithm,
                    algo_config=algo_cfg, temperature=cfg.generator.logprob_temperature, total_steps=cfg.steps,
-                   samples_every=cfg.logging.samples_every)
+                   samples_every=cfg.logging.samples_every, token_advantages=token_advantages)
 
 
-def eval_channels(cfg: RunConfig) -> list[Channel]:
-    """Held-out prompts, sampled after the step's rollouts and scored into eval/* metrics."""
-    return [Channel("eval", "generator", "reward", Kind.SCATTER, RolloutGroup)] if cfg.eval.every else []
+def evaluation(cfg: RunConfig, *, generator: Generator, reward: Reward) -> tuple[list, list[Channel]]:
+    """Held-out prompts (eval.every > 0): sampled on the generator's ranks after the step's rollouts,
+    scored on the reward's into eval/* metrics; guests of the two, with their own channel."""
+    if not cfg.eval.every:
+        return [], []
+    sampler = EvalSampler(host=generator, config=cfg.eval, data=cfg.data, max_new_tokens=cfg.generator.max_new_tokens)
+    scorer = EvalScorer(host=reward, config=cfg.eval)
+    return [sampler, scorer], [Channel("eval", sampler.name, scorer.name, Kind.SCATTER, RolloutGroup,
+                                       src_port=EvalSampler.held_out, dst_port=EvalScorer.held_out)]
 
 
 def step_figures(records: dict, world_size: int, run: dict | None = None) -> dict:
@@ -107,7 +155,7 @@ def step_figures(records: dict, world_size: int, run: dict | None = None) -> dic
     return figures
 
 
-RECIPE = Recipe(name="grpo", build=build, phases=PHASES, derive=step_figures,
+RECIPE = Recipe(name="grpo", build=build, phases=PHASES + EVAL_PHASES, derive=step_figures,
                 console=("step", "reward_mean", "reward_std", "response_len_mean", "loss", "kl", "entropy", "grad_norm",
                          "gen_s", "train_s", "push_s", "step_s", "first_group_s", "tpspd", "eval/reward_mean",
                          "eval/pass@1"))

@@ -20,16 +20,9 @@ the same graph by hand.
 """
 from __future__ import annotations
 
-from algorithms.registry import get_algorithm
-from channels.channel import Channel
-from channels.kinds import Kind
-from channels.payloads import AdvantagedGroup, RolloutGroup, ScoredGroup
-from controller.graph import Graph
 from executors.critic.executor import Critic
 from recipes import grpo
 from recipes.base import Phase, Recipe
-from recipes.checks import check_critic, check_engine, check_eval, check_tp, check_trainer
-from recipes.config import RunConfig
 
 PROMPTS, GENERATE, SCORE, TRAIN, BARRIER, PUSH = grpo.PHASES  # the GRPO step's, around the critic's two
 PHASES = (
@@ -41,32 +34,8 @@ PHASES = (
 )
 
 
-def build(cfg: RunConfig) -> Graph:
-    algorithm = get_algorithm(cfg.algo)
-    algo_cfg = cfg.algo_config.fit_generation(max_new_tokens=cfg.generator.max_new_tokens)
-    check_trainer(cfg, dynamic_sampling=False)
-    check_critic(cfg)
-    check_tp(cfg, critic=True)
-    check_engine(cfg)
-    check_eval(cfg)
-    executors = [  # placed on contiguous ranks in this order
-        grpo.generator(cfg),
-        grpo.reward(cfg),
-        Critic(config=cfg.critic, model_path=cfg.model.path, dtype=cfg.model.torch_dtype, algo_config=algo_cfg,
-               temperature=cfg.generator.logprob_temperature, total_steps=cfg.steps),
-        grpo.trainer(cfg, algorithm=algorithm, algo_cfg=algo_cfg),
-    ]
-    channels = [
-        Channel("rollouts", "generator", "reward", Kind.SCATTER, RolloutGroup),
-        # both learners are scheduled: periodic hands each group over as it lands, sync the whole step
-        Channel("scored", "reward", "critic", Kind.SCATTER, ScoredGroup, scheduled=True),
-        Channel("advantaged", "critic", "trainer", Kind.SCATTER, AdvantagedGroup, dst_port="scored", scheduled=True),
-        grpo.WEIGHTS,
-    ] + grpo.eval_channels(cfg)
-    return Graph(executors, channels)
-
-
-RECIPE = Recipe(name="ppo", build=build, phases=PHASES, derive=grpo.step_figures,
+# the GRPO family's graph: the algorithm's advantage source (the critic) puts its stage in (recipes/advantages.py)
+RECIPE = Recipe(name="ppo", build=grpo.build, phases=PHASES + grpo.EVAL_PHASES, derive=grpo.step_figures,
                 console=("step", "reward_mean", "response_len_mean", "loss", "value_loss", "explained_variance",
                          "kl", "entropy", "grad_norm", "gen_s", "train_s", "step_s", "first_group_s", "tpspd",
                          "eval/reward_mean", "eval/pass@1"))

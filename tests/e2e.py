@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from controller.spawn import free_port
+from tests.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--set", "data.prompts_per_step=4", "--set", "generator.samples_per_prompt=4",

@@ -15,8 +15,8 @@ from channels.kinds import Kind
 from channels.payloads import ScoredGroup
 from controller.graph import Graph
 from controller.job import run_job
-from controller.spawn import spawn
-from executors.base import Executor
+from executors.base import Executor, Input, Output
+from tests.spawn import spawn
 from tests.toy import Item, Producer, Relay, Sink, make_item
 
 
@@ -208,25 +208,26 @@ def test_sender_refuses_a_base_item_on_a_subclass_channel():
 
 
 class ValuedProducer(Executor):
-    outputs = {"groups": ValuedGroup}
+    groups = Output(ValuedGroup)
 
     def step(self, ctx):
         for i in range(4):
-            ctx.outbound["groups"].send(make_valued(ctx.step, i))
-        return {}
+            ctx.outbound[self.groups].send(make_valued(ctx.step, i))
+        return None
 
 
 class GroupSink(Executor):
-    inputs = {"valued": ScoredGroup, "scored": ScoredGroup}  # consumes the base, like the trainer
+    valued = Input(ScoredGroup)  # consumes the base, like the trainer
+    scored = Input(ScoredGroup)
 
     def __init__(self, *, name="sink"):
         super().__init__(name=name)
         self.received: list[tuple[str, int, ScoredGroup]] = []
 
     def step(self, ctx):
-        for port in ("valued", "scored"):
-            self.received += [(port, ctx.step, item) for item in ctx.inbound[port]]
-        return {}
+        for port in (self.valued, self.scored):
+            self.received += [(port.name, ctx.step, item) for item in ctx.inbound[port]]
+        return None
 
 
 def _subclass_graph():

@@ -14,7 +14,7 @@ from algorithms.registry import get_algorithm
 from channels.payloads import AdvantagedGroup
 from controller.schedules import Periodic, Sync
 from controller.timeline import Timeline
-from executors.base import ExecutorEnv, StepContext
+from executors.base import ExecutorEnv, Endpoints, StepContext
 from executors.critic.config import CriticConfig
 from executors.critic.executor import Critic
 from executors.critic.model import load_value_model
@@ -67,7 +67,7 @@ def _recorded(optim) -> list[tuple[dict, dict]]:
 
 def _critic_step(critic: Critic, groups, *, schedule=Periodic()):
     out = _Sent()
-    ctx = StepContext(step=0, inbound={"scored": schedule(iter(groups))}, outbound={"advantaged": out},
+    ctx = StepContext(step=0, inbound=Endpoints({"scored": schedule(iter(groups))}), outbound=Endpoints({"advantaged": out}),
                       timeline=Timeline(executor="critic", rank=0))
     metrics = critic.barrier(ctx, critic.step(ctx))
     return metrics, sorted(out.items, key=lambda g: g.index)
@@ -218,14 +218,15 @@ def _advantaged(groups) -> list[AdvantagedGroup]:
 
 def _ppo_trainer() -> Trainer:
     trainer = Trainer(config=TrainerConfig(lr=1e-2, grad_clip=0.5), model_path=None, dtype=torch.float32,
-                      algorithm=get_algorithm("ppo"), algo_config=PPOConfig(), temperature=T, total_steps=4)
+                      algorithm=get_algorithm("ppo"), algo_config=PPOConfig(), temperature=T, total_steps=4,
+                      token_advantages=True)
     trainer.init(_env("trainer"))
     return trainer
 
 
 def _trainer_grads(trainer: Trainer, groups, *, schedule) -> dict:
     seen = _recorded(trainer.optim)
-    ctx = StepContext(step=0, inbound={"scored": schedule(iter(groups))}, outbound={"weights": _Sent()},
+    ctx = StepContext(step=0, inbound=Endpoints({"scored": schedule(iter(groups))}), outbound=Endpoints({"weights": _Sent()}),
                       timeline=Timeline(executor="trainer", rank=0))
     trainer.barrier(ctx, trainer.step(ctx))
     return seen[0][0]
@@ -236,7 +237,7 @@ def test_trainer_trains_on_per_token_advantages(groups):
     clipped surrogate (ratio 1) summed over tokens and divided by the batch's token count."""
     adv_groups = _advantaged(groups)
     trainer = _ppo_trainer()
-    assert trainer.inputs == {"scored": AdvantagedGroup}
+    assert trainer.consumes(Trainer.scored) is AdvantagedGroup
     got = _trainer_grads(trainer, adv_groups, schedule=Periodic())
     flat = torch.cat([a for g in adv_groups for a in g.advantages]).double()
     mu, std = flat.mean(), flat.std(unbiased=False)

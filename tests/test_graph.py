@@ -8,6 +8,7 @@ import pytest
 from channels.channel import Channel
 from channels.kinds import Kind
 from controller.graph import Graph
+from executors.base import Input, Output
 from tests.toy import Item, Producer, Relay, Sink
 
 
@@ -53,23 +54,23 @@ def test_same_step_cycle_is_refused_and_named():
 def test_scatter_needs_an_index_field():
     from dataclasses import dataclass
 
-    from executors.base import Executor
+    from executors.base import Executor, Input, Output
 
     @dataclass
     class NoIndex:
         x: int
 
     class Out(Executor):
-        outputs = {"o": NoIndex}
+        o = Output(NoIndex)
 
         def step(self, ctx):
-            return {}
+            return None
 
     class In(Executor):
-        inputs = {"o": NoIndex}
+        o = Input(NoIndex)
 
         def step(self, ctx):
-            return {}
+            return None
 
     with pytest.raises(ValueError, match="SCATTER routes by `index`, which NoIndex lacks"):
         Graph([Out(name="out"), In(name="in")], [Channel("o", "out", "in", Kind.SCATTER, NoIndex)])
@@ -89,11 +90,11 @@ class RichItem(Item):
 
 
 class RichProducer(Producer):
-    outputs = {"items": RichItem}
+    items = Output(RichItem)
 
 
 class RichRelay(Relay):
-    inputs = {"items": RichItem}
+    items = Input(RichItem)
 
 
 @pytest.mark.parametrize("payload", [RichItem, Item])

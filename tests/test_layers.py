@@ -2,6 +2,7 @@
 
     launch -> recipes -> controller -> executors -> channels, algorithms -> common
     launch, bench -> planner (imports nothing else of the project: a model of the step, not a part of it)
+    bench -> tests (the local gloo spawner, tests/spawn.py)
 Each package may import only the packages listed for it; a deferred import inside a function
 counts too. The CLI and --dry-run load no model code.
 """
@@ -28,7 +29,8 @@ ALLOWED = {
     "launch": {"common", "algorithms", "channels", "executors", "controller", "recipes", "planner"},
     "planner": set(),
     "examples": {"common", "algorithms", "channels", "executors", "controller", "recipes"},
-    "bench": {"common", "algorithms", "channels", "executors", "controller", "recipes", "planner"},
+    "bench": {"common", "algorithms", "channels", "executors", "controller", "recipes", "planner",
+              "tests"},  # tests/spawn.py: the local gloo spawner both use
 }
 # executors reach channels for payload types only (DESIGN.md), and only the trainer runs algorithms
 NARROW = {
@@ -37,7 +39,7 @@ NARROW = {
 ALGORITHM_USERS = ("executors/trainer/", "executors/critic/")
 # executors talk through channels, never by importing each other (DESIGN.md "Layout"): an executor's
 # package may import the shared ones, and another executor's light config classes only
-SHARED_EXECUTOR_PACKAGES = {"base", "hf", "parallel", "training", "embedded", "megatron"}  # megatron: a trainer backend
+SHARED_EXECUTOR_PACKAGES = {"base", "hf", "data", "parallel", "training", "embedded", "megatron"}  # megatron: a trainer backend
 
 
 def _executor_package(rel: str) -> str | None:
@@ -127,3 +129,52 @@ def test_cli_and_dry_run_load_no_model_code(args):
     proc = subprocess.run([sys.executable, "-c", _PROBE, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.stdout.split("\n")[0] == "0 phases []", proc.stdout + proc.stderr
+
+
+# ---- issue 27: ports by handle, choices by registry -------------------------------------------------
+ENDPOINT_MAPS = {"inbound", "outbound"}
+# the registries that may name an engine or a backend; the planner reads run configs as plain dicts and
+# imports nothing of the project (the layers above), so it cannot consult them
+REGISTRIES = {"executors/generator/engines.py", "executors/trainer/backends.py"}
+CHOICES = {"megatron", "vllm"}
+PRODUCT = ("common", "algorithms", "channels", "executors", "controller", "recipes", "launch", "examples")
+
+
+def _string_port_lookups(path: Path) -> list[int]:
+    """Lines where `...inbound["x"]` / `...outbound["x"]` looks a port up by a string."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)
+            and node.value.attr in ENDPOINT_MAPS and isinstance(node.slice, ast.Constant)]
+
+
+def _choice_comparisons(path: Path) -> list[int]:
+    """Lines comparing with == / != to an engine's or backend's name."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
+            if any(isinstance(c, ast.Constant) and c.value in CHOICES for c in [node.left, *node.comparators]):
+                out.append(node.lineno)
+    return out
+
+
+def _product_files():
+    for package in PRODUCT:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            yield path.relative_to(ROOT).as_posix(), path
+
+
+def test_executors_look_ports_up_by_handle_not_by_string():
+    bad = [f"{rel}:{line}" for rel, path in _product_files() for line in _string_port_lookups(path)]
+    assert bad == []
+
+
+def test_engines_and_backends_are_chosen_in_their_registries_only():
+    bad = [f"{rel}:{line}" for rel, path in _product_files() if rel not in REGISTRIES
+           for line in _choice_comparisons(path)]
+    assert bad == []
+
+
+def test_the_port_and_choice_checkers_see_a_violation(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('def step(self, ctx):\n    ctx.inbound["weights"]\n    return cfg.backend == "megatron"\n')
+    assert (_string_port_lookups(bad), _choice_comparisons(bad)) == ([2], [3])

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from controller.spawn import spawn
 from executors.megatron.convert import Layout, shard, to_hf, to_megatron, unshard
+from tests.spawn import spawn
 
 
 def _configs() -> dict[str, transformers.PretrainedConfig]:
@@ -71,6 +71,11 @@ def test_shards_put_whole_query_groups_and_gate_up_halves_on_each_rank():
         Layout.of(transformers.GPT2Config())
 
 
+def causal_mask(seq: int) -> torch.Tensor:
+    """megatron's mask convention: True = not attended; [1, 1, S, S]."""
+    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
+
+
 def _nll(logits_BTV: torch.Tensor, ids_BT: torch.Tensor) -> torch.Tensor:
     logp_BTV = torch.log_softmax(logits_BTV[:, :-1].float(), dim=-1)
     return -logp_BTV.gather(-1, ids_BT[:, 1:, None]).mean()
@@ -92,7 +97,7 @@ def _ranks_main():
 
     from executors.megatron import shims
     from executors.megatron.groups import process_groups
-    from executors.megatron.model import build, causal_mask, load_hf
+    from executors.megatron.model import build, load_hf
 
     # each shim is still needed: megatron's own call fails on a CPU-only torch without it
     for name, call in (("current_device", torch.cuda.current_device), ("rng_state", mrandom._get_cuda_rng_state)):

@@ -13,14 +13,14 @@ import torch.distributed as dist
 
 from algorithms.grpo import GRPOConfig
 from algorithms.registry import get_algorithm
-from channels.reshard import chunk
+from channels.payloads import chunk
 from controller.schedules import Periodic, Sync
-from controller.spawn import spawn
 from controller.timeline import Timeline
-from executors.base import ExecutorEnv, StepContext
+from executors.base import ExecutorEnv, Endpoints, StepContext
 from executors.parallel import has_ac
 from executors.trainer.executor import Trainer, TrainerConfig
 from tests.fixtures import scored_groups
+from tests.spawn import spawn
 
 TOL = 1e-5
 
@@ -76,7 +76,7 @@ def _run(env: ExecutorEnv, groups, *, schedule=Periodic(), **layout) -> dict:
 
     trainer.optim.opt.step = capture
     pushed = _Pushed()
-    ctx = StepContext(step=0, inbound={"scored": schedule(iter(groups))}, outbound={"weights": pushed},
+    ctx = StepContext(step=0, inbound=Endpoints({"scored": schedule(iter(groups))}), outbound=Endpoints({"weights": pushed}),
                       timeline=Timeline(executor="trainer", rank=env.rank))
     metrics = trainer.barrier(ctx, trainer.step(ctx))
     checkpointed = trainer.cfg.backend == "megatron" and has_ac(None, layers=trainer.models.policy.decoder.layers)

@@ -119,3 +119,33 @@ def test_cpu_totals_count_the_process_and_the_load(tmp_path):
     cuda = describe_memory(cfg, shape, device="cuda")
     assert "process" not in cuda.split("\n", 1)[1] and "while loading" not in cuda
     assert "cuda runtime context, not counted" in cuda
+
+
+def test_reward_model_gets_a_row_of_its_own(tmp_path):
+    """reward.model: its ranks hold a one-logit classifier (no LM head), at the dtype it loads in; the
+    combiner holds no model and gets no row."""
+    import torch
+    import transformers
+
+    from executors.reward.model import load_reward_model
+    from launch.memory import describe_memory, reward_model_parts
+
+    cfg = small_config(reward={"model": {"scale": 2}})
+    embedded = sum(p.numel() for p in load_reward_model(None, seed=0).parameters())
+    assert Shape.of(None, classifier=True).params == embedded
+    assert reward_model_parts(cfg, Shape.of(None))["weights"] == 4 * embedded  # built in float32
+    names = ("generator", "reward", "reward_model", "combine", "trainer")
+    text = describe_memory(cfg, Shape.of(None), executors=names, device="cuda")
+    rows = {line.split()[0]: line for line in text.splitlines()[3:]}
+    assert list(rows) == ["generator", "reward_model", "trainer"]
+    assert "weights 3 MB" in rows["reward_model"]
+    # a model directory: its own sizes and config.json's dtype (from_pretrained's "auto"), a new score head
+    config = transformers.Qwen3Config(vocab_size=1000, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
+                                      num_attention_heads=6, num_key_value_heads=2, head_dim=24,
+                                      tie_word_embeddings=False, num_labels=1, dtype="bfloat16")
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForSequenceClassification.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    parts = reward_model_parts(small_config(reward={"model": {"path": str(tmp_path)}}), Shape.of(None))
+    assert parts["weights"] == 2 * params

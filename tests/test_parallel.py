@@ -16,7 +16,7 @@ from executors.parallel import (apply_ac, build_mesh, check_divisible, clip_grad
                                 param_specs, parallelize, tp_plan)
 from executors.parallel.tp import apply_tp
 from executors.training.batching import response_logprobs, split_group
-from controller.spawn import spawn
+from tests.spawn import spawn
 
 TOL = 1e-5
 # AdamW's first step is about lr * g / |g|: it turns the rounding of a gradient element near zero

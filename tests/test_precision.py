@@ -16,13 +16,13 @@ from safetensors.torch import load_file
 from algorithms.grpo import GRPOConfig
 from algorithms.registry import get_algorithm
 from controller.schedules import Periodic
-from controller.spawn import spawn
 from executors.base import ExecutorEnv
 from executors.hf import load_model
 from executors.trainer.accumulate import Mismatch
 from executors.trainer.executor import Trainer, TrainerConfig
 from tests.e2e import launch, metrics
 from tests.fixtures import scored_groups
+from tests.spawn import spawn
 from tests.test_trainer import _grads_seen, _step
 
 torch.set_num_threads(1)

@@ -8,14 +8,15 @@ import pytest
 from pydantic import BaseModel
 
 from executors.critic.config import CriticConfig
-from executors.generator.config import DataConfig, EvalConfig, GeneratorConfig, ModelConfig, VllmConfig
-from executors.reward.config import RewardConfig
+from executors.evaluation.config import EvalConfig
+from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, VllmConfig
+from executors.reward.config import RewardConfig, RewardModelConfig
 from executors.trainer.config import TrainerConfig
 from recipes.config import LoggingConfig, RunConfig
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 SECTIONS = {"top level": RunConfig, "`model`": ModelConfig, "`data`": DataConfig, "`generator`": GeneratorConfig,
-            "`generator.vllm`": VllmConfig, "`reward`": RewardConfig, "`trainer`": TrainerConfig, "`critic`": CriticConfig,
+            "`generator.vllm`": VllmConfig, "`reward`": RewardConfig, "`reward.model`": RewardModelConfig, "`trainer`": TrainerConfig, "`critic`": CriticConfig,
             "`eval`": EvalConfig, "`logging`": LoggingConfig}
 NOT_OPTIONS = {"algo", "algo_config", "sources"}  # set by --algo and the CLI, not by a config
 

@@ -11,10 +11,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from channels.names import FUSED, IDENTITY
-from channels.reshard import GeneratorLayout, ParamSpec, TrainerLayout, WeightPush, build_plan, chunk
+from channels.payloads import ParamSpec, chunk
+from channels.push import WeightPush
+from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
 from executors.parallel import build_mesh, local, param_specs, parallelize
-from controller.spawn import spawn
+from tests.names import FUSED, IDENTITY, targets
+from tests.spawn import spawn
 
 
 def qwen3(*, heads: int = 4, kv: int = 2, hidden: int = 32, inter: int = 64, vocab: int = 96, seed: int = 0,
@@ -67,6 +69,18 @@ def _sl(box):
     return tuple(slice(a, b) for a, b in box)
 
 
+def zero_copy_piece(piece) -> bool:
+    """No copy on either side."""
+    return piece.src_direct and piece.dst_direct
+
+
+def bytes_sent(plan) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for s in plan.streams:
+        out[s.sender] = out.get(s.sender, 0) + sum(b.nbytes for b in s.buckets)
+    return out
+
+
 def arange_weights(specs):
     out, start = {}, 0
     for n, s in specs.items():
@@ -83,7 +97,7 @@ def test_plan_covers_every_generator_element_once(tp_t, tp_g, fsdp, zero_copy):
     gen = GeneratorLayout(ranks=tuple(range(100, 100 + 3 * tp_g)), tp=tp_g)  # 3 replicas: one is relayed
     bucket = 4096
     plan = build_plan(specs=SPECS, trainer=trainer, generator=gen, bucket_bytes=bucket, zero_copy_min_bytes=zero_copy)
-    assert any(p.zero_copy for p in plan.pieces) == (zero_copy is not None)
+    assert any(map(zero_copy_piece, plan.pieces)) == (zero_copy is not None)
     if zero_copy is not None and tp_t != tp_g:  # a row block on one side is a column block on the other
         assert any(p.src_direct != p.dst_direct for p in plan.pieces)
     full = arange_weights(SPECS)
@@ -114,7 +128,7 @@ def test_plan_spreads_sending_over_dp_replicas(tp_t, tp_g):
     trainer = TrainerLayout(ranks=tuple(range(2 * tp_t)), tp=tp_t)
     gen = GeneratorLayout(ranks=tuple(range(100, 100 + tp_g)), tp=tp_g)  # one replica: the dp copies share it
     plan = build_plan(specs=SPECS, trainer=trainer, generator=gen, bucket_bytes=4096)
-    sent = plan.bytes_sent()
+    sent = bytes_sent(plan)
     biggest = max(p.nbytes for p in plan.pieces)
     for t in range(tp_t):
         loads = [sent.get(trainer.rank(d, t), 0) for d in range(trainer.dp)]
@@ -157,13 +171,12 @@ def test_fused_names_stack_tp_local_blocks_like_vllm(tp):
     for t in range(tp):
         shapes = FUSED.engine_shapes(SPECS, tp=tp, rank=t)
         engine = {n: torch.full(s, float("nan"), dtype=torch.float64) for n, s in shapes.items()}
+        views = targets(FUSED, engine, SPECS, tp=tp, rank=t)
         for n, spec in SPECS.items():  # place each tp-local shard where its slot says
             box = [(0, x) for x in spec.shape]
             if spec.tp_dim is not None:
                 box[spec.tp_dim] = chunk(spec.shape[spec.tp_dim], tp, t)
-            shard = full[n][_sl(box)]
-            s = slots[n]
-            engine[s.name][s.row_offset: s.row_offset + shard.shape[0]] = shard
+            views[n].copy_(full[n][_sl(box)])
         # what a vLLM rank holds: its q, k, v (gate, up) row blocks, stacked
         rows = lambda n: full[n].chunk(tp, dim=0)[t]  # noqa: E731
         qkv = torch.cat([rows(f"{pre}.self_attn.{x}_proj.weight") for x in "qkv"])
@@ -214,7 +227,7 @@ def _push_layout(name: str, rank: int):
     plan = build_plan(specs=specs, trainer=TrainerLayout(ranks=t_ranks, tp=tp_t, fsdp=fsdp),
                       generator=GeneratorLayout(ranks=g_ranks, tp=tp_g, dtype=dtype), bucket_bytes=8192,
                       zero_copy_min_bytes=zero_copy)
-    assert any(p.zero_copy for p in plan.pieces) == (zero_copy is not None and dtype is None)
+    assert any(map(zero_copy_piece, plan.pieces)) == (zero_copy is not None and dtype is None)
     out = None
     if rank in t_ranks:
         model = parallelize(qwen3(seed=0), mesh=t_mesh, tp=tp_t > 1, fsdp=fsdp)
@@ -237,10 +250,9 @@ def _push_layout(name: str, rank: int):
             if tp_g > 1:
                 parallelize(model, mesh=g_mesh, tp=True, fsdp=False)
             tensors = {n: local(p.detach()) for n, p in model.named_parameters()}
-        slots = (FUSED if names == "fused" else IDENTITY).slots(specs, tp=tp_g)
-        push = WeightPush(plan, rank=rank, slots=slots)
-        for _ in range(2):
-            push.run(tensors)
+        push = WeightPush(plan, rank=rank)
+        for _ in range(2):  # into the engine's tensors, through views of them
+            push.run(targets(FUSED if names == "fused" else IDENTITY, tensors, specs, tp=tp_g, rank=t))
         out = ("generator", t, {n: x.clone() for n, x in tensors.items()}, push.buffer_bytes, push.streams)
     dist.barrier()
     return out
@@ -271,12 +283,7 @@ def test_push_gives_every_generator_shard_bit_for_bit(pushed, layout):
     for rank in g_ranks:
         _, t, tensors, buffer_bytes, streams = pushed[rank][layout]
         want = {n: full[n][_sl(layout_g.box(s, t=t))] for n, s in specs.items()}
-        if names == "fused":
-            slots = FUSED.slots(specs, tp=tp_g)
-            got = {n: tensors[slots[n].name][slots[n].row_offset: slots[n].row_offset + want[n].shape[0]]
-                   for n in specs}
-        else:
-            got = tensors
+        got = targets(FUSED if names == "fused" else IDENTITY, tensors, specs, tp=tp_g, rank=t)
         for n in specs:
             assert torch.equal(got[n], want[n].to(dtype or want[n].dtype)), (layout, rank, n)
         assert buffer_bytes <= 2 * (8192 + 16) * streams  # two bucket buffers per stream, nothing more

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.spawn import free_port
 from tests.e2e import ROOT, SMALL, launch, max_abs_diff, metrics, rank_pid, start, wait_for_steps, weights
+from tests.spawn import free_port
 
 SIGNAL = ["--set", "reward.functions=[tests.rewards:length_parity]", "--set", "trainer.adam_eps=1e-3",
           "--set", "checkpoint_every=2"]

@@ -134,7 +134,7 @@ def test_errors_name_the_data_row_and_its_id_column():
 
 
 def test_data_rows_know_their_line(tmp_path):
-    from executors.generator.data import load_prompts
+    from executors.data import load_prompts
 
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "a", "task_id": "T/0"}\n\n{"prompt": "b", "task_id": "T/1"}\n')

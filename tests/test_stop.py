@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from common.stop import ABORT
-from controller.spawn import spawn
 from executors.base import ExecutorEnv, unit_aborted
+from tests.spawn import spawn
 
 
 def _agree(rank_with_abort: int) -> list[bool]:

@@ -10,7 +10,7 @@ from algorithms.grpo import GRPOConfig
 from algorithms.registry import get_algorithm
 from controller.schedules import Periodic, Sync
 from controller.timeline import Timeline
-from executors.base import ExecutorEnv, StepContext
+from executors.base import ExecutorEnv, Endpoints, StepContext
 from executors.hf import load_model
 from executors.trainer.executor import Trainer, TrainerConfig
 from executors.trainer.stats import TrainerMetrics
@@ -55,7 +55,7 @@ def _grads_seen(trainer: Trainer) -> dict:
 def _step(trainer: Trainer, groups, *, schedule=Periodic()) -> tuple[TrainerMetrics, dict]:
     """One step as the controller runs it: the streamed phase, then the barrier."""
     pushed = _Pushed()
-    ctx = StepContext(step=0, inbound={"scored": schedule(iter(groups))}, outbound={"weights": pushed},
+    ctx = StepContext(step=0, inbound=Endpoints({"scored": schedule(iter(groups))}), outbound=Endpoints({"weights": pushed}),
                       timeline=Timeline(executor="trainer", rank=0))
     metrics = trainer.barrier(ctx, trainer.step(ctx))
     return metrics, pushed.named

@@ -18,8 +18,10 @@ from channels.payloads import RolloutGroup, ScoredGroup
 from controller.graph import Graph
 from executors.base import ExecutorEnv
 from executors.reward.combine import combine, pair_by_index
-from executors.reward.model import RewardModel, RewardModelConfig
-from controller.spawn import free_port
+from executors.reward.config import RewardModelConfig
+from executors.reward.model import RewardModel
+from tests.e2e import launch, metrics
+from tests.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "two_rewards.py"
@@ -64,6 +66,26 @@ def test_wrong_wiring_is_refused_with_the_port_named():
     with pytest.raises(ValueError, match=r"executor 'reward_model' has no input port 'rollouts_rm' "
                                          r"\(it has: rollouts\)"):
         Graph(graph.executors, channels)
+
+
+def test_reward_model_section_runs_the_same_graph_from_launch_py(tmp_path):
+    """`--set reward.model.scale=2`: launch.py wires what the example wires by hand, on 5 ranks; the
+    trainer's reward is the rule's plus the model's (scale 2), per step."""
+    dry = subprocess.run([sys.executable, "launch.py", "--algo", "grpo", "--dry-run", "--set", "reward.model.scale=2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    assert "world size 5" in dry.stdout and "reward_model.scored -> combine.model" in dry.stdout
+    assert next(line for line in dry.stdout.split("memory per rank")[1].splitlines()
+                if line.startswith("reward_model ")).split()[1:3] == ["weights", "3"]
+    proc = launch(tmp_path, "--set", "reward.model.scale=2", nproc=5, steps=2, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["combine/rule_reward_mean"] == row["rule_reward_mean"]
+        assert row["reward_mean"] == pytest.approx(row["rule_reward_mean"] + row["model_reward_mean"], abs=1e-6)
+        assert row["model_reward_mean"] == pytest.approx(row["reward_model/rm_reward_mean"], abs=1e-6)
+        assert row["model_reward_mean"] != 0.0 and row["reward_mean"] != row["rule_reward_mean"]
 
 
 # ---- CombineRewards ---------------------------------------------------------------------------

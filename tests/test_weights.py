@@ -9,10 +9,10 @@ from executors.hf import load_model
 from recipes.registry import recipe_for
 from controller.control import Cadence
 from controller.job import run_job
-from controller.spawn import spawn
-from channels.reshard import chunk
+from channels.payloads import chunk
 from channels.weights import _check_same_model
 from tests.fixtures import small_config
+from tests.spawn import spawn
 
 
 def _run(tmp, trainer: dict, generator: dict):

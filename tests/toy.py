@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.base import Executor, StepContext
+from executors.base import Executor, Input, Output, StepContext
 
 
 @dataclass
@@ -26,10 +26,17 @@ def make_item(step: int, index: int, origin: int = 0) -> Item:
                 ragged=[torch.randint(0, 1000, (n,), generator=g) for n in lengths])
 
 
+@dataclass(frozen=True)
+class Count:
+    """A toy executor's metrics record: items it made or received."""
+
+    items: int
+
+
 class Producer(Executor):
     """Unit u produces the items with index % units == u; `delays[u]` seconds before each item."""
 
-    outputs = {"items": Item}
+    items = Output(Item)
 
     def __init__(self, *, name="producer", units=1, items_per_step=6, delays=(), fail_at_step=None):
         super().__init__(name=name, units=units)
@@ -42,43 +49,44 @@ class Producer(Executor):
         for i in range(unit, self.items_per_step, self.units):
             if self.delays:
                 time.sleep(self.delays[unit])
-            ctx.outbound["items"].send(make_item(ctx.step, i, origin=unit))
-        return {"produced": len(range(unit, self.items_per_step, self.units))}
+            ctx.outbound[self.items].send(make_item(ctx.step, i, origin=unit))
+        return Count(len(range(unit, self.items_per_step, self.units)))
 
 
 class Relay(Executor):
     """Receives items and (optionally) forwards them unchanged; records what arrived and when."""
 
-    inputs = {"items": Item}
-    outputs = {"back": Item}
+    items = Input(Item)
+    back = Output(Item, optional=True)
 
     def __init__(self, *, name="relay", units=1, forward=True, fail_at_step=None):
         super().__init__(name=name, units=units)
         self.forward, self.fail_at_step = forward, fail_at_step
         self.received: list[tuple[int, Item, float]] = []
-        if not forward:
-            self.outputs = {}
+
+    def needs(self, port) -> bool:
+        return port is Relay.back and self.forward or super().needs(port)
 
     def step(self, ctx: StepContext):
         if ctx.step == self.fail_at_step:
             raise RuntimeError(f"{self.name} fails on purpose at step {ctx.step}")
         n = 0
-        for item in ctx.inbound["items"]:
+        for item in ctx.inbound[self.items]:
             self.received.append((ctx.step, item, time.monotonic()))
             n += 1
             if self.forward:
-                ctx.outbound["back"].send(item)
-        return {"received": n}
+                ctx.outbound[self.back].send(item)
+        return Count(n)
 
 
 class Sink(Executor):
-    inputs = {"back": Item}
+    back = Input(Item)
 
     def __init__(self, *, name="sink", units=1):
         super().__init__(name=name, units=units)
         self.received: list[tuple[int, Item]] = []
 
     def step(self, ctx: StepContext):
-        for item in ctx.inbound["back"]:
+        for item in ctx.inbound[self.back]:
             self.received.append((ctx.step, item))
-        return {"received": len(self.received)}
+        return Count(len(self.received))

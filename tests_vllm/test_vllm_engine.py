@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from controller.spawn import spawn
+from tests.spawn import spawn
 
 TEMPERATURES = (1.0, 0.7)
 
@@ -36,7 +36,7 @@ def _checks(tp: int) -> dict:
 
     import torch.distributed as dist
 
-    from channels.reshard import chunk
+    from channels.payloads import chunk
     from controller.devices import detect_device, init_distributed
     from executors.generator.config import VllmConfig
     from executors.generator.engine import PromptRequest, SamplingParams

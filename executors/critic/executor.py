@@ -25,7 +25,7 @@ from algorithms.gae import clipped_value_loss, gae, token_rewards
 from algorithms.kl import masked_kl_NT
 from algorithms.ppo import PPOConfig
 from channels.payloads import AdvantagedGroup, ScoredGroup
-from executors.base import ExecutorEnv, StepContext
+from executors.base import ExecutorEnv, Input, Output, StepContext
 from executors.critic.config import CriticConfig
 from executors.training.batching import sampled_logprobs
 from executors.training.learner import Learner
@@ -97,8 +97,8 @@ class CriticMetrics:
 
 
 class Critic(Learner):
-    inputs = {"scored": ScoredGroup}
-    outputs = {"advantaged": AdvantagedGroup}
+    scored = Input(ScoredGroup)
+    advantaged = Output(AdvantagedGroup)
 
     def __init__(self, *, name: str = "critic", config: CriticConfig, model_path: str | None, dtype: torch.dtype,
                  algo_config: PPOConfig, temperature: float, total_steps: int):
@@ -130,12 +130,12 @@ class Critic(Learner):
     # ---- the streamed phase -----------------------------------------------------------------
     def step(self, ctx: StepContext) -> CriticState:
         state = CriticState()
-        for work in self._work(self._in_order(ctx.inbound["scored"])):  # as the schedule hands them over
+        for work in self._work(self._in_order(ctx.inbound[self.scored])):  # as the schedule hands them over
             t0 = time.perf_counter()
             with ctx.timeline.span("values", index=work.group.index if work.group is not None else -1):
                 advantages = self._take(work, state)
             if work.group is not None:
-                ctx.outbound["advantaged"].send(AdvantagedGroup(**vars(work.group), advantages=advantages))
+                ctx.outbound[self.advantaged].send(AdvantagedGroup(**vars(work.group), advantages=advantages))
             state.train_s += time.perf_counter() - t0
         return state
 

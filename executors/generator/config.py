@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class ModelConfig(BaseModel):
@@ -32,24 +32,9 @@ class DataConfig(BaseModel):
 
     @property
     def columns(self):
-        from executors.generator.data import Columns
+        from executors.data import Columns
 
         return Columns(prompt=self.prompt_key, answer=self.answer_key)
-
-
-class EvalConfig(BaseModel):
-    """Evaluation on held-out prompts, by the generator and the reward between steps (README, Evaluation)."""
-
-    model_config = ConfigDict(extra="forbid")
-    every: int = Field(0, ge=0, description="evaluate at steps 0, N, 2N, ... with the weights that step samples "
-                       "with; 0: never")
-    path: str | None = Field(None, description="held-out JSONL/Parquet, columns as data.prompt_key/answer_key; "
-                             "None: the embedded task's held-out split (embedded task only)")
-    prompts: int = Field(64, ge=1, description="the embedded split's size; with a file, its first N prompts")
-    samples: int = Field(1, ge=1, description="k responses per prompt; pass@k is logged when k > 1")
-    temperature: float = Field(0.0, ge=0, description="0: greedy")
-    max_new_tokens: int | None = Field(None, ge=1, description="None: generator.max_new_tokens")
-    pass_threshold: float = Field(1.0, description="a response solves its prompt when its reward is at least this")
 
 
 class VllmConfig(BaseModel):
@@ -89,9 +74,17 @@ class GeneratorConfig(BaseModel):
     admission: Literal["chunked", "continuous"] = Field(
         "continuous", description="native engine: chunked: the next max_batch_prompts prompts start when all are "
         "done; continuous: a finished group's slot takes the next prompt at once. Same samples either way")
-    engine: Literal["native", "vllm"] = Field("native", description="native: batched HF decoding, "
-                                              "always there; vllm: vLLM (see README, engines by device)")
+    engine: str = Field("native", description="native: batched HF decoding, always there; vllm: vLLM (see "
+                        "README, engines by device); executors/generator/engines.py registers them")
     vllm: VllmConfig = Field(default_factory=VllmConfig)
+
+    @field_validator("engine")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        from executors.generator.engines import ENGINES  # it imports this module
+
+        ENGINES.get(name)  # ValueError: unknown generator engine 'x'; known: ...
+        return name
 
     @property
     def logprob_temperature(self) -> float:

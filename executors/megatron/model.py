@@ -62,8 +62,3 @@ def load_hf(model, hf_state: dict[str, torch.Tensor], config, *, tp: int, rank: 
     missing, unexpected = model.load_state_dict(mine, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     assert not missing and not unexpected, (missing, unexpected)
-
-
-def causal_mask(seq: int) -> torch.Tensor:
-    """megatron's mask convention: True = not attended; [1, 1, S, S]."""
-    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]

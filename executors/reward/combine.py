@@ -12,18 +12,10 @@ from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
 
 from channels.payloads import ScoredGroup
-from executors.base import Executor, StepContext
-
-
-class CombineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    replicas: int = Field(1, ge=1, description="combiner replicas; group i goes to replica i % replicas "
-                                                "on both inputs, so its two scores always meet")
-    rule_weight: float = 1.0
-    model_weight: float = 1.0
+from executors.base import Executor, Input, Output, StepContext
+from executors.reward.config import CombineConfig
 
 
 def pair_by_index(primary: Iterable[ScoredGroup], secondary: Iterable[ScoredGroup]
@@ -70,8 +62,9 @@ class CombineMetrics:
 
 
 class CombineRewards(Executor):
-    inputs = {"rule": ScoredGroup, "model": ScoredGroup}
-    outputs = {"scored": ScoredGroup}
+    rule = Input(ScoredGroup)
+    model = Input(ScoredGroup)
+    scored = Output(ScoredGroup)
 
     def __init__(self, *, name: str = "combine", config: CombineConfig):
         super().__init__(name=name, units=config.replicas)
@@ -86,11 +79,11 @@ class CombineRewards(Executor):
         sums = torch.zeros(3, dtype=torch.float64)  # rule reward sum, model reward sum, samples
         # the model stream is the slower one in practice: waiting on it and picking the (already
         # buffered) rule score emits each group right when its second score lands
-        for model, rule in pair_by_index(ctx.inbound["model"], ctx.inbound["rule"]):
+        for model, rule in pair_by_index(ctx.inbound[self.model], ctx.inbound[self.rule]):
             t0 = time.perf_counter()
             with ctx.timeline.span("combined", index=rule.index):
                 scored = combine(rule, model, rule_weight=self.cfg.rule_weight, model_weight=self.cfg.model_weight)
-            ctx.outbound["scored"].send(scored)
+            ctx.outbound[self.scored].send(scored)
             busy += time.perf_counter() - t0
             sums += torch.tensor([rule.rewards.double().sum(), model.rewards.double().sum(), rule.rewards.numel()])
         if self.units > 1:  # each replica saw a share of the groups; the leader reports the batch

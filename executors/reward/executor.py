@@ -1,18 +1,14 @@
 """The reward executor: scores each rollout group as it arrives and forwards it to the trainer."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from channels.payloads import GroupVerdict, RolloutGroup, ScoredGroup
-from common.files import append_jsonl
-from executors.base import Executor, ExecutorEnv, StepContext
-from executors.generator.config import EvalConfig
+from executors.base import Executor, ExecutorEnv, Input, Output, StepContext
 from executors.reward.config import RewardConfig
 from executors.reward.functions import RewardError, resolve_reward, score_group
 
@@ -25,24 +21,21 @@ class RewardMetrics:
 
 
 class Reward(Executor):
-    inputs = {"rollouts": RolloutGroup}
-    outputs = {"scored": ScoredGroup}
+    rollouts = Input(RolloutGroup)
+    scored = Output(ScoredGroup)
+    verdicts = Output(GroupVerdict, optional=True)  # dynamic sampling: kept or dropped, back to the generator
 
     def __init__(self, *, name: str = "reward", config: RewardConfig, functions: list[str],
-                 tokenizer_path: str | None, keep: Callable[[torch.Tensor], bool] | None = None,
-                 evaluation: EvalConfig | None = None):
+                 tokenizer_path: str | None, keep: Callable[[torch.Tensor], bool] | None = None):
         """`keep`: dynamic sampling's group filter; dropped groups never reach the trainer and each
-        group's verdict goes back to the generator, which tops the batch up. `evaluation` (every > 0):
-        score the held-out groups of the `eval` input with the same functions, into eval/* metrics."""
+        group's verdict goes back to the generator, which tops the batch up."""
         super().__init__(name=name, units=config.replicas)
         self.cfg, self.specs, self.tokenizer_path, self.keep = config, functions, tokenizer_path, keep
-        self.eval_cfg = evaluation if evaluation is not None and evaluation.every > 0 else None
-        if keep is not None:
-            self.outputs = {**self.outputs, "verdicts": GroupVerdict}
-        if self.eval_cfg:
-            self.inputs = {**self.inputs, "eval": RolloutGroup}
         self.fns = [resolve_reward(spec) for spec in functions]  # fail at build time, before any rank blocks
         self.failed_steps = 0  # steps in a row whose every reward failed (on_error="zero")
+
+    def needs(self, port) -> bool:
+        return port is Reward.verdicts and self.keep is not None or super().needs(port)
 
     def describe(self):
         return {"replicas": self.cfg.replicas, "functions": ",".join(self.specs)}
@@ -54,7 +47,7 @@ class Reward(Executor):
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.weights = self.cfg.weights or [1.0] * len(self.fns)
 
-    def _score(self, group: RolloutGroup) -> tuple[list[str], torch.Tensor, dict[str, list[float]], dict[int, str]]:
+    def score(self, group: RolloutGroup) -> tuple[list[str], torch.Tensor, dict[str, list[float]], dict[int, str]]:
         """(texts, the weighted reward [G], each function's scores, {failed sample: its first error}) of
         one group. A sample counts as failed once, however many of its functions failed: its reward is off."""
         texts = self.tokenizer.batch_decode(group.responses, skip_special_tokens=True)
@@ -72,32 +65,24 @@ class Reward(Executor):
 
     def step(self, ctx: StepContext):
         busy, failures, samples, first = 0.0, 0, 0, None
-        for group in ctx.inbound["rollouts"]:
+        for group in ctx.inbound[self.rollouts]:
             t0 = time.perf_counter()
             with ctx.timeline.span("scored", index=group.index):
-                _, total_G, parts, errors = self._score(group)
+                _, total_G, parts, errors = self.score(group)
                 first_error = errors[min(errors)] if errors else None
                 scored = ScoredGroup(**vars(group), rewards=total_G, reward_failures=len(errors),
                                      reward_parts=parts, first_error=first_error)
             failures, samples = failures + len(errors), samples + total_G.numel()
             if errors and (first is None or group.index < first[0]):  # by index: the same in any arrival order
                 first = (group.index, first_error)
-            if self.keep is None:
-                ctx.outbound["scored"].send(scored)
-            else:
-                kept = self.keep(total_G)
-                if kept:
-                    ctx.outbound["scored"].send(scored)
-                ctx.outbound["verdicts"].send(GroupVerdict(index=group.index, kept=kept))
+            kept = self.keep is None or self.keep(total_G)
+            if kept:
+                ctx.outbound[self.scored].send(scored)
+            if self.keep is not None:
+                ctx.outbound[self.verdicts].send(GroupVerdict(index=group.index, kept=kept))
             busy += time.perf_counter() - t0
         self._stop_if_all_failed(failures=failures, samples=samples, first_error=first[1] if first else None)
-        record = RewardMetrics(score_s=busy)
-        if not self.eval_cfg:
-            return record
-        for sender in ctx.outbound.values():  # the trainer's step ends now, not after the evaluation
-            sender.close_step()
-        scores = self._evaluate(ctx)
-        return {**dataclasses.asdict(record), **scores} if scores else record
+        return RewardMetrics(score_s=busy)
 
     def _stop_if_all_failed(self, *, failures: int, samples: int, first_error: str | None) -> None:
         """on_error=zero carries a run over failing rewards, but one whose rewards all fail, step after
@@ -113,35 +98,3 @@ class Reward(Executor):
             raise RewardError(f"every reward failed in {steps} in a row (scored 0 by "
                               f"reward.on_error=zero){first}; fix the reward, or set reward.max_failed_steps=0 "
                               f"to train on")
-
-    def _evaluate(self, ctx: StepContext) -> dict:
-        """Score the held-out groups (none on other steps); eval/* over all replicas, and
-        eval_samples.jsonl lines for this replica's groups."""
-        e, G = self.eval_cfg, self.eval_cfg.samples
-        # reward sum, samples, length sum, finished, pass@1 sum, pass@k sum, prompts (float64: exact counts)
-        sums_7 = torch.zeros(7, dtype=torch.float64)
-        rows = []
-        for group in ctx.inbound["eval"]:
-            with ctx.timeline.span("eval_scored", index=group.index):
-                texts, total_G, parts, _ = self._score(group)
-            solved = int((total_G >= e.pass_threshold).sum())
-            lengths = [r.numel() for r in group.responses]
-            sums_7 += torch.tensor([total_G.double().sum().item(), G, sum(lengths), int(group.finished.sum()),
-                                    solved / G, float(solved > 0), 1], dtype=torch.float64)
-            rows += [{"step": group.step, "prompt_index": group.index, "sample": j, "prompt": group.prompt,
-                      "response": texts[j], "reward": float(total_G[j]), "rewards": {k: v[j] for k, v in parts.items()},
-                      "length": lengths[j], "finished": bool(group.finished[j])} for j in range(G)]
-        if ctx.step % e.every:
-            return {}
-        append_jsonl(self.env.output_dir / "eval_samples.jsonl", sorted(rows, key=lambda r: (r["prompt_index"], r["sample"])))
-        if self.units > 1:  # each replica scored a share; the leader reports the whole set
-            sums_7 = sums_7.to(self.env.device)
-            dist.all_reduce(sums_7, group=self.env.group)
-            sums_7 = sums_7.cpu()
-        reward, n, length, finished, pass1, passk, prompts = sums_7.tolist()
-        out = {"eval/reward_mean": reward / max(n, 1), "eval/pass@1": pass1 / max(prompts, 1),
-               "eval/response_len_mean": length / max(n, 1), "eval/finished_frac": finished / max(n, 1),
-               "eval/prompts": int(prompts)}
-        if G > 1:
-            out[f"eval/pass@{G}"] = passk / max(prompts, 1)
-        return out

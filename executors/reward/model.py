@@ -14,20 +14,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from pydantic import BaseModel, ConfigDict, Field
 
 from channels.payloads import RolloutGroup, ScoredGroup
-from executors.base import Executor, ExecutorEnv, StepContext
+from executors.base import Executor, ExecutorEnv, Input, Output, StepContext
 from executors.hf import ATTN_IMPL, embedded_config, load_tokenizer
-
-
-class RewardModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    replicas: int = Field(1, ge=1, description="reward-model replicas (one rank each)")
-    path: str | None = Field(None, description="HF directory of a sequence-classification model (or a "
-                                               "causal LM: its head is then new); None = tiny random Qwen3")
-    scale: float = Field(1.0, description="reward = scale * logit")
-    seed: int = Field(0, description="initialises the random model or a new head, the same on every rank")
+from executors.reward.config import RewardModelConfig
 
 
 @dataclass(frozen=True)
@@ -37,8 +28,8 @@ class RewardModelMetrics:
 
 
 class RewardModel(Executor):
-    inputs = {"rollouts": RolloutGroup}
-    outputs = {"scored": ScoredGroup}
+    rollouts = Input(RolloutGroup)
+    scored = Output(ScoredGroup)
 
     def __init__(self, *, name: str = "reward_model", config: RewardModelConfig):
         super().__init__(name=name, units=config.replicas)
@@ -49,7 +40,7 @@ class RewardModel(Executor):
                              f"(expected {Path(config.path) / 'config.json'})")
 
     def describe(self):
-        return {"replicas": self.cfg.replicas, "model": self.cfg.path or "embedded (random)"}
+        return {"replicas": self.cfg.replicas, "model": self.cfg.path or "embedded (random)", "scale": self.cfg.scale}
 
     def init(self, env: ExecutorEnv) -> None:
         super().init(env)
@@ -57,11 +48,11 @@ class RewardModel(Executor):
 
     def step(self, ctx: StepContext):
         busy, total, n = 0.0, 0.0, 0
-        for group in ctx.inbound["rollouts"]:
+        for group in ctx.inbound[self.rollouts]:
             t0 = time.perf_counter()
             with ctx.timeline.span("scored", index=group.index):
                 rewards_G = self.score(group)
-            ctx.outbound["scored"].send(ScoredGroup(**vars(group), rewards=rewards_G, reward_failures=0,
+            ctx.outbound[self.scored].send(ScoredGroup(**vars(group), rewards=rewards_G, reward_failures=0,
                                                         reward_parts={"reward_model": rewards_G.tolist()}))
             busy += time.perf_counter() - t0
             total, n = total + rewards_G.double().sum().item(), n + rewards_G.numel()

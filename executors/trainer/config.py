@@ -1,9 +1,7 @@
 """The trainer's options: the layout, optimizer and micro-batches of the policy (executors/training/config.py)."""
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator
 
 from executors.training.config import LearnerConfig, lr_factor
 
@@ -14,14 +12,15 @@ class TrainerConfig(LearnerConfig):
     """The policy's trainer. Its copies (old policy, reference) share its layout; with precision=bf16 the
     generator runs in bf16 too (its pushes are cast once, on the trainer's side)."""
 
-    backend: Literal["torch", "megatron"] = Field(
+    backend: str = Field(
         "torch", description="torch: HF model classes with DTensor tp and FSDP2; megatron: megatron-core's "
-        "GPTModel (the megatron extra; Qwen3/Qwen2/Llama), tp, and dp with a ZeRO-1 optimizer")
+        "GPTModel (the megatron extra; Qwen3/Qwen2/Llama), tp, and dp with a ZeRO-1 optimizer "
+        "(executors/trainer/backends.py registers them)")
 
-    @model_validator(mode="after")
-    def _megatron_limits(self):
-        if self.backend == "megatron":
-            if self.fsdp:
-                raise ValueError("trainer.fsdp: the megatron backend shards the optimizer over dp itself; "
-                                 "set trainer.fsdp=false")
-        return self
+    @field_validator("backend")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        from executors.trainer.backends import BACKENDS  # it imports this module
+
+        BACKENDS.get(name)  # ValueError: unknown trainer backend 'x'; known: ...
+        return name

@@ -26,7 +26,7 @@ from algorithms.batch_scope import batch_mean_scale, batch_normalise, linear_pas
 from algorithms.kl import kl_in_loss, kl_in_reward, kl_penalised_rewards
 from channels.payloads import AdvantagedGroup, ScoredGroup, WeightsUpdate
 from common.stop import StepAborted
-from executors.base import ExecutorEnv, StepContext, unit_aborted
+from executors.base import ExecutorEnv, Input, Output, StepContext, unit_aborted
 from executors.trainer.accumulate import GroupRecord, LossSums, Pass
 from executors.trainer.config import TrainerConfig
 from executors.trainer.stats import StepState, TrainerMetrics, group_digest
@@ -38,13 +38,15 @@ __all__ = ["Trainer", "TrainerConfig"]
 
 
 class Trainer(Learner):
-    inputs = {"scored": ScoredGroup}
-    outputs = {"weights": WeightsUpdate}
+    scored = Input(ScoredGroup)  # AdvantagedGroup where the algorithm takes per-token advantages (a critic's)
+    weights = Output(WeightsUpdate)
 
     def __init__(self, *, name: str = "trainer", config: TrainerConfig, model_path: str | None,
                  dtype: torch.dtype, algorithm: Algorithm, algo_config: AlgoConfig, temperature: float,
-                 total_steps: int, samples_every: int = 0):
-        """samples_every: write samples.jsonl every N steps (0: never)."""
+                 total_steps: int, samples_every: int = 0, token_advantages: bool = False):
+        """samples_every: write samples.jsonl every N steps (0: never). token_advantages: the advantages
+        arrive with each group, one per response token (AdvantagedGroup: PPO's critic), instead of being
+        computed from its rewards (the recipe knows the algorithm's advantage source)."""
         super().__init__(name=name, config=config)
         self.samples_every = samples_every
         self.model_path, self.dtype = model_path, dtype
@@ -53,9 +55,14 @@ class Trainer(Learner):
         # the first pass of a batch-scope algorithm evaluates the loss at s, 1 (and 0 with a KL in it)
         self.first_passes = ((Pass.SCORE, Pass.ONE) + ((Pass.ZERO,) if kl_in_loss(algo_config) else ())
                              if self.batch_scope else (Pass.SCORE,))
-        self.token_advantages = algorithm.advantages is None
-        if self.token_advantages:  # they arrive with each group, one per response token (PPO's critic)
-            self.inputs = {"scored": AdvantagedGroup}
+        self.token_advantages = token_advantages
+        if algorithm.advantages is None and not token_advantages:
+            raise ValueError(f"algorithm {algorithm.name!r} computes no advantages: they come per token from its "
+                             f"advantage source ({algorithm.advantage_source!r}); build the trainer with "
+                             f"token_advantages=True and an AdvantagedGroup channel into its `scored` port")
+
+    def consumes(self, port):
+        return AdvantagedGroup if port is Trainer.scored and self.token_advantages else super().consumes(port)
 
     def describe(self):
         return {"dp": self.cfg.dp, "tp": self.cfg.tp, "fsdp": self.cfg.fsdp, "backend": self.cfg.backend,
@@ -67,11 +74,9 @@ class Trainer(Learner):
         # (the CLI, --dry-run) stays light
         from executors.trainer.barrier import Barrier
 
-        if self.cfg.backend == "megatron":
-            from executors.trainer.megatron_models import MegatronTriModel as TriModel
-        else:
-            from executors.trainer.models import TriModel
-        self.models = TriModel.build(model_path=self.model_path, dtype=self.dtype, env=env, cfg=self.cfg,
+        from executors.trainer.backends import BACKENDS
+
+        self.models = BACKENDS.get(self.cfg.backend).models().build(model_path=self.model_path, dtype=self.dtype, env=env, cfg=self.cfg,
                                      temperature=self.temperature, reference=self.algo_cfg.needs_reference,
                                      snapshot=self.passes > 1, policy_path=env.resume)
         self.optim = Barrier(self.models.master, compute=self.models.policy, cfg=self.cfg, total_steps=self.total_steps,
@@ -87,7 +92,7 @@ class Trainer(Learner):
         weights); later mini-batches and epochs wait for the barrier."""
         self.models.snapshot_()  # the weights that generated this step's samples
         state = StepState()
-        for work in self._work(self._in_order(ctx.inbound["scored"])):  # as the schedule hands them over
+        for work in self._work(self._in_order(ctx.inbound[self.scored])):  # as the schedule hands them over
             # a stop drops the step: its groups need not be trained (not in lockstep, where every dp
             # rank would have to agree at the same round)
             if not self.shards_over_units and unit_aborted(self.env):
@@ -195,10 +200,10 @@ class Trainer(Learner):
                 sums.loss[name] += out.loss_sum.item()
                 if name is Pass.SCORE:
                     sums.denom += out.denom
-                    sums.kl_sum += out.stats.get("kl_sum", 0.0)
-                    sums.clip_sum += out.stats.get("clip_sum", 0.0)
-                    sums.ratio_sum += out.stats.get("ratio_token_sum", 0.0)
-                    sums.ratio_max = max(sums.ratio_max, out.stats.get("ratio_max", 0.0))
+                    sums.kl_sum += out.stats.kl_sum
+                    sums.clip_sum += out.stats.clip_sum
+                    sums.ratio_sum += out.stats.ratio_token_sum
+                    sums.ratio_max = max(sums.ratio_max, out.stats.ratio_max)
             loss.backward(retain_graph=not recompute and k < len(passes) - 1)
             self.optim.grads.add_from_params_(name)
         return logp_NT
@@ -217,8 +222,8 @@ class Trainer(Learner):
         train_s = state.train_s + time.perf_counter() - t0
         t0 = time.perf_counter()
         with ctx.timeline.span("push"):
-            ctx.outbound["weights"].push(self.models.shards(), self.models.specs)
-            ctx.outbound["weights"].flush()
+            ctx.outbound[self.weights].push(self.models.shards(), self.models.specs)
+            ctx.outbound[self.weights].flush()
         return TrainerMetrics.of(record, steps, digests, errors=errors, train_s=train_s, push_s=time.perf_counter() - t0,
                                  first_train_t=state.first_train_t, push_end_t=time.time())
 

@@ -1,8 +1,10 @@
-"""Trainer (Hugging Face) parameter names -> where the generator engine keeps them.
+"""Trainer (Hugging Face) parameter names -> where a generator engine keeps them (tests/test_reshard.py:
+a push landing straight in vLLM-style stacked tensors; no engine receives this way yet, README).
 
 A push plan speaks trainer names and tp-local boxes. On the generator side each trainer parameter
 lands in a `Slot`: an engine tensor and the row (dim 0) where that parameter's tp-local block
-starts inside this rank's shard of it.
+starts inside this rank's shard of it. `targets` turns those into what `WeightPush.run` takes on a
+generator rank: {trainer name: that row block of the engine tensor}, a view written through.
 
 - `IDENTITY`: the native engine runs the same HF model class; names and shards are the same.
 - `FUSED`: engines that stack projections (vLLM's qkv_proj and gate_up_proj). Each tp rank's shard
@@ -11,11 +13,20 @@ starts inside this rank's shard of it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
-from channels.reshard import ParamSpec, Slot, local_shape
+import torch
 
-__all__ = ["FUSED", "IDENTITY", "Identity", "Slot", "Stacked"]
+from channels.payloads import ParamSpec, local_shape
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a trainer parameter lands on a generator rank."""
+
+    name: str  # engine tensor name
+    row_offset: int  # first row of this parameter's tp-local block in that tensor's local shard
 
 
 class Identity:
@@ -81,3 +92,14 @@ class Stacked:
 IDENTITY = Identity()
 # vLLM's stacked parameters for Llama / Qwen2 / Qwen3
 FUSED = Stacked({"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")})
+
+
+def targets(names: Identity | Stacked, engine: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec], *,
+            tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """{trainer name: its tp-local block inside generator tp rank `rank`'s engine tensors} (views)."""
+    slots = names.slots(specs, tp=tp)
+    out = {}
+    for name, spec in specs.items():
+        slot, rows = slots[name], local_shape(spec, tp=tp, rank=rank)[0]
+        out[name] = engine[slot.name][slot.row_offset: slot.row_offset + rows]
+    return out

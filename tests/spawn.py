@@ -1,5 +1,5 @@
-"""Run a function on N local gloo ranks with a deadline and collect what each returns (tests, benches,
-notebooks: one machine, no torchrun)."""
+"""Run a function on N local gloo ranks with a deadline and collect what each returns (the tests and
+bench/: one machine, no torchrun)."""
 from __future__ import annotations
 
 import multiprocessing as mp

@@ -1,4 +1,5 @@
-"""The resharding weight push: trainer shards go straight to the generator shards that need them.
+"""The resharding weight push's plan: which trainer rank sends which slice of which parameter to which
+generator rank, bucketed (channels/push.py carries it out).
 
 A `PushPlan` is built once, from the two layouts and the parameter specs, as a pure function: every
 rank builds the same plan locally, with no communication. Coordinates are boxes ([start, stop) per
@@ -21,14 +22,6 @@ Generator replicas past the trainer's full copies (dp without FSDP, 1 with FSDP)
 replica k forwards every bucket it receives to replica k + copies, the moment it lands (a
 pipelined chain, so each link carries the model once). `relay=False` feeds every replica from
 the trainer instead.
-
-Execution (`WeightPush`): buckets received straight into their destination go first, every
-receive posted at once (they need no buffer), so the link never waits for the receiver to turn
-around. The buffered buckets follow in rounds; each stream has two bucket buffers, allocated on
-the first push and reused: a sender packs bucket r while bucket r - 1 is on the wire, a receiver
-has bucket r + 1 flowing in while it unpacks bucket r. A relay forwards each bucket as it lands.
-Messages between two ranks are posted in the same order on both sides, so p2p matching needs no
-tags (nccl has none). The stream graph is acyclic (trainer -> replica -> replica), so no deadlock.
 """
 from __future__ import annotations
 
@@ -38,21 +31,12 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 
-from channels.payloads import ParamSpec, chunk, local_shape  # noqa: F401  (re-exported)
+from channels.payloads import ParamSpec, chunk
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dim
 
 _ALIGN = 16  # byte offsets inside a bucket, so a uint8 slice can be viewed as any dtype
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where a trainer parameter lands on a generator rank (see channels/names.py)."""
-
-    name: str  # engine tensor name
-    row_offset: int  # first row of this parameter's tp-local block in that tensor's local shard
 
 
 def _tp_box(spec: ParamSpec, *, tp: int, t: int) -> list[tuple[int, int]]:
@@ -120,17 +104,12 @@ class Piece:
     src: int  # trainer rank that sends it
     dst: int  # generator rank it is cut for (the head of a relay chain)
     src_slice: Box  # in the source's local shard
-    dst_slice: Box  # in the destination's local shard (trainer naming, see channels/names.py)
+    dst_slice: Box  # in the destination's local shard
     dtype: torch.dtype  # as sent: the generator's dtype
     # a big piece that is one contiguous run in the source shard (and needs no cast) is sent from
     # the tensor itself; one contiguous in the destination shard is received straight into it
     src_direct: bool = False
     dst_direct: bool = False
-
-    @property
-    def zero_copy(self) -> bool:
-        """No copy on either side."""
-        return self.src_direct and self.dst_direct
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -181,12 +160,6 @@ class PushPlan:
 
     def received_by(self, rank: int) -> list[Stream]:
         return [s for s in self.streams if s.receiver == rank]
-
-    def bytes_sent(self) -> dict[int, int]:
-        out: dict[int, int] = defaultdict(int)
-        for s in self.streams:
-            out[s.sender] += sum(b.nbytes for b in s.buckets)
-        return dict(out)
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
@@ -303,148 +276,3 @@ def _streams(pieces: list[Piece], generator: GeneratorLayout, *, fed: int, bucke
                     streams.append(Stream(origin=s.origin, head=head, sender=upstream, receiver=me,
                                           buckets=s.buckets))
     return tuple(streams)
-
-
-def _view(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(lo, hi) for lo, hi in box)
-
-
-class WeightPush:
-    """Runs a `PushPlan` on one rank. Buffers are allocated on the first `run` and reused.
-
-    Trainer ranks pass {trainer name: local shard} (`to_local()` of DTensor parameters); generator
-    ranks pass {engine name: local shard} with `slots` mapping trainer names into engine tensors
-    (channels/names.py; identity by default). Ranks in neither layout have nothing to do.
-    """
-
-    def __init__(self, plan: PushPlan, *, rank: int, device: torch.device | str = "cpu",
-                 slots: Mapping | None = None, group: dist.ProcessGroup | None = None, tag: int = 0):
-        """`tag`: keeps these messages apart from other p2p traffic between the same ranks (gloo
-        matches by tag; nccl has none and relies on the same posting order on both sides)."""
-        self.plan, self.rank, self.device, self.group, self.tag = plan, rank, torch.device(device), group, tag
-        self.outgoing = [s for s in plan.sent_by(rank) if s.origin == rank]  # packed here
-        self.incoming = sorted(plan.received_by(rank), key=lambda s: (s.origin, s.sender))
-        self.forwards = {s.origin: [f for f in plan.sent_by(rank) if f.origin == s.origin]
-                         for s in self.incoming}
-        if slots is None:
-            slots = {name: Slot(name, 0) for name in plan.specs}
-        self.slots = slots
-        self._buffers: dict[tuple, torch.Tensor] = {}  # (stream, slot) -> bytes
-
-    def _dst_view(self, tensors, p: Piece) -> torch.Tensor:
-        where = self.slots[p.name]
-        box = ((p.dst_slice[0][0] + where.row_offset, p.dst_slice[0][1] + where.row_offset), *p.dst_slice[1:])
-        return tensors[where.name][_view(box)]
-
-    def _buffer(self, stream: Stream, slot: int) -> torch.Tensor:
-        key = _key(stream, slot)
-        if key not in self._buffers:
-            size = max(b.nbytes for b in stream.buckets if not (b.src_direct and b.dst_direct))  # either end
-            self._buffers[key] = torch.empty(size, dtype=torch.uint8, device=self.device)
-        return self._buffers[key]
-
-    @property
-    def streams(self) -> int:
-        """Streams this rank packs or receives; each owns two bucket buffers."""
-        return len(self.outgoing) + len(self.incoming)
-
-    @property
-    def buffer_bytes(self) -> int:
-        return sum(b.numel() for b in self._buffers.values())
-
-    @torch.no_grad()
-    def run(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """One push: returns when this rank's sends and receives are complete.
-
-        Two phases, in the same order on both ends of every link: first the buckets received
-        straight into their destination (every receive posted at once: they need no buffer),
-        then the buffered ones in rounds (two buffers per stream)."""
-        pending: dict[tuple, list[dist.Work]] = defaultdict(list)  # sends out of a buffer
-        try:
-            direct = [(s, [b for b in s.buckets if b.dst_direct]) for s in self.incoming]
-            posted = [(s, b, self._irecv(s, self._dst_buffer(tensors, b)))
-                      for s, buckets in direct for b in buckets]
-            for s in self.outgoing:
-                for r, bucket in enumerate(b for b in s.buckets if b.dst_direct):
-                    self._send(tensors, s, bucket, slot=r % 2, pending=pending)
-            for s, bucket, (buf, work) in posted:
-                self._received(tensors, s, bucket, buf, work, key="direct", pending=pending)
-            self._buffered_rounds(tensors, pending)
-        finally:
-            for works in pending.values():
-                _wait(works)
-
-    def _buffered_rounds(self, tensors, pending) -> None:
-        incoming = [(s, [b for b in s.buckets if not b.dst_direct]) for s in self.incoming]
-        outgoing = [(s, [b for b in s.buckets if not b.dst_direct]) for s in self.outgoing]
-        rounds = max((len(b) for _, b in incoming + outgoing), default=0)
-        recvs: dict[int, list] = {}
-
-        def post_receives(r: int) -> None:
-            slot, recvs[r] = r % 2, []
-            for s, buckets in incoming:
-                if r < len(buckets):
-                    _wait(pending.pop(_key(s, slot), []))  # this buffer's forwards of round r - 2
-                    recvs[r].append((s, buckets[r], self._irecv(s, self._buffer(s, slot)[:buckets[r].nbytes])))
-
-        if rounds:
-            post_receives(0)
-        for r in range(rounds):
-            if r + 1 < rounds:  # the next bucket flows in while this one is unpacked
-                post_receives(r + 1)
-            for s, buckets in outgoing:
-                if r < len(buckets):
-                    self._send(tensors, s, buckets[r], slot=r % 2, pending=pending)
-            for s, bucket, (buf, work) in recvs.pop(r):
-                self._received(tensors, s, bucket, buf, work, key=_key(s, r % 2), pending=pending)
-
-    def _irecv(self, s: Stream, buf: torch.Tensor):
-        return buf, dist.irecv(buf, s.sender, group=self.group, tag=self.tag)
-
-    def _dst_buffer(self, tensors, bucket: Bucket) -> torch.Tensor:
-        return _contiguous_view(self._dst_view(tensors, self.plan.pieces[bucket.entries[0][0]]))
-
-    def _send(self, tensors, s: Stream, bucket: Bucket, *, slot: int, pending) -> None:
-        """isend one bucket: from the source tensor itself, or packed into buffer `slot`."""
-        pieces = self.plan.pieces
-        if bucket.src_direct:
-            p = pieces[bucket.entries[0][0]]
-            view = _contiguous_view(tensors[p.name][_view(p.src_slice)])
-            pending["direct"].append(dist.isend(view, s.receiver, group=self.group, tag=self.tag))
-            return
-        buf = self._buffer(s, slot)
-        _wait(pending.pop(_key(s, slot), []))  # this buffer's send of two buckets ago
-        for i, offset in bucket.entries:
-            p = pieces[i]
-            _typed(buf, offset, p).copy_(tensors[p.name][_view(p.src_slice)])
-        pending[_key(s, slot)].append(dist.isend(buf[:bucket.nbytes], s.receiver, group=self.group, tag=self.tag))
-
-    def _received(self, tensors, s: Stream, bucket: Bucket, buf, work, *, key, pending) -> None:
-        """Wait for one bucket; forward it down the relay chain first, then unpack it."""
-        work.wait()
-        for f in self.forwards[s.origin]:  # relay first: the next replica waits on it
-            pending[key].append(dist.isend(buf, f.receiver, group=self.group, tag=self.tag))
-        if not bucket.dst_direct:
-            for i, offset in bucket.entries:
-                p = self.plan.pieces[i]
-                self._dst_view(tensors, p).copy_(_typed(buf, offset, p))
-
-
-def _key(stream: Stream, slot: int) -> tuple:
-    return stream.origin, stream.sender, stream.receiver, slot
-
-
-def _contiguous_view(t: torch.Tensor) -> torch.Tensor:
-    # the plan only marks pieces that are contiguous in shards laid out row-major
-    if not t.is_contiguous():
-        raise ValueError("a direct piece is not contiguous: pass row-major local shards (e.g. to_local())")
-    return t
-
-
-def _typed(buf: torch.Tensor, offset: int, piece: Piece) -> torch.Tensor:
-    return buf[offset: offset + piece.nbytes].view(piece.dtype).view(piece.shape)
-
-
-def _wait(works: list[dist.Work]) -> None:
-    for w in works:
-        w.wait()

@@ -1,0 +1,85 @@
+"""The generator's engines (`generator.engine`): one `register` line each, with what the rest of the
+run needs to know of them (checks before any rank starts, their decode-slot knob, their memory).
+Light on purpose: model code and vLLM load in `start`, on the generator's ranks only."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from common.registry import Registry
+from executors.base import ExecutorEnv
+from executors.generator.config import GeneratorConfig
+
+
+@dataclass(frozen=True)
+class Engine:
+    # (generator, env) -> (engine, {name: spec}, {name: local shard}): the WEIGHTS channel's view of it
+    start: Callable
+    # (generator config, model path) -> None, or ValueError naming the field: before any rank starts
+    check: Callable[[GeneratorConfig, str | None], None]
+    slots_key: str  # the config key of its decode slots (recipes/defaults.py, --plan)
+    slots_are_rows: bool  # the key counts sample rows (G per prompt group), not prompt groups
+    push_buffer: bool  # receives pushes into a buffer of its own weights' size, then loads them
+    kv_note: str = ""  # its KV cache, where the memory estimate cannot size it: how it is sized
+
+
+def _no_check(cfg: GeneratorConfig, model_path: str | None) -> None:
+    pass
+
+
+def _check_vllm(g: GeneratorConfig, model_path: str | None) -> None:
+    """The vLLM engine's limits (vLLM itself is imported only by the generator)."""
+    from executors.generator.vllm_engine import check_tp_fits_vllm, vllm_available
+
+    if g.top_p < 1.0 or g.top_k > 0:
+        raise ValueError("generator.engine=vllm needs generator.top_p=1 and generator.top_k=0: under top-p/top-k "
+                         "vLLM's log-probs are renormalised over the kept tokens, the trainer's (and the KL's) are not")
+    if not vllm_available():
+        raise ValueError("generator.engine=vllm: vLLM is not installed in this environment (CPU: `make install-vllm` "
+                         "builds .venv-vllm, run with .venv-vllm/bin/torchrun; GPU: pip install vllm; see README)")
+    if g.tp > 1:
+        from executors.hf import load_config  # config.json only
+
+        check_tp_fits_vllm(load_config(model_path), tp=g.tp)
+
+
+def _start_native(gen, env: ExecutorEnv):
+    from executors.generator.engine import NativeEngine
+    from executors.hf import load_model
+    from executors.parallel import apply_tp, build_mesh, local_shards, param_specs
+
+    # same seed as the trainer's init, so step 0 samples with exactly the trainer's weights; a
+    # resumed run starts from the checkpoint's, which the trainer saved at the step before
+    model = load_model(gen.weights_path, dtype=gen.model_cfg.torch_dtype, seed=env.seed).to(env.device)
+    if gen.cfg.tp > 1:
+        # a replica's tp ranks decode in lockstep: the lm_head all-gathers the logits, so each
+        # samples the same tokens from the same per-sample seeds; its first rank sends the groups
+        mesh = build_mesh(ranks=env.ranks, tp=gen.cfg.tp, device_type=env.device.type, parent=env.group)
+        apply_tp(model, mesh=mesh["tp"])
+    engine = NativeEngine(model, eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
+                          max_batch_prompts=gen.cfg.max_batch_prompts, admission=gen.cfg.admission)
+    return engine, param_specs(model), local_shards(model)  # pushes land in the model itself
+
+def _start_vllm(gen, env: ExecutorEnv):
+    from executors.generator.vllm_engine import VllmEngine, engine_model_dir, receive_buffers
+
+    tp_rank = env.units[env.unit_index].index(env.rank)
+    with engine_model_dir(gen.weights_path, seed=env.seed, tokenizer=gen.tokenizer) as model_dir:
+        specs, shards = receive_buffers(model_dir, dtype=gen.model_cfg.torch_dtype, tp=gen.cfg.tp,
+                                        tp_rank=tp_rank, device=env.device)
+        engine = VllmEngine(
+            model_dir=model_dir, ranks=env.ranks, tp=gen.cfg.tp, tp_rank=tp_rank,
+            dtype=gen.model_cfg.dtype, eos_token_id=gen.tokenizer.eos_token_id, seed=env.seed,
+            max_model_len=gen.cfg.vllm.max_model_len or gen.data_cfg.max_prompt_tokens + gen.longest_response,
+            config=gen.cfg.vllm, device_type=env.device.type)
+    if env.is_leader:
+        print(f"tidal: vLLM engine ready in {engine.init_s:.1f} s", flush=True)
+    return engine, specs, shards
+
+
+ENGINES: Registry[Engine] = Registry("generator engine")
+ENGINES.register("native", Engine(start=_start_native, check=_no_check, slots_key="generator.max_batch_prompts",
+                                  slots_are_rows=False, push_buffer=False))
+ENGINES.register("vllm", Engine(start=_start_vllm, check=_check_vllm, slots_key="generator.vllm.max_num_seqs",
+                                slots_are_rows=True, push_buffer=True,
+                                kv_note="KV cache (vLLM: generator.vllm.gpu_memory_utilization or kv_cache_gb)"))

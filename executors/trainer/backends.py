@@ -1,0 +1,60 @@
+"""The trainer's backends (`trainer.backend`): one `register` line each. Light on purpose: the CLI
+checks a config against its backend without loading model code; `models()` imports it on the
+trainer's ranks only."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from common.registry import Registry
+from executors.trainer.config import TrainerConfig
+
+
+@dataclass(frozen=True)
+class Backend:
+    models: Callable[[], type]  # the tri-model class (executors/trainer/models.py:TriModel or a subclass)
+    # (trainer config, model path) -> None, or ValueError naming the field: before any rank starts
+    check: Callable[[TrainerConfig, str | None], None]
+    # each rank saves its own optimizer shard: a resume keeps the (dp, tp) it was saved under
+    per_rank_optimizer: bool = False
+    about: str = ""
+
+
+def _torch_models() -> type:
+    from executors.trainer.models import TriModel
+
+    return TriModel
+
+
+def _megatron_models() -> type:
+    from executors.trainer.megatron_models import MegatronTriModel
+
+    return MegatronTriModel
+
+
+def _no_check(cfg: TrainerConfig, model_path: str | None) -> None:
+    pass
+
+
+def _check_megatron(cfg: TrainerConfig, model_path: str | None) -> None:
+    """megatron-core is installed and converts this model (config.json only); its own limits."""
+    import importlib.util
+
+    if cfg.fsdp:
+        raise ValueError("trainer.fsdp: the megatron backend shards the optimizer over dp itself; "
+                         "set trainer.fsdp=false")
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        raise ValueError("trainer.backend=megatron needs megatron-core: pip install -e \".[megatron]\" "
+                         "(megatron-core 0.16.1 on Python 3.11; `make install` includes it)")
+    from executors.hf import load_config
+    from executors.megatron.model import check_supported
+
+    check_supported(load_config(model_path))
+
+
+BACKENDS: Registry[Backend] = Registry("trainer backend")
+BACKENDS.register("torch", Backend(models=_torch_models, check=_no_check,
+                                   about="HF model classes with DTensor tp and FSDP2"))
+BACKENDS.register("megatron", Backend(models=_megatron_models, check=_check_megatron, per_rank_optimizer=True,
+                                      about="megatron-core's GPTModel (the megatron extra; Qwen3/Qwen2/Llama), tp, "
+                                            "and dp with a ZeRO-1 optimizer"))
