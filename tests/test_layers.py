@@ -124,7 +124,8 @@ print(code, "phases" if "1. prompts" in out.getvalue() else "no-phases", heavy)
 
 
 @pytest.mark.parametrize("args", [["--algo", "grpo", "--dry-run"],
-                                  ["--algo", "dapo", "--dry-run", "--set", "trainer.dp=2"]])
+                                  ["--algo", "dapo", "--dry-run", "--set", "trainer.dp=2"],
+                                  ["--algo", "ppo", "--dry-run", "--set", "reward.model.scale=2", "--set", "eval.every=2"]])
 def test_cli_and_dry_run_load_no_model_code(args):
     proc = subprocess.run([sys.executable, "-c", _PROBE, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)

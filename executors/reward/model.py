@@ -13,11 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import transformers
 
 from channels.payloads import RolloutGroup, ScoredGroup
 from executors.base import Executor, ExecutorEnv, Input, Output, StepContext
-from executors.hf import ATTN_IMPL, embedded_config, load_tokenizer
 from executors.reward.config import RewardModelConfig
 
 
@@ -86,8 +84,13 @@ class RewardModel(Executor):
         return (self.cfg.scale * logits_G1[:, 0]).float().cpu()
 
 
-def load_reward_model(path: str | None, *, seed: int) -> transformers.PreTrainedModel:
+def load_reward_model(path: str | None, *, seed: int):
     """A one-logit AutoModelForSequenceClassification from a local directory, or the tiny random one."""
+    # model code loads here, on the reward model's ranks: building a graph (the CLI, --dry-run) stays light
+    import transformers
+
+    from executors.hf import ATTN_IMPL, embedded_config, load_tokenizer
+
     # fork_rng: a new head (or the random model) is initialised from `seed`, the caller's RNG untouched
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
