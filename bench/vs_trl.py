@@ -1,139 +1,447 @@
-"""Tidal against TRL's GRPOTrainer on the same job: s/step, tokens/s and CPU-seconds per step.
+"""Tidal against TRL's GRPOTrainer on the same job, on equal terms: s/step, tokens/s, CPU-s/step, peak RSS
+per process and each side's phase split, with the ratios against TRL measured in the same round.
 
-The job: the embedded tiny Qwen3 saved as an HF directory, the embedded task's prompts as a JSONL
-with its reward, 8 prompts x 4 completions x <= 32 new tokens per step, beta = 0, one optimizer step
-per batch, lr 1e-6. TRL runs in one process with torch's default threads (the machine's cores);
-Tidal runs `python launch.py --algo grpo` (3 ranks, a thread each), in both schedules.
+The job (defaults: the embedded tiny Qwen3 saved as an HF directory, the embedded task's prompts and its
+reward): --model PATH (HF directory), --data FILE (JSONL, a prompt column), --reward module:function
+(called fn(prompt, response, sample) as Tidal calls a reward: sample = the row's other columns; TRL gets
+the same function wrapped into its reward_funcs signature). The rows that pass --min/--max-prompt-tokens
+(the model's tokenizer, as Tidal tokenizes: tokenizer(prompt)) are written to one JSONL that both read.
+B prompts x G samples x <= --max-new-tokens, temperature, lr, beta 0, one optimizer step per batch, on
+both sides.
 
-- s/step: the median step time after the first 2 steps (TRL: between its step-end callbacks; Tidal:
-  `step_s`).
-- tokens/s: completion tokens per step over s/step.
-- CPU-s/step: the whole job's CPU time (every process) for a long run minus a short run, over the
-  extra steps, so start-up cancels out.
+Precision and recomputation are set explicitly and equally on both sides:
+- fp32 (default): TRL bf16=False, fp16=False, gradient_checkpointing=False, model loaded in float32;
+  Tidal trainer.precision=fp32, trainer.activation_checkpointing=false, model.dtype=float32.
+- --bf16: TRL bf16=True (accelerate wraps the model's forward in CPU bf16 autocast: fp32 weights, grads
+  and AdamW state; its generation runs through the same forward, so in autocast too (the run checks
+  both and prints it)); Tidal trainer.precision=bf16 (forward and backward on a bf16 copy of fp32
+  master weights, AdamW steps the fp32 masters; the generator holds and runs the model in bf16).
+  Neither side recomputes activations.
 
-Runs interleave (TRL, Tidal sync, Tidal periodic) `--repeats` times; medians. TRL is an optional
-bench dependency, never a test one; build its venv with `make bench-trl`, then
-    .venv-trl/bin/python bench/vs_trl.py [--repeats 3] [--short 6] [--long 16]
+Measured (medians over the steps after the first, then over --repeats):
+- s/step: TRL: between its step-end callbacks; Tidal: metrics.jsonl `step_s`.
+- trained tokens/step, as each side counts them: TRL: the tokens of its training forward, from a
+  forward hook on the policy with grad enabled (attention-mask sum: prompt + completion of each of the
+  B x G rows, each prompt G times; its padded [rows x columns] count too); Tidal: `trainer/tokens` (packed,
+  each prompt once per group). Completion tokens/step: both sides' mean response length x B x G.
+- CPU-s/step: the bench polls every process of the job (psutil, every --poll s: user + system of the
+  process and of its reaped children, e.g. a reward's subprocesses) and takes the CPU spent between the
+  end of the first step and the end of the last, over the steps between; start-up and shutdown are out.
+- peak RSS per process: the kernel's high-water mark (VmHWM) of each process, last polled value (TRL's
+  one process: also its rusage max RSS at exit). Tidal: per rank, plus the launcher (torchrun's agent).
+- phases: Tidal gen_s, score_s (reward), train_s, push_s from metrics.jsonl (periodic overlaps gen and
+  train); TRL from its own profiling timers: transformers.generate, _calculate_rewards, and the rest of
+  the step after _prepare_inputs (training forward, backward, optimizer step).
+Threads: TRL one process with torch's default intra-op threads (or --trl-threads); Tidal as launched,
+its ranks pin cores // ranks threads each (controller/devices.py pin_threads; 1 each on 2 cores).
+The systems interleave (TRL, Tidal sync, Tidal periodic, TRL, ...); the load average is recorded before
+and after each run. TRL is an optional bench dependency, never a test one; `make bench-trl` builds
+.venv-trl and runs the defaults:
+    .venv-trl/bin/python bench/vs_trl.py [--bf16] [--steps 10] [--repeats 3]
+    PYTHONPATH=/work/shared/real .venv-trl/bin/python bench/vs_trl.py --model /work/real/smollm2-135m-hf \
+        --data /work/real/humaneval.jsonl --reward he_reward:humaneval --min-prompt-tokens 100 \
+        --max-prompt-tokens 130 --prompts 4 --samples 4 --max-new-tokens 64
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
-import resource
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-B, G, NEW_TOKENS, LR = 8, 4, 32, 1e-6
+SYSTEMS = ("trl", "sync", "periodic")
+NAMES = {"trl": "TRL GRPOTrainer", "sync": "Tidal sync", "periodic": "Tidal periodic"}
+EMBEDDED_REWARD = "executors.embedded.task:embedded_reward"
 
 
-def write_job(tmp: Path) -> tuple[Path, Path]:
+# ---- the job: model, rows in the length band, reward ---------------------------------------------------
+
+def write_job(args, tmp: Path) -> tuple[str, Path, list[int]]:
+    """(model directory, the JSONL both sides read, its prompts' token lengths)."""
     sys.path.insert(0, str(ROOT))
-    from executors.embedded.task import embedded_prompts
-    from executors.hf import load_model, load_tokenizer, save_hf
+    from executors.hf import load_tokenizer
 
-    model_dir, data = tmp / "model", tmp / "prompts.jsonl"
-    save_hf(load_model(None, seed=0), load_tokenizer(None), model_dir)
-    data.write_text("".join(json.dumps(p) + "\n" for p in embedded_prompts(4096, seed=0)))
-    return model_dir, data
+    model_dir = args.model
+    if model_dir is None:
+        from executors.hf import load_model, save_hf
+
+        model_dir = str(tmp / "model")
+        save_hf(load_model(None, seed=0), load_tokenizer(None), Path(model_dir))
+    if args.data:
+        rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
+    else:
+        from executors.embedded.task import embedded_prompts
+
+        rows = embedded_prompts(4096, seed=0)
+    tok = load_tokenizer(model_dir)
+    kept, lengths = [], []
+    for row in rows:
+        row = dict(row)
+        row["prompt"] = row.pop(args.prompt_key)
+        n = len(tok(row["prompt"])["input_ids"])  # as Tidal's PromptSet and TRL's _tokenize_prompts do
+        if args.min_prompt_tokens <= n <= (args.max_prompt_tokens or n):
+            kept.append(row)
+            lengths.append(n)
+    if len(kept) < args.prompts:
+        raise SystemExit(f"{len(kept)} of {len(rows)} prompts lie in [{args.min_prompt_tokens}, "
+                         f"{args.max_prompt_tokens or 'any'}] tokens; a step needs {args.prompts}")
+    data = tmp / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return model_dir, data, lengths
 
 
-def trl_worker(model_dir: str, data: str, steps: int, out: str) -> None:
-    """One TRL GRPOTrainer run; writes the time of each step's end and the completion tokens."""
+def load_reward(spec: str):
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+# ---- TRL, in its own process ---------------------------------------------------------------------------
+
+def trl_worker(spec_file: str) -> None:
+    """One TRL GRPOTrainer run; writes each step's end time, phases and tokens, and what it ran in."""
+    spec = json.loads(Path(spec_file).read_text())
+    import torch
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
     import datasets
+    import trl.extras.profiling as profiling
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, str(ROOT))
-    from executors.embedded.task import embedded_reward
+    fn = load_reward(spec["reward"])
+    columns = [k for k in json.loads(Path(spec["data"]).read_text().splitlines()[0]) if k != "prompt"]
 
-    def reward(prompts, completions, answer, **_):
-        return [embedded_reward(p, c, {"answer": a}) for p, c, a in zip(prompts, completions, answer)]
+    def reward(prompts, completions, **kw):  # TRL's signature -> fn(prompt, response, sample) as Tidal calls it
+        return [float(fn(p, c, {k: kw[k][i] for k in columns})) for i, (p, c) in enumerate(zip(prompts, completions))]
 
-    ends, tokens = [], []
+    reward.__name__ = spec["reward"].rpartition(":")[2]
+    steps, cur, seen = [], {"phases": defaultdict(float), "tokens": 0, "padded": 0}, set()
+
+    log_metrics = profiling.ProfilingContext._log_metrics
+
+    def record(self, duration):  # TRL's own timers (logged to wandb & co only): keep them per step
+        cur["phases"][self.name.rpartition(".")[2] if "._" in self.name else self.name.split(".", 1)[1]] += duration
+        log_metrics(self, duration)
+
+    profiling.ProfilingContext._log_metrics = record
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
-            ends.append(time.perf_counter())
+            steps.append({"end_t": time.time(), "phases": dict(cur["phases"]), "tokens": cur["tokens"],
+                          "padded": cur["padded"]})
+            cur.update(phases=defaultdict(float), tokens=0, padded=0)
 
         def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
-                tokens.append(logs["completions/mean_length"] * B * G)
+            if logs and "completions/mean_length" in logs and steps:
+                steps[-1]["completion_tokens"] = logs["completions/mean_length"] * spec["B"] * spec["G"]
 
-    config = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=B * G, num_generations=G,
-                        max_completion_length=NEW_TOKENS, max_steps=steps, beta=0.0, learning_rate=LR,
-                        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0,
-                        dataloader_num_workers=0, disable_tqdm=True)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=config,
-                          train_dataset=datasets.load_dataset("json", data_files=data, split="train"),
-                          callbacks=[Clock()])
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=spec["B"] * spec["G"], gradient_accumulation_steps=1,
+        num_generations=spec["G"], num_iterations=1, max_completion_length=spec["N"], max_steps=spec["steps"],
+        temperature=spec["temperature"], top_p=1.0, top_k=0, beta=0.0, loss_type="grpo", scale_rewards="group",
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        bf16=spec["bf16"], fp16=False, gradient_checkpointing=False, model_init_kwargs={"dtype": "float32"},
+        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
+        disable_tqdm=True)
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward, args=config, callbacks=[Clock()],
+                          train_dataset=datasets.load_dataset("json", data_files=spec["data"], split="train"))
+
+    def count(module, args, kwargs):  # the training forward (grad on); generation runs under no_grad
+        if torch.is_grad_enabled():
+            ids, mask = kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask")
+            cur["padded"] += ids.numel()
+            cur["tokens"] += int(mask.sum()) if mask is not None else ids.numel()
+
+    def probe(module, args):  # inside the (possibly autocast-wrapped) forward: what the matmuls run in
+        seen.add(("train" if torch.is_grad_enabled() else "generation", torch.is_autocast_enabled("cpu")))
+
+    trainer.model.register_forward_pre_hook(count, with_kwargs=True)
+    next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Linear)).register_forward_pre_hook(probe)
     trainer.train()
-    Path(out).write_text(json.dumps({"step_s": [b - a for a, b in zip(ends, ends[1:])], "tokens": tokens}))
+    autocast = {phase: sorted({on for ph, on in seen if ph == phase}) for phase, _ in seen}
+    Path(spec["out"]).write_text(json.dumps({
+        "steps": steps, "threads": torch.get_num_threads(), "autocast": autocast,
+        "param_dtype": str(next(trainer.model.parameters()).dtype),
+        "args": {k: getattr(trainer.args, k) for k in ("bf16", "fp16", "gradient_checkpointing", "loss_type")}}))
 
 
-def _cpu_children() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+# ---- one run of one system, its processes polled ---------------------------------------------------------
+
+class Poller(threading.Thread):
+    """Every `interval` s: each process of the job's tree, its CPU (own + reaped children's) and VmHWM."""
+
+    def __init__(self, pid: int, interval: float):
+        super().__init__(daemon=True)
+        import psutil
+
+        self.root, self.interval, self.stop = psutil.Process(pid), interval, threading.Event()
+        self.samples: list[tuple[float, dict[int, float]]] = []
+        self.hwm: dict[int, int] = {}
+        self.rank: dict[int, str | None] = {}
+        self.parent: dict[int, int] = {}
+
+    def run(self) -> None:
+        import psutil
+
+        while not self.stop.is_set():
+            t, cpu = time.time(), {}
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.Error:
+                procs = []
+            for p in procs:
+                try:
+                    with p.oneshot():
+                        c = p.cpu_times()
+                        cpu[p.pid] = c.user + c.system + c.children_user + c.children_system
+                        if p.pid not in self.rank:
+                            self.rank[p.pid] = p.environ().get("RANK")
+                            self.parent[p.pid] = p.ppid()
+                    with open(f"/proc/{p.pid}/status") as f:
+                        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+                    self.hwm[p.pid] = max(self.hwm.get(p.pid, 0), hwm)
+                except (psutil.Error, OSError, StopIteration):
+                    pass
+            self.samples.append((t, cpu))
+            self.stop.wait(self.interval)
+
+    def cpu_between(self, t0: float, t1: float) -> dict[int, float]:
+        """CPU seconds each process spent in [t0, t1] (linear between polls), for the processes polled
+        before t0 and after t1 (a short-lived one's CPU is in its parent's once reaped)."""
+        def at(series, t):
+            for (ta, ca), (tb, cb) in zip(series, series[1:]):
+                if ta <= t <= tb:
+                    return ca + (cb - ca) * (t - ta) / max(tb - ta, 1e-9)
+            return None
+
+        out = {}
+        for pid in {pid for _, cpu in self.samples for pid in cpu}:
+            series = [(t, cpu[pid]) for t, cpu in self.samples if pid in cpu]
+            a, b = at(series, t0), at(series, t1)
+            if a is not None and b is not None:
+                out[pid] = b - a
+        return out
 
 
-def run(kind: str, model_dir: Path, data: Path, steps: int) -> tuple[list[float], list[float], float]:
-    """(step seconds, completion tokens per step, CPU seconds of the whole job)."""
-    with tempfile.TemporaryDirectory() as out:
-        if kind == "trl":
-            cmd = [sys.executable, __file__, "--trl-worker", str(model_dir), str(data), str(steps), f"{out}/t.json"]
-        else:
-            cmd = [sys.executable, "launch.py", "--algo", "grpo", "--schedule", kind, "--steps", str(steps),
-                   "--output-dir", f"{out}/run", "--set", f"model.path={model_dir}", "--set", f"data.path={data}",
-                   "--set", "reward.functions=[embedded]", "--set", f"data.prompts_per_step={B}",
-                   "--set", f"generator.samples_per_prompt={G}", "--set", f"generator.max_new_tokens={NEW_TOKENS}",
-                   "--set", f"trainer.lr={LR}"]
-        cpu0 = _cpu_children()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-        cpu = _cpu_children() - cpu0
-        if proc.returncode:
-            raise SystemExit(f"{kind} failed:\n{proc.stderr[-3000:]}")
-        if kind == "trl":
-            got = json.loads(Path(f"{out}/t.json").read_text())
-            return got["step_s"][1:], got["tokens"][2:], cpu
-        rows = [json.loads(line) for line in Path(f"{out}/run/metrics.jsonl").read_text().splitlines()]
-        return [r["step_s"] for r in rows[2:]], [r["response_len_mean"] * B * G for r in rows[2:]], cpu
+def run(system: str, *, args, job: dict, out: Path) -> dict:
+    out.mkdir(parents=True)
+    if system == "trl":
+        spec = out / "spec.json"
+        spec.write_text(json.dumps({**job, "steps": args.steps, "bf16": args.bf16, "threads": args.trl_threads,
+                                    "out": str(out / "trl.json")}))
+        cmd = [sys.executable, __file__, "--trl-worker", str(spec)]
+    else:
+        sets = [f"model.path={job['model']}", "model.dtype=float32", f"data.path={job['data']}",
+                f"data.max_prompt_tokens={job['max_prompt']}", f"reward.functions=[{job['reward']}]",
+                f"data.prompts_per_step={job['B']}", f"generator.samples_per_prompt={job['G']}",
+                f"generator.max_new_tokens={job['N']}", f"generator.temperature={job['temperature']}",
+                f"trainer.lr={job['lr']}", f"trainer.precision={'bf16' if args.bf16 else 'fp32'}",
+                "trainer.activation_checkpointing=false", "trainer.mini_batches=1", "trainer.epochs=1",
+                "algorithm.beta=0", "seed=0", "checkpoint_minutes=0", "logging.samples_every=0",
+                # TRL feeds a plain-string prompt to the model as it is; a model with a chat template would
+                # get it applied by Tidal's pretrained defaults: raw prompts on both sides
+                "data.chat_template=false"]
+        cmd = [sys.executable, "launch.py", "--algo", "grpo", "--schedule", system, "--steps", str(args.steps),
+               "--output-dir", str(out / "run"), *[x for s in sets for x in ("--set", s)]]
+    load = [os.getloadavg()[0]]
+    with open(out / "stdout", "w") as so, open(out / "stderr", "w") as se:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=so, stderr=se, start_new_session=True)
+    poller = Poller(proc.pid, args.poll)
+    poller.start()
+    timer = threading.Timer(args.timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    _, status, usage = os.wait4(proc.pid, 0)
+    timer.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    poller.stop.set()
+    poller.join()
+    load.append(os.getloadavg()[0])
+    if proc.returncode:
+        raise SystemExit(f"{NAMES[system]} failed (exit {proc.returncode}):\n{(out / 'stderr').read_text()[-3000:]}")
+    if system == "trl":
+        got = json.loads((out / "trl.json").read_text())
+        steps = got["steps"]
+        ends = [s["end_t"] for s in steps]
+        step_s = [b - a for a, b in zip(ends, ends[1:])]
+        later = steps[1:]
+        trained = [s["tokens"] for s in later]
+        completion = [s.get("completion_tokens", 0.0) for s in later]
+        phases = {"generate": [s["phases"].get("transformers.generate", 0.0) for s in later],
+                  "reward": [s["phases"].get("_calculate_rewards", 0.0) for s in later],
+                  "train (rest of step)": [d - s["phases"].get("_prepare_inputs", 0.0) for d, s in zip(step_s, later)]}
+        extra = {"padded": statistics.median(s["padded"] for s in later), "trl": got}
+        labels = {proc.pid: "TRL (one process)"}
+        threads = {proc.pid: got["threads"]}
+    else:
+        rows = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
+        timeline = [json.loads(line) for line in (out / "run/timeline.jsonl").read_text().splitlines()]
+        role = {r["rank"]: r["executor"] for r in timeline if r["kind"] == "step"}
+        ends = [max(r["t1"] for r in timeline if r["kind"] == "step" and r["executor"] == "trainer" and r["step"] == k)
+                for k in range(args.steps)]
+        later = rows[1:]
+        step_s = [r["step_s"] for r in later]
+        trained = [r["tokens"] for r in later]
+        completion = [r["response_len_mean"] * job["B"] * job["G"] for r in later]
+        phases = {k: [r.get(k, 0.0) for r in later] for k in ("gen_s", "score_s", "train_s", "push_s")}
+        extra = {"overlap_s": statistics.median(r.get("overlap_s", 0.0) for r in later)}
+        # a rank's own subprocesses (e.g. a reward that runs code) inherit RANK: a rank is a process with
+        # RANK whose parent has none (their CPU is in the total, and in the rank's once reaped)
+        ranks = {pid: int(r) for pid, r in poller.rank.items()
+                 if r is not None and poller.rank.get(poller.parent.get(pid)) is None}
+        labels = {pid: f"rank {r} {role.get(r, '?')}" for pid, r in ranks.items()}
+        labels[proc.pid] = "launcher (torchrun agent)"
+        cores = len(os.sched_getaffinity(0))
+        threads = {pid: max(1, cores // len(ranks)) for pid in ranks}
+    cpu = poller.cpu_between(ends[0], ends[-1])
+    n = len(ends) - 1
+    peak = dict(poller.hwm)
+    if system == "trl":
+        peak[proc.pid] = max(peak.get(proc.pid, 0), usage.ru_maxrss * 1024)
+    procs = [{"label": labels[pid], "threads": threads.get(pid, "-"), "cpu_step": cpu.get(pid, 0.0) / n,
+              "peak_gib": peak.get(pid, 0) / 2**30} for pid in sorted(labels, key=lambda p: labels[p])]
+    return {"system": system, "load": load, "s_step": statistics.median(step_s), "trained": statistics.median(trained),
+            "completion": statistics.median(completion), "cpu_step": sum(cpu.values()) / n,
+            "cpu_whole": usage.ru_utime + usage.ru_stime, "procs": procs,
+            "phases": {k: statistics.median(v) for k, v in phases.items()}, **extra}
+
+
+# ---- the tables -----------------------------------------------------------------------------------------
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def report(results: dict[str, list[dict]], args, job: dict, lengths: list[int]) -> None:
+    from tabulate import tabulate
+
+    trl = results["trl"][0]["trl"]
+    gen_ac, train_ac = trl["autocast"].get("generation"), trl["autocast"].get("train")
+    if args.bf16:
+        trl_mode = (f"bf16=True: CPU bf16 autocast over fp32 weights ({trl['param_dtype']}), grads and AdamW state; "
+                    f"autocast seen in generation: {gen_ac}, in training: {train_ac}")
+        tidal_mode = ("trainer.precision=bf16: forward/backward on a bf16 copy of fp32 masters, AdamW on the "
+                      "masters; the generator holds and runs a bf16 model")
+    else:
+        trl_mode = (f"fp32: bf16=False, fp16=False, weights {trl['param_dtype']}; autocast seen in generation: "
+                    f"{gen_ac}, in training: {train_ac}")
+        tidal_mode = "fp32: trainer.precision=fp32, model.dtype=float32 (trainer and generator)"
+    ranks = [p for p in results["sync"][0]["procs"] if p["label"].startswith("rank")]
+    loads = [x for runs in results.values() for r in runs for x in r["load"]]
+    print(f"model {job['model']}; {len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens (median "
+          f"{med(lengths):.0f}) in {job['data_src']}; reward {job['reward']}")
+    print(f"B={job['B']} prompts x G={job['G']} samples x <= {job['N']} new tokens, temperature {job['temperature']}, "
+          f"lr {job['lr']}, beta 0, one optimizer step per batch; {args.steps} steps per run (the first left out), "
+          f"{args.repeats} round(s) interleaved; {len(os.sched_getaffinity(0))} cores; load average (1 min) "
+          f"{min(loads):.2f}-{max(loads):.2f}")
+    print(f"TRL:   {trl_mode}; gradient_checkpointing={trl['args']['gradient_checkpointing']}, "
+          f"loss_type={trl['args']['loss_type']}; one process, {trl['threads']} torch threads")
+    print(f"Tidal: {tidal_mode}; trainer.activation_checkpointing=false; {len(ranks)} ranks "
+          f"x {ranks[0]['threads']} torch thread(s) (cores // ranks) + the launcher")
+    print("tokens/s: trained tokens per step as each side counts them (TRL: prompt + completion of every row, "
+          "each prompt G times, padding left out; Tidal: packed, each prompt once per group) over s/step\n")
+
+    tidal_procs = ", ".join(p["label"].split(" (")[0] for p in results["sync"][0]["procs"])
+    body = []
+    for i in range(args.repeats):
+        for s in SYSTEMS:
+            r = results[s][i]
+            body.append([i + 1, NAMES[s], f"{r['load'][0]:.2f} -> {r['load'][1]:.2f}", r["s_step"], r["cpu_step"],
+                         r["cpu_whole"], " + ".join(f"{p['peak_gib']:.2f}" for p in r["procs"])])
+    print(tabulate(body, floatfmt=".3f", headers=["round", "", "load before -> after", "s/step", "CPU-s/step",
+                                                  "CPU-s whole run", f"peak RSS GiB (Tidal: {tidal_procs})"]))
+    print()
+
+    def ratio(s, key):  # against TRL of the same round
+        return med(results[s][i][key] / results["trl"][i][key] for i in range(args.repeats))
+
+    body = []
+    for s in SYSTEMS:
+        runs = results[s]
+        s_step = med(r["s_step"] for r in runs)
+        trained = med(r["trained"] for r in runs)
+        body.append([NAMES[s], s_step, trained, trained / s_step, med(r["completion"] for r in runs) / s_step,
+                     med(r["cpu_step"] for r in runs), ratio(s, "s_step"), ratio(s, "cpu_step")])
+    print(tabulate(body, floatfmt=("", ".3f", ".0f", ".0f", ".0f", ".3f", ".2f", ".2f"), headers=[
+        "", "s/step", "trained tok/step", "tokens/s", "completion tok/s", "CPU-s/step", "wall vs TRL", "CPU vs TRL"]))
+    print(f"TRL's training forward also holds {med(r['padded'] for r in results['trl']):.0f} padded tokens/step "
+          f"(rows x columns)\n")
+
+    body = []
+    for s in SYSTEMS:
+        procs = defaultdict(list)
+        for r in results[s]:
+            for p in r["procs"]:
+                procs[p["label"]].append(p)
+        for label, ps in procs.items():
+            body.append([NAMES[s], label, ps[0]["threads"], med(p["cpu_step"] for p in ps),
+                         max(p["peak_gib"] for p in ps)])
+    print(tabulate(body, floatfmt=".3f", headers=["", "process", "torch threads", "CPU-s/step", "peak RSS GiB"]))
+    print()
+
+    body = []
+    for s in SYSTEMS:
+        phases = {k: med(r["phases"][k] for r in results[s]) for k in results[s][0]["phases"]}
+        split = ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+        if s != "trl":
+            split += f", overlap_s {med(r['overlap_s'] for r in results[s]):.3f}"
+        body.append([NAMES[s], med(r["s_step"] for r in results[s]), split])
+    print(tabulate(body, floatfmt=".3f", headers=[
+        "", "s/step", "phases, s/step (TRL: its profiling timers; Tidal: metrics.jsonl)"]))
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
-        return trl_worker(*sys.argv[2:4], int(sys.argv[4]), sys.argv[5])
-    from tabulate import tabulate
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--short", type=int, default=6)
-    p.add_argument("--long", type=int, default=16)
+        return trl_worker(sys.argv[2])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="HF model directory (default: the embedded tiny Qwen3, saved as one)")
+    p.add_argument("--data", help="JSONL of prompts (default: the embedded task's)")
+    p.add_argument("--prompt-key", default="prompt", help="the data file's prompt column")
+    p.add_argument("--reward", help=f"module:function, called fn(prompt, response, sample) (default: "
+                   f"{EMBEDDED_REWARD}); its module must import on both sides (PYTHONPATH)")
+    p.add_argument("--min-prompt-tokens", type=int, default=0)
+    p.add_argument("--max-prompt-tokens", type=int, default=0, help="0: no upper bound")
+    p.add_argument("--prompts", type=int, default=8, help="B: prompts per step")
+    p.add_argument("--samples", type=int, default=4, help="G: samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--bf16", action="store_true", help="both sides in bf16 (see the module's docstring)")
+    p.add_argument("--steps", type=int, default=10, help="steps per run; the first is left out")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of (TRL, Tidal sync, Tidal periodic)")
+    p.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0: torch's default")
+    p.add_argument("--poll", type=float, default=0.2, help="seconds between polls of the processes")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
+    p.add_argument("--keep", type=Path, help="keep the runs here instead of a temporary directory")
     args = p.parse_args()
-    if args.long - args.short < 8:  # measured: 2 extra steps leave start-up noise larger than their CPU time
-        p.error("--long must exceed --short by 8 or more: the CPU per step is their difference")
-    kinds = ("trl", "sync", "periodic")
-    step_s, tok_s, cpu_step = ({k: [] for k in kinds} for _ in range(3))
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir, data = write_job(Path(tmp))
-        for _ in range(args.repeats):
-            for kind in kinds:
-                _, _, cpu_short = run(kind, model_dir, data, args.short)
-                steps, tokens, cpu_long = run(kind, model_dir, data, args.long)
-                step_s[kind].append(statistics.median(steps))
-                tok_s[kind].append(statistics.median(tokens) / statistics.median(steps))
-                cpu_step[kind].append((cpu_long - cpu_short) / (args.long - args.short))
-    med = {k: (statistics.median(step_s[k]), statistics.median(tok_s[k]), statistics.median(cpu_step[k])) for k in kinds}
-    rows = [["TRL GRPOTrainer" if k == "trl" else f"Tidal {k}", *med[k], med[k][0] / med["trl"][0],
-             med[k][2] / med["trl"][2]] for k in kinds]
-    print(f"{B} prompts x {G} completions x <= {NEW_TOKENS} tokens, beta 0, {os.cpu_count()} cores; "
-          f"medians of {args.repeats}")
-    print(tabulate(rows, floatfmt=".3f", headers=["", "s/step", "tokens/s", "CPU-s/step", "wall vs TRL",
-                                                  "CPU vs TRL"]))
+    if args.steps < 2:
+        p.error("--steps must be 2 or more: the first step is left out")
+    if args.reward is None and args.data:
+        p.error("--data needs --reward (the embedded reward reads the embedded task's answers)")
+    with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp_dir:
+        tmp = args.keep or Path(tmp_dir)
+        tmp.mkdir(parents=True, exist_ok=True)
+        model, data, lengths = write_job(args, tmp)
+        job = {"model": model, "data": str(data), "data_src": args.data or "the embedded task",
+               "reward": args.reward or EMBEDDED_REWARD, "max_prompt": max(lengths), "B": args.prompts,
+               "G": args.samples, "N": args.max_new_tokens, "temperature": args.temperature, "lr": args.lr}
+        results = {s: [] for s in SYSTEMS}
+        for i in range(args.repeats):
+            for s in SYSTEMS:
+                print(f"vs_trl: {NAMES[s]} ({i + 1}/{args.repeats})", file=sys.stderr, flush=True)
+                results[s].append(run(s, args=args, job=job, out=tmp / f"{s}-{i}"))
+        report(results, args, job, lengths)
 
 
 if __name__ == "__main__":
