@@ -16,7 +16,7 @@ from channels.payloads import AdvantagedGroup, ScoredGroup
 from common.registry import Registry
 from executors.critic.executor import Critic
 from executors.trainer.executor import Trainer
-from recipes.checks import check_critic, check_tp
+from recipes.checks import check_critic
 from recipes.config import RunConfig
 
 
@@ -35,8 +35,7 @@ def _from_rewards(cfg: RunConfig, algo_cfg, *, scored_by: str = "reward") -> tup
 
 
 def _critic(cfg: RunConfig, algo_cfg, *, scored_by: str = "reward") -> tuple[list, list[Channel]]:
-    check_critic(cfg)
-    check_tp(cfg, critic=True)
+    check_critic(cfg)  # its tp: recipes/grpo.py's check_tp, once for every executor
     critic = Critic(config=cfg.critic, model_path=cfg.model.path, dtype=cfg.model.torch_dtype, algo_config=algo_cfg,
                     temperature=cfg.generator.logprob_temperature, total_steps=cfg.steps)
     return [critic], [

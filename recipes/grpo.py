@@ -58,7 +58,7 @@ def build(cfg: RunConfig) -> Graph:
     algo_cfg = cfg.algo_config.fit_generation(max_new_tokens=cfg.generator.max_new_tokens)
     dynamic = algo_cfg.filters_groups  # DAPO: flat groups are dropped and the batch topped up
     check_trainer(cfg, dynamic_sampling=dynamic)
-    check_tp(cfg)
+    check_tp(cfg, critic="critic" in source.sections)  # config.json read once, for every executor's tp
     check_engine(cfg)
     check_eval(cfg)
     keep = (lambda rewards_G: algorithm.keeps_group(rewards_G, algo_cfg)) if dynamic else None

@@ -59,7 +59,7 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
             results[rank] = pickle.loads(payload)
     finally:
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=120)  # a rank that returned may still be tearing its groups down (CI can be loaded)
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world_size)]
