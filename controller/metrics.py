@@ -1,8 +1,8 @@
 """Per-step metrics: each executor's leader posts its record to the store; rank 0 merges and writes.
 
 A row of metrics.jsonl (`build_row`) is every executor's record, each field namespaced by its
-executor (`trainer/loss`, `generator/gen_s`; a field already holding a "/", like the reward
-executor's `eval/pass@1`, as it is), `<executor>_s` (the controller's wall time of that executor's
+executor (`trainer/loss`, `generator/gen_s`, the evaluation's `eval/pass@1`; a field already
+holding a "/" as it is), `<executor>_s` (the controller's wall time of that executor's
 step) and what `derive` computes from the records (step-level, unprefixed). Until the next release
 the rows also keep the flat names they had before (`loss`, `gen_s`, ...): see FLAT_ALIASES.
 
