@@ -8,7 +8,11 @@ token, minus beta * kl_t on every token when the KL is in the reward. The respon
     A_t     = delta_t + gamma * lam * A_{t+1}      (A_T = 0)
     R_t     = A_t + V_t                            (the value target)
 gamma = lam = 1 gives Monte-Carlo returns R_t = sum_{k >= t} r_k; lam = 0 gives one-step TD.
-All [N, T] tensors are padded rows; mask_NT marks the real tokens, which start at column 0.
+All [N, T] tensors are padded rows; mask_NT marks the tokens the model sampled. In a multi-turn
+rollout it has holes, the environment's observations, which are not actions: as verl's multi-turn
+GAE, the scan passes over them, so the model token before a hole bootstraps from the value of the
+first model token after it (t+1 above is the next model token), and advantages and returns are 0
+on a hole. Without holes (a single-turn rollout) this is the plain recursion above, bit for bit.
 """
 from __future__ import annotations
 
@@ -17,12 +21,15 @@ import torch
 
 def token_rewards(rewards_N: torch.Tensor, mask_NT: torch.Tensor, *, kl_NT: torch.Tensor | None = None,
                   beta: float = 0.0) -> torch.Tensor:
-    """r_NT: each sequence's reward on its last real token, minus beta * kl_NT on every real token."""
-    lengths_N = mask_NT.sum(dim=1)
-    if bool((lengths_N == 0).any()):
+    """r_NT: each sequence's reward on its last model token (the last True of mask_NT), minus beta *
+    kl_NT on every model token."""
+    if bool((~mask_NT.any(dim=1)).any()):
         raise ValueError("a response has no tokens: it has no last token to carry its reward")
+    T = mask_NT.shape[1]
+    # the first True from the end (argmax returns the first maximum): lengths - 1 when there are no holes
+    last_N = T - 1 - mask_NT.flip(1).to(torch.uint8).argmax(dim=1)
     r_NT = torch.zeros(mask_NT.shape, dtype=torch.float64)
-    r_NT[torch.arange(len(lengths_N)), lengths_N - 1] = rewards_N.double()
+    r_NT[torch.arange(mask_NT.shape[0]), last_N] = rewards_N.double()
     if kl_NT is not None and beta:
         r_NT -= beta * torch.where(mask_NT, kl_NT.double(), 0.0)
     return r_NT
@@ -30,7 +37,7 @@ def token_rewards(rewards_N: torch.Tensor, mask_NT: torch.Tensor, *, kl_NT: torc
 
 def gae(r_NT: torch.Tensor, values_NT: torch.Tensor, mask_NT: torch.Tensor, *, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages_NT, returns_NT) in float64, 0 on padding; a backward scan over the columns."""
+    """(advantages_NT, returns_NT) in float64, 0 on padding and holes; a backward scan over the columns."""
     if r_NT.shape != values_NT.shape or r_NT.shape != mask_NT.shape:
         raise ValueError(f"r_NT {tuple(r_NT.shape)}, values_NT {tuple(values_NT.shape)} and mask_NT "
                          f"{tuple(mask_NT.shape)} must have one shape")
@@ -40,10 +47,12 @@ def gae(r_NT: torch.Tensor, values_NT: torch.Tensor, mask_NT: torch.Tensor, *, g
     next_v_N = torch.zeros(r_NT.shape[0], dtype=torch.float64)
     next_adv_N = torch.zeros_like(next_v_N)
     for t in reversed(range(r_NT.shape[1])):
-        # padding past a response's end is 0 in values and advantages: its last token sees V_T = A_T = 0
+        # padding past a response's end keeps V_T = A_T = 0 for its last token; a hole keeps the next
+        # model token's V and A for the model token before it (where: exact, no 0 * x rounding)
         delta_N = r_NT[:, t] + gamma * next_v_N - v_NT[:, t]
         adv_NT[:, t] = (delta_N + gamma * lam * next_adv_N) * m_NT[:, t]
-        next_v_N, next_adv_N = v_NT[:, t], adv_NT[:, t]
+        next_v_N = torch.where(mask_NT[:, t], v_NT[:, t], next_v_N)
+        next_adv_N = torch.where(mask_NT[:, t], adv_NT[:, t], next_adv_N)
     return adv_NT, (adv_NT + v_NT) * m_NT
 
 

@@ -22,6 +22,26 @@ class RolloutGroup:
     # the prompt's line in its data file (1-based; a Parquet file's row), named by reward errors;
     # None for the embedded task. Keyword-only: subclasses add fields without defaults
     data_row: int | None = field(default=None, kw_only=True)
+    # multi-turn rollouts (executors/generator/rollouts.py): a response is the model's turns and the
+    # environment's observations in order; G x [R_i] bool, True on the tokens the model sampled (the
+    # only ones trained; `logprobs` is 0 elsewhere). None: every response token is the model's
+    loss_masks: list[torch.Tensor] | None = field(default=None, kw_only=True)
+    # one dict per sample from the rollout's environment: {"turns": n, "env_s": s, "reward_parts":
+    # {name: value}, "error": message or None}; None for a single-turn rollout
+    episodes: list[dict] | None = field(default=None, kw_only=True)
+
+    def turns(self, i: int) -> list[tuple[str, torch.Tensor]]:
+        """Response i as (role, token ids) runs: "assistant" where the model sampled, "tool" where the
+        environment spoke; one assistant run for a single-turn rollout."""
+        ids, mask = self.responses[i], self.loss_masks[i] if self.loss_masks is not None else None
+        if mask is None or ids.numel() == 0:
+            return [("assistant", ids)]
+        starts = [0] + [t for t in range(1, len(mask)) if bool(mask[t]) != bool(mask[t - 1])] + [len(mask)]
+        return [("assistant" if bool(mask[a]) else "tool", ids[a:b]) for a, b in zip(starts, starts[1:])]
+
+    def model_tokens(self, i: int) -> int:
+        """How many of response i's tokens the model sampled (all of them in a single-turn rollout)."""
+        return self.responses[i].numel() if self.loss_masks is None else int(self.loss_masks[i].sum())
 
 
 @dataclass

@@ -31,4 +31,8 @@ def console_line(row: dict, *, width: int = 160) -> str:
 
     head = (f"sample (prompt {row['prompt_index']}, reward {row['reward']:.3g}, advantage {row['advantage']:.3g}, "
             f"{row['length']} tokens{'' if row['finished'] else ', unfinished'}):")
-    return f"{head}\n  prompt:   {short(row['prompt'], width)}\n  response: {short(row['response'], width)}"
+    if "turns" not in row:
+        return f"{head}\n  prompt:   {short(row['prompt'], width)}\n  response: {short(row['response'], width)}"
+    # a multi-turn sample: who wrote what, a line per turn
+    turns = [f"  {('model:' if t['role'] == 'assistant' else 'env:'):<10}{short(t['text'], width)}" for t in row["turns"]]
+    return "\n".join([head, f"  prompt:   {short(row['prompt'], width)}", *turns])

@@ -122,7 +122,8 @@ class PromptSet:
     """Tokenized prompts that fit `max_prompt_tokens`, walked in a seeded order, epoch by epoch."""
 
     def __init__(self, rows: list[PromptRow], *, tokenizer: Any, max_prompt_tokens: int,
-                 apply_chat_template: bool) -> None:
+                 apply_chat_template: bool, tools: list[dict] | None = None) -> None:
+        """`tools`: JSON schemas the chat template writes into each prompt (a multi-turn environment's)."""
         if max_prompt_tokens <= 0:
             raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
@@ -132,7 +133,7 @@ class PromptSet:
         # different question, with a reward that no longer fits it.
         self.dropped = 0
         for row in rows:
-            ids = _tokenize(tokenizer, row.prompt, apply_chat_template=apply_chat_template)
+            ids = _tokenize(tokenizer, row.prompt, apply_chat_template=apply_chat_template, tools=tools)
             if len(ids) > max_prompt_tokens:
                 self.dropped += 1
             else:
@@ -179,11 +180,18 @@ class PromptSet:
         return out
 
 
-def _tokenize(tokenizer: Any, prompt: str, *, apply_chat_template: bool) -> list[int]:
+def _tokenize(tokenizer: Any, prompt: str, *, apply_chat_template: bool, tools: list[dict] | None = None) -> list[int]:
     if not apply_chat_template:
         return list(tokenizer(prompt)["input_ids"])
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-    )
+    chat = [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    if tools:
+        with_tools = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, tools=tools)
+        if with_tools == text:  # the template ignores `tools=`: a system message describes them
+            from executors.environments.toolcall import describe_tools
+
+            with_tools = tokenizer.apply_chat_template([{"role": "system", "content": describe_tools(tools)}, *chat],
+                                                       add_generation_prompt=True, tokenize=False)
+        text = with_tools
     # The template already writes BOS/special tokens; adding them again would double BOS.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -154,7 +154,7 @@ def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passe
 
 
 def _group_tokens(cfg: RunConfig, t: LearnerConfig) -> tuple[int, int]:
-    return micro_batch_tokens(t, prompt=cfg.data.max_prompt_tokens, response=cfg.generator.max_new_tokens,
+    return micro_batch_tokens(t, prompt=cfg.data.max_prompt_tokens, response=cfg.response_tokens,
                               samples=cfg.generator.samples_per_prompt)
 
 
@@ -187,7 +187,7 @@ def generator_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
         def rows(prompts: int, samples: int) -> int:
             return min(g.max_batch_prompts, -(-prompts // g.replicas)) * samples
 
-        shapes = [(rows(cfg.data.prompts_per_step, g.samples_per_prompt), g.max_new_tokens)]
+        shapes = [(rows(cfg.data.prompts_per_step, g.samples_per_prompt), cfg.response_tokens)]
         if cfg.eval.every:
             shapes.append((rows(cfg.eval.prompts, cfg.eval.samples), cfg.eval.max_new_tokens or g.max_new_tokens))
         row_tokens = max(n * (cfg.data.max_prompt_tokens + new) for n, new in shapes)
@@ -206,7 +206,7 @@ def reward_model_parts(cfg: RunConfig, m: Shape) -> dict[str, float] | None:
         return None
     c = _config_json(rm.path)
     dtype = _BYTES.get(str(c.get("dtype") or c.get("torch_dtype") or "float32"), 4) if rm.path else 4
-    tokens = cfg.generator.samples_per_prompt * (cfg.data.max_prompt_tokens + cfg.generator.max_new_tokens)
+    tokens = cfg.generator.samples_per_prompt * (cfg.data.max_prompt_tokens + cfg.response_tokens)
     return {"weights": shape.params * dtype,
             "activations (rough)": tokens * (8 * shape.hidden + 5 * shape.intermediate) * dtype}
 

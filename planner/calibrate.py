@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from executors.generator.engines import ENGINES
 from planner.model import GenFeatures, GenRates, Rates, StepShape, TrainRates, simulate
 
 # the generator terms a calibration fits (GenRates field <- GenFeatures field). A prefill counts as
@@ -41,10 +42,8 @@ def shapes_of(run_dir: Path) -> dict[int, StepShape]:
         lengths[s["step"]][s["prompt_index"]][s["sample"]] = s["length"]
     tokens = {row["step"]: row["tokens"] for row in _lines(run_dir / "metrics.jsonl")}
     shared = trainer.get("shared_prompt", "auto") != "off"
-    if gen.get("engine") == "vllm":  # continuous batching over max_num_seqs sample rows, taken as whole groups
-        slots, admission = max(1, gen["vllm"]["max_num_seqs"] // gen["samples_per_prompt"]), "continuous"
-    else:
-        slots, admission = gen["max_batch_prompts"], gen.get("admission", "chunked")
+    engine = ENGINES.get(gen.get("engine", "native"))  # vLLM: max_num_seqs sample rows, taken as whole groups
+    slots, admission = engine.slots(gen), engine.admission or gen.get("admission", "chunked")
     shapes = {}
     for step, groups in lengths.items():
         if step not in tokens:

@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 from tabulate import tabulate
 
+from executors.generator.engines import ENGINES
 from planner.model import GenRates, Rates, StepShape, TrainRates, simulate
 
 
@@ -108,8 +109,7 @@ def slots_table(shapes: list[StepShape], rates: Rates, split: Split, *, samples:
     """The admission settings for `split`, the fastest periodic one marked, as the --set to use."""
     rows = slot_choices(shapes, rates, replicas=split.replicas, dp=split.dp)
     best = min(rows, key=lambda r: r.periodic_s)
-    key, value = (("generator.vllm.max_num_seqs", best.slots * samples) if engine == "vllm"
-                  else ("generator.max_batch_prompts", best.slots))
+    key, value = ENGINES.get(engine).slots_setting(best.slots, samples=samples)
     body = [[r.slots, r.slots * samples, r.periodic_s, r.overlap_s, "<- use" if r is best else ""] for r in rows]
     return (f"generator admission for {split.gen_devices} generator / {split.train_devices} trainer devices "
             f"(periodic): --set {key}={value}, predicted {best.periodic_s:.3g} s/step\n"

@@ -78,3 +78,23 @@ def check_eval(cfg: RunConfig) -> None:
     if e.samples > 1 and e.temperature == 0:
         raise ValueError(f"eval.samples={e.samples} with eval.temperature=0: greedy samples are all the same text; "
                          f"set eval.temperature > 0 for pass@{e.samples}, or eval.samples=1")
+
+
+def check_rollout(cfg: RunConfig) -> None:
+    """A multi-turn rollout's environment loads (module:Class imported here, so a typo fails before
+    any rank starts), and it fits the rest of the config."""
+    if cfg.rollout != "multi_turn":
+        return
+    from executors.environments.base import env_class
+
+    m = cfg.multi_turn
+    env = env_class(m.env or "lookup")
+    if m.env in (None, "lookup") and cfg.data.path is not None:
+        raise ValueError("rollout=multi_turn with a data file needs multi_turn.env (calculator, python or "
+                         "module:Class): the default, lookup, is the embedded task's environment")
+    if cfg.generator.tp > 1 and not getattr(env, "deterministic", True):
+        raise ValueError(f"multi_turn.env={m.env!r} is not deterministic, and generator.tp={cfg.generator.tp}: every tp "
+                         f"rank of a replica steps its own copy of the environment, and they must agree")
+    if m.total_tokens(cfg.generator.max_new_tokens) <= cfg.generator.max_new_tokens:
+        raise ValueError(f"multi_turn.max_total_tokens={m.max_total_tokens} leaves no room for an observation after a "
+                         f"turn of generator.max_new_tokens={cfg.generator.max_new_tokens}")

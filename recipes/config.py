@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from algorithms.base import AlgoConfig
 from algorithms.registry import get_algorithm
 from executors.critic.config import CriticConfig
 from executors.evaluation.config import EvalConfig
-from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig
+from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, MultiTurnConfig
 from executors.reward.config import RewardConfig
 from executors.trainer.config import TrainerConfig
 
@@ -43,6 +43,9 @@ class RunConfig(BaseModel):
     stop_timeout_s: int = Field(300, ge=1, description="python launch.py: how long a stop (SIGTERM, Ctrl-C) may "
                                 "take, checkpoint included, before the launcher kills the ranks (torchrun's "
                                 "--shutdown-timeout; under torchrun pass that flag)")
+    rollout: str = Field("single_turn", description="single_turn: one completion per sample; multi_turn: turns "
+                         "with an environment between them (the multi_turn section); executors/generator/rollouts.py")
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     generator: GeneratorConfig = GeneratorConfig()
@@ -57,6 +60,14 @@ class RunConfig(BaseModel):
     algo_config: AlgoConfig | None = Field(None, exclude=True)
     sources: dict[str, str] = Field(default_factory=dict, exclude=True,
                                     description="where each dotted key's value came from (launch/cli.py)")
+
+    @field_validator("rollout")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        from executors.generator.rollouts import ROLLOUTS
+
+        ROLLOUTS.get(name)  # ValueError: unknown rollout 'x'; known: ...
+        return name
 
     def with_algorithm(self, name: str) -> "RunConfig":
         algorithm = get_algorithm(name)  # ValueError listing the known names
@@ -76,9 +87,20 @@ class RunConfig(BaseModel):
         return self.model
 
     @property
+    def response_tokens(self) -> int:
+        """The longest response: generator.max_new_tokens, or a multi-turn sample's whole budget."""
+        if self.rollout == "multi_turn":
+            return self.multi_turn.total_tokens(self.generator.max_new_tokens)
+        return self.generator.max_new_tokens
+
+    @property
     def reward_functions(self) -> list[str]:
         """reward.functions, or the default for the task: the embedded reward, or math_verify for a data file."""
-        return self.reward.functions or (["math_verify"] if self.data.path else ["embedded"])
+        if self.reward.functions:
+            return self.reward.functions
+        if self.data.path:
+            return ["math_verify"]
+        return ["embedded_lookup"] if self.rollout == "multi_turn" else ["embedded"]
 
     def resolved(self) -> dict:
         """Everything the run used, algorithm defaults included (written to config.json)."""

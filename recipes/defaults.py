@@ -137,7 +137,7 @@ def admission_defaults(data: dict, *, device_type: str) -> dict[str, object]:
         engine = ENGINES.get(str(get("generator.engine")))
     except ValueError:
         return {}  # the config's validation names the field
-    return {engine.slots_key: slots * samples if engine.slots_are_rows else slots}
+    return dict([engine.slots_setting(slots, samples=samples)])
 
 
 def _device_type() -> str:

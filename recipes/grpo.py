@@ -32,12 +32,13 @@ from executors.trainer.executor import Trainer
 from executors.trainer.stats import TrainerMetrics
 from recipes.advantages import ADVANTAGE_SOURCES
 from recipes.base import Phase, Recipe
-from recipes.checks import check_engine, check_eval, check_tp, check_trainer
+from recipes.checks import check_engine, check_eval, check_rollout, check_tp, check_trainer
 from recipes.config import RunConfig
 
 PHASES = (
     Phase("prompts", "generator", PromptSet.prompts, "the step's B prompts: a function of (seed, step, index)"),
-    Phase("generate", "generator", Generator.step, "G samples per prompt; a group leaves when its G are done"),
+    Phase("generate", "generator", Generator.step, "G samples per prompt (multi-turn: with an environment's turns); "
+          "a group leaves when its G are done"),
     Phase("score", "reward", Reward.step, "one reward per response, each group as it arrives"),
     Phase("train", "trainer", Trainer.step, "each group as the schedule hands it over: forward, loss, backward"),
     Phase("barrier", "trainer", Trainer.barrier, "all groups in: normalise, clip, optimizer step"),
@@ -55,11 +56,12 @@ def build(cfg: RunConfig) -> Graph:
     that source's stage between the reward and the trainer (recipes/advantages.py)."""
     algorithm = get_algorithm(cfg.algo)
     source = ADVANTAGE_SOURCES.get(algorithm.advantage_source)
-    algo_cfg = cfg.algo_config.fit_generation(max_new_tokens=cfg.generator.max_new_tokens)
+    algo_cfg = cfg.algo_config.fit_generation(max_new_tokens=cfg.response_tokens)
     dynamic = algo_cfg.filters_groups  # DAPO: flat groups are dropped and the batch topped up
     check_trainer(cfg, dynamic_sampling=dynamic)
     check_tp(cfg, critic="critic" in source.sections)  # config.json read once, for every executor's tp
     check_engine(cfg)
+    check_rollout(cfg)
     check_eval(cfg)
     keep = (lambda rewards_G: algorithm.keeps_group(rewards_G, algo_cfg)) if dynamic else None
     scorers, to_scorers, scored_by = reward_stage(cfg, keep=keep)
@@ -84,8 +86,8 @@ WEIGHTS = Channel("weights", "trainer", "generator", Kind.WEIGHTS, WeightsUpdate
 
 def generator(cfg: RunConfig, *, dynamic_sampling: bool = False) -> Generator:
     longest = (cfg.eval.max_new_tokens or 0) if cfg.eval.every else 0  # the evaluation samples with this engine
-    return Generator(config=cfg.generator, model=cfg.generator_model, data=cfg.data, dynamic_sampling=dynamic_sampling,
-                     longest_response=longest)
+    return Generator(config=cfg.generator, model=cfg.generator_model, data=cfg.data, rollout=cfg.rollout,
+                     multi_turn=cfg.multi_turn, dynamic_sampling=dynamic_sampling, longest_response=longest)
 
 
 def reward(cfg: RunConfig, *, keep=None) -> Reward:

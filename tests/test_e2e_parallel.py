@@ -50,6 +50,14 @@ def test_trainer_tp2_equals_tp1(single, tmp_path):
     _same_training(_run(tmp_path, "--set", "trainer.tp=2", nproc=4), single)
 
 
+def test_multi_turn_under_trainer_tp2_and_dp2_equals_one_rank(tmp_path):
+    """Loss masks with holes (the observations) train the same on every layout."""
+    mt = ["--set", "rollout=multi_turn"]
+    single = _run(tmp_path / "single", *mt, nproc=3)
+    _same_training(_run(tmp_path / "tp2", *mt, "--set", "trainer.tp=2", nproc=4), single)
+    _same_training(_run(tmp_path / "dp2", *mt, "--set", "trainer.dp=2", nproc=4), single)
+
+
 def test_fsdp_and_tp_trainer_with_tp_generator_equal_single_rank(single, tmp_path):
     # 7 ranks: generator tp=2, reward, trainer dp=2 x tp=2 with FSDP; every push is a reshard
     run = _run(tmp_path, "--set", "trainer.tp=2", "--set", "trainer.dp=2", "--set", "trainer.fsdp=true",

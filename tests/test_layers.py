@@ -27,7 +27,7 @@ ALLOWED = {
     "controller": {"common", "channels", "executors"},
     "recipes": {"common", "algorithms", "channels", "executors", "controller"},
     "launch": {"common", "algorithms", "channels", "executors", "controller", "recipes", "planner"},
-    "planner": set(),
+    "planner": {"executors"},  # the engine registry only (NARROW): how an engine's decode slots are set
     "examples": {"common", "algorithms", "channels", "executors", "controller", "recipes"},
     "bench": {"common", "algorithms", "channels", "executors", "controller", "recipes", "planner",
               "tests"},  # tests/spawn.py: the local gloo spawner both use
@@ -35,11 +35,13 @@ ALLOWED = {
 # executors reach channels for payload types only (DESIGN.md), and only the trainer runs algorithms
 NARROW = {
     ("executors", "channels"): {"channels.payloads"},
+    ("planner", "executors"): {"executors.generator.engines"},
 }
 ALGORITHM_USERS = ("executors/trainer/", "executors/critic/")
 # executors talk through channels, never by importing each other (DESIGN.md "Layout"): an executor's
 # package may import the shared ones, and another executor's light config classes only
-SHARED_EXECUTOR_PACKAGES = {"base", "hf", "data", "parallel", "training", "embedded", "megatron"}  # megatron: a trainer backend
+SHARED_EXECUTOR_PACKAGES = {"base", "hf", "data", "parallel", "training", "embedded", "megatron",  # megatron: a trainer backend
+                            "environments"}  # a multi-turn rollout's, not an executor
 
 
 def _executor_package(rel: str) -> str | None:

@@ -33,6 +33,8 @@ CASES = {  # name: (extra options, ranks)
     "megatron_dp2": (["--set", "trainer.backend=megatron", "--set", "trainer.dp=2"], 4),
     "dapo_dynamic": (["--set", "reward.functions=[tests.rewards:flat_for_half_the_prompts]",
                       "--set", "algorithm.dynamic_sampling=true"], 3),
+    # the embedded lookup task: turns, observations and loss masks resume like single turns
+    "multi_turn": (["--set", "rollout=multi_turn"], 3),
 }
 
 

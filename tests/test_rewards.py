@@ -48,7 +48,7 @@ def test_resolve_reward():
     assert resolve_reward("math_verify") is math_verify
     assert resolve_reward("tests.rewards:boom") is boom
     assert "math_verify" in REWARDS.names()
-    with pytest.raises(ValueError, match="unknown reward 'nope'; known: embedded, math_simple, math_verify"):
+    with pytest.raises(ValueError, match="unknown reward .nope.; known: embedded, embedded_lookup, env, math_simple, math_verify"):
         resolve_reward("nope")
     with pytest.raises(ValueError, match="'no_such_module_xyz:f'.*cannot import"):
         resolve_reward("no_such_module_xyz:f")

@@ -90,3 +90,21 @@ def test_ppo_with_the_vllm_engine(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["logp_mismatch_max"] < 1e-4 and r["value_loss"] > 0 for r in rows)
     assert (tmp_path / "final/critic/model.safetensors").is_file()
+
+
+def test_multi_turn_rollouts_with_vllm(tmp_path):
+    """The embedded lookup task with vLLM: each turn after the first is a new request of the sample's
+    whole token sequence (prefix caching finds its KV); the trainer recomputes vLLM's log-probs of the
+    model's tokens, observations are masked out, and sync equals periodic."""
+    mt = ("--set", "rollout=multi_turn")
+    rows = _run(tmp_path / "periodic", *mt, "--schedule", "periodic")
+    for row in rows:
+        assert 1.5 < row["turns_mean"] <= 3 and row["env_errors"] == 0
+        assert row["logp_mismatch_max"] < 1e-4, row["logp_mismatch_max"]
+    sync = _run(tmp_path / "sync", *mt, "--schedule", "sync")
+    assert [r["rollout_digest"] for r in sync] == [r["rollout_digest"] for r in rows]
+    import json
+
+    lines = [json.loads(line) for line in (tmp_path / "periodic/samples.jsonl").read_text().splitlines()]
+    assert all(line["turns"][0]["role"] == "assistant" for line in lines)
+    assert any(t["role"] == "tool" for line in lines for t in line["turns"])

@@ -60,3 +60,28 @@ def embedded_reward(prompt: str, response: str, sample: dict) -> float:
     if digits and digits[0] == sample["answer"]:
         return 1.0
     return 0.5 if sample["answer"] in digits else 0.0
+
+
+# ---- the multi-turn variant (`--set rollout=multi_turn`): the digit is behind a tool --------------
+
+HIDDEN = "?"
+
+
+def hide_digit(row: dict) -> dict:
+    """The embedded prompt with its digit hidden, ending in `read` where the sentence ends in `answer:`
+    (`ana has ? apples . how many ? read`), and the `lookup` environment's answer to a look: the digit,
+    ending in `answer:` (` it is 7 . answer:`). Why these forms: executors/environments/lookup.py."""
+    hidden = row["prompt"].replace(row["answer"], HIDDEN, 1).removesuffix(" answer:") + " read"
+    return {"prompt": hidden, "answer": row["answer"], "reveal": f" it is {row['answer']} . answer:"}
+
+
+def lookup_reward(prompt: str, response: str, sample: dict) -> float:
+    """The embedded reward of the model's last turn, earned only after a look (an observation before
+    that turn): an answer without one is a guess, and a guess scores 0 however lucky."""
+    del prompt, response
+    turns = sample["turns"]
+    looked = any(t["role"] == "tool" for t in turns[:-1])
+    last = turns[-1]
+    if not looked or last["role"] != "assistant":
+        return 0.0
+    return embedded_reward("", last["text"], sample)

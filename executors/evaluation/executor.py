@@ -21,7 +21,7 @@ import torch.distributed as dist
 from channels.payloads import RolloutGroup
 from common.files import append_jsonl
 from executors.base import Executor, ExecutorEnv, Input, Output, StepContext, unit_aborted
-from executors.data import PromptRow, PromptSet, load_prompts
+from executors.data import PromptSet, load_prompts
 from executors.embedded.task import held_out_prompts
 from executors.evaluation.config import EvalConfig
 from executors.generator.config import DataConfig
@@ -79,10 +79,10 @@ class EvalSampler(Executor):
         super().init(env)
         e, generator = self.cfg, self.host
         rows = (load_prompts(e.path, self.data_cfg.columns)[:e.prompts] if e.path else
-                [PromptRow(prompt=r["prompt"], extras={"answer": r["answer"]})
+                [generator.embedded_row(r)
                  for r in held_out_prompts(e.prompts, seed=env.seed, train=self.data_cfg.embedded_prompts)])
         self.prompts = PromptSet(rows, tokenizer=generator.tokenizer, max_prompt_tokens=self.data_cfg.max_prompt_tokens,
-                                 apply_chat_template=self.data_cfg.chat_template)
+                                 apply_chat_template=self.data_cfg.chat_template, tools=generator.rollout.tools)
         if self.prompts.dropped and env.is_leader:
             print(f"tidal: {self.prompts.dropped} of {len(rows)} evaluation prompts are longer than "
                   f"max_prompt_tokens={self.data_cfg.max_prompt_tokens} and were dropped", flush=True)

@@ -90,3 +90,27 @@ class GeneratorConfig(BaseModel):
     def logprob_temperature(self) -> float:
         """The temperature of the log-probs both sides compute: greedy samples score the raw logits."""
         return self.temperature if self.temperature > 0 else 1.0
+
+
+class MultiTurnConfig(BaseModel):
+    """Options of the multi-turn rollout (`rollout=multi_turn`): the model writes a turn, an environment
+    answers, the model writes again (executors/generator/rollouts.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    env: str | None = Field(None, description="registered name (lookup, calculator, python) or module:Class; "
+                            "None: lookup, the embedded task's (no data.path)")
+    env_args: dict = Field(default_factory=dict, description="keyword arguments of the environment's constructor")
+    max_turns: int = Field(3, ge=1, description="model turns per sample; the last one ends the episode (the "
+                           "environment does not step it: its reward parts come from the turns before)")
+    max_total_tokens: int | None = Field(None, ge=2, description="a response's tokens, model turns and observations "
+                                         "together; None: max_turns x (generator.max_new_tokens + 32)")
+    timeout_s: float = Field(30.0, gt=0, description="each reset()/step() call of the environment")
+    on_error: Literal["zero", "fail"] = Field(
+        "zero", description="an environment that raises, hangs past timeout_s or answers with something that is "
+        "not text or token ids: zero ends the sample with its turns so far and reward 0 (counted in "
+        "generator/env_errors); fail stops the run")
+    require_deterministic: bool = Field(False, description="refuse an environment whose class says deterministic = "
+                                        "False (the sync == periodic equivalence holds only for deterministic ones)")
+
+    def total_tokens(self, max_new_tokens: int) -> int:
+        return self.max_total_tokens or self.max_turns * (max_new_tokens + 32)

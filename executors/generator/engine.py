@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
 
@@ -65,7 +65,20 @@ class GroupCompletion:
     prompt_ids_P: torch.Tensor
     response_ids: list[torch.Tensor]  # G ragged LongTensors, each ends with EOS if one was sampled
     logprobs: list[torch.Tensor]  # float32 log_softmax(logits / T) at the sampled tokens, before top-p
-    finished_G: torch.Tensor  # bool, True where the sample hit EOS
+    finished_G: torch.Tensor  # bool, True where the sample hit EOS (with turns: its episode ended)
+    loss_masks: list[torch.Tensor] | None = None  # with turns: G x [R_i] bool, True on sampled tokens
+
+
+class Turns(Protocol):
+    """A multi-turn rollout's side of the engine (executors/generator/rollouts.py). With it, a sample's
+    response is its turns and the observations between them; `SamplingParams.max_new_tokens` caps each
+    turn, `max_total_tokens` the whole response."""
+
+    max_total_tokens: int
+
+    def __call__(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> list[int] | None:
+        """Sample `sample` of prompt `index` ended a turn (`ended`: with EOS, else at the turn's cap):
+        the observation's token ids to append before its next turn, or None: its episode is over."""
 
 
 def sample_seed(*, run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
@@ -176,22 +189,24 @@ class NativeEngine:
         """Nothing to release."""
 
     def generate(
-        self, requests: list[PromptRequest], params: SamplingParams, *, step: int, stop: Callable[[], bool] = lambda: False
+        self, requests: list[PromptRequest], params: SamplingParams, *, step: int, stop: Callable[[], bool] = lambda: False,
+        turns: Turns | None = None,
     ) -> Iterator[GroupCompletion]:
         """Stream the G-sample group of every request, each as soon as it is complete. `stop()` is
         asked before every decode iteration: True ends the stream there (the groups in flight are
-        dropped: a stop request abandons the step, common/stop.py)."""
+        dropped: a stop request abandons the step, common/stop.py). `turns`: a multi-turn rollout's
+        observations, appended to a sample's cache as it ends a turn (its KV is kept, never recomputed)."""
         indices = [r.index for r in requests]
         if len(set(indices)) != len(indices):
             raise ValueError(f"duplicate prompt indices in one generate call: {sorted(indices)}")
         prompts = [torch.as_tensor(r.prompt_ids, dtype=torch.long).reshape(-1).cpu() for r in requests]
         if any(p.numel() == 0 for p in prompts):
             raise ValueError("empty prompt")
-        return self._stream(indices, prompts, params, step, stop)  # validated now, not at the first next()
+        return self._stream(indices, prompts, params, step, stop, turns)  # validated now, not at the first next()
 
-    def _stream(self, indices, prompts, params, step, stop) -> Iterator[GroupCompletion]:
+    def _stream(self, indices, prompts, params, step, stop, turns) -> Iterator[GroupCompletion]:
         waiting = collections.deque(zip(indices, prompts))
-        batch = _Batch(self, params, step)
+        batch = _Batch(self, params, step, turns)
         while (waiting or batch.groups) and not stop():
             free = self.max_batch_prompts - len(batch.groups)
             # continuous: a finished group's slot takes the next prompt at once; chunked: the next
@@ -210,11 +225,13 @@ class _Rows:
     logits_BV: torch.Tensor  # the next token's logits (device)
     pos_B: torch.Tensor  # the next token's position id (device)
     seeds_B: torch.Tensor  # the sample's seed (device)
-    t_B: torch.Tensor  # tokens decoded so far (CPU, as the rest)
+    t_B: torch.Tensor  # tokens decoded so far (CPU, as the rest); with turns: 1 once the environment ended the episode
     len_B: torch.Tensor  # tokens written: t, or up to the EOS
     eos_B: torch.Tensor
     tokens_BT: torch.Tensor
     logp_BT: torch.Tensor
+    sampled_BT: torch.Tensor  # bool, True where the model sampled the token (not an observation)
+    turn_start_B: torch.Tensor  # with turns: where the row's current turn began in its response
 
     def _tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
@@ -234,8 +251,10 @@ class _Batch:
     column; rows admitted later are left-padded (mask 0) to the batch's length, and columns no live
     row attends to are dropped as groups leave."""
 
-    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int):
-        self.engine, self.params, self.step = engine, params, step
+    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, turns: Turns | None = None):
+        self.engine, self.params, self.step, self.turns = engine, params, step, turns
+        # a response holds every turn and observation under turns; one turn's tokens otherwise
+        self.T = params.max_new_tokens if turns is None else turns.max_total_tokens
         self.groups: list[tuple[int, torch.Tensor]] = []  # (prompt index, prompt ids) per live group
         self.rows: _Rows | None = None
         self.cache = self.mask_BS = None
@@ -246,7 +265,7 @@ class _Batch:
         cache rows; they join the batch with their first logits."""
         from transformers import DynamicCache
 
-        G, T, dev, eng = self.params.n, self.params.max_new_tokens, self.engine.device, self.engine
+        G, T, dev, eng = self.params.n, self.T, self.engine.device, self.engine
         P = max(len(p) for _, p in prompts)
         ids_CP = torch.full((len(prompts), P), eng.pad_token_id, dtype=torch.long)
         mask_CP = torch.zeros(len(prompts), P, dtype=torch.long)
@@ -266,7 +285,8 @@ class _Batch:
                                   for i, _ in prompts for j in range(G)], device=dev),
             t_B=torch.zeros(R, dtype=torch.long), len_B=torch.zeros(R, dtype=torch.long),
             eos_B=torch.zeros(R, dtype=torch.bool), tokens_BT=torch.full((R, T), eng.pad_token_id, dtype=torch.long),
-            logp_BT=torch.zeros(R, T))
+            logp_BT=torch.zeros(R, T), sampled_BT=torch.zeros(R, T, dtype=torch.bool),
+            turn_start_B=torch.zeros(R, dtype=torch.long))
         mask_BS = mask_CP.to(dev).repeat_interleave(G, dim=0)
         if not self.groups:
             self.cache, self.mask_BS, self.rows = cache, mask_BS, rows
@@ -287,13 +307,17 @@ class _Batch:
             yield GroupCompletion(index=index, prompt_ids_P=prompt_P.clone(),
                                   response_ids=[rows.tokens_BT[j, :n].clone() for j, n in enumerate(lengths)],
                                   logprobs=[rows.logp_BT[j, :n].clone() for j, n in enumerate(lengths)],
-                                  finished_G=rows.eos_B.clone())
+                                  finished_G=rows.eos_B.clone(),
+                                  loss_masks=None if self.turns is None else
+                                  [rows.sampled_BT[j, :n].clone() for j, n in enumerate(lengths)])
 
     @torch.inference_mode()
     def _decode_one(self) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
         """Sample the next token of every row and feed it; return the groups that finished, each
         with its G rows."""
         p, eng, G, r = self.params, self.engine, self.params.n, self.rows
+        if self.turns is not None:
+            return self._decode_turn()
         tok_B, logp_B = sample_tokens(r.logits_BV, seeds_R=r.seeds_B, t=r.t_B.to(r.seeds_B.device),
                                       temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
         tok_B, logp_B = tok_B.cpu(), logp_B.cpu()
@@ -304,6 +328,68 @@ class _Batch:
         r.eos_B[writing] |= tok_B[writing] == eng.eos_token_id
         r.t_B += 1
         done_B = r.eos_B | (r.t_B == p.max_new_tokens)
+        finished = self._leave(done_B)
+        if self.rows is None:
+            return finished
+        feed_B = torch.where(done_B[self._kept] if finished else done_B, eng.pad_token_id,
+                             tok_B[self._kept] if finished else tok_B).to(eng.device)
+        self._feed(feed_B[:, None], torch.ones_like(feed_B[:, None]), self.rows.pos_B[:, None])
+        return finished
+
+    @torch.inference_mode()
+    def _decode_turn(self) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
+        """`_decode_one` with turns: a row whose turn ends hands it to the rollout, and the observation
+        it gets back is fed with its last token in the same forward (its KV appended to the row's).
+        The noise of a token is indexed by its position in the response, unique across turns."""
+        p, eng, G, r = self.params, self.engine, self.params.n, self.rows
+        tok_B, logp_B = sample_tokens(r.logits_BV, seeds_R=r.seeds_B, t=r.len_B.to(r.seeds_B.device),
+                                      temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+        tok_B, logp_B = tok_B.cpu(), logp_B.cpu()
+        chunks = [[] for _ in range(len(tok_B))]  # what each row feeds: its last token, and an observation
+        for b in (~r.eos_B).nonzero()[:, 0].tolist():  # eos_B: the row's episode is over
+            n = int(r.len_B[b])
+            r.tokens_BT[b, n], r.logp_BT[b, n], r.sampled_BT[b, n] = tok_B[b], logp_B[b], True
+            r.len_B[b] = n = n + 1
+            ended = int(tok_B[b]) == eng.eos_token_id
+            chunks[b] = [int(tok_B[b])]
+            if not ended and n - int(r.turn_start_B[b]) < p.max_new_tokens:
+                if n == self.T:  # a turn that never ends is cut at the budget (finished stays False)
+                    r.eos_B[b] = True
+                continue
+            k, j = self.groups[b // G][0], b % G
+            obs = self.turns(index=k, sample=j, turn_ids=r.tokens_BT[b, int(r.turn_start_B[b]):n].clone(), ended=ended)
+            if obs is None:
+                r.eos_B[b], r.t_B[b] = True, 1  # t_B = 1: the episode ended (finished), not cut
+            elif n + len(obs) >= self.T:  # no room for the observation and a turn after it
+                r.eos_B[b] = True
+            else:
+                r.tokens_BT[b, n:n + len(obs)] = torch.tensor(obs, dtype=torch.long)
+                r.len_B[b] = r.turn_start_B[b] = n + len(obs)
+                chunks[b] += obs
+        done_B = r.eos_B.clone()
+        finished = self._leave(done_B)
+        for _, rows in finished:  # finished_G: the episode ended, rather than being cut
+            rows.eos_B = rows.t_B == 1
+        if self.rows is None:
+            return finished
+        if finished:
+            chunks = [chunks[b] for b in self._kept.tolist()]
+        W = max(1, max(len(c) for c in chunks))
+        ids_BW = torch.full((len(chunks), W), eng.pad_token_id, dtype=torch.long)
+        mask_BW = torch.zeros(len(chunks), W, dtype=torch.long)
+        pos_BW = self.rows.pos_B.cpu()[:, None].repeat(1, W)
+        for b, c in enumerate(chunks):
+            c = c or [eng.pad_token_id]  # a row whose episode is over feeds a pad, as in _decode_one
+            ids_BW[b, W - len(c):] = torch.tensor(c)
+            mask_BW[b, W - len(c):] = 1
+            pos_BW[b, W - len(c):] += torch.arange(len(c))
+        self._feed(ids_BW.to(eng.device), mask_BW.to(eng.device), pos_BW.to(eng.device))
+        return finished
+
+    def _leave(self, done_B: torch.Tensor) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
+        """The groups whose G rows are all done, with their rows; they leave the batch and the cache
+        (`self._kept`: the batch rows that stay)."""
+        G, r = self.params.n, self.rows
         done_K = done_B.view(-1, G).all(dim=1)
         finished = [(self.groups[k], r[k * G:(k + 1) * G]) for k in done_K.nonzero()[:, 0].tolist()]
         if finished:  # drop the finished groups' rows from the batch and the cache
@@ -311,19 +397,22 @@ class _Batch:
             if not self.groups:
                 self.rows = self.cache = self.mask_BS = None
                 return finished
-            keep = (~done_K).repeat_interleave(G).nonzero()[:, 0]
-            self.rows = r = r[keep]
-            tok_B, done_B, keep = tok_B[keep], done_B[keep], keep.to(eng.device)
-            self.cache.batch_select_indices(keep)
-            self.mask_BS = self.mask_BS[keep]
+            self._kept = (~done_K).repeat_interleave(G).nonzero()[:, 0]
+            self.rows = r[self._kept]
+            self.cache.batch_select_indices(self._kept.to(self.engine.device))
+            self.mask_BS = self.mask_BS[self._kept.to(self.mask_BS.device)]
             self._trim()
-        feed_B = torch.where(done_B, eng.pad_token_id, tok_B).to(eng.device)
-        self.mask_BS = torch.cat([self.mask_BS, torch.ones_like(self.mask_BS[:, :1])], dim=1)
-        out = eng.model(input_ids=feed_B[:, None], attention_mask=self.mask_BS, position_ids=r.pos_B[:, None],
-                        past_key_values=self.cache, use_cache=True)
-        r.logits_BV = out.logits[:, -1].float()
-        r.pos_B = r.pos_B + 1
         return finished
+
+    def _feed(self, ids_BW: torch.Tensor, mask_BW: torch.Tensor, pos_BW: torch.Tensor) -> None:
+        """Run W new columns of every row through the model (mask 0: a row's left padding), keeping
+        their KV; each row's next logits are those of its last column."""
+        r = self.rows
+        self.mask_BS = torch.cat([self.mask_BS, mask_BW], dim=1)
+        out = self.engine.model(input_ids=ids_BW, attention_mask=self.mask_BS, position_ids=pos_BW,
+                                past_key_values=self.cache, use_cache=True)
+        r.logits_BV = out.logits[:, -1].float()
+        r.pos_B = pos_BW[:, -1] + 1
 
     def _trim(self) -> None:
         """Drop leading cache columns that no live row attends to (left padding of groups gone)."""

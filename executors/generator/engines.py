@@ -1,26 +1,63 @@
 """The generator's engines (`generator.engine`): one `register` line each, with what the rest of the
 run needs to know of them (checks before any rank starts, their decode-slot knob, their memory).
-Light on purpose: model code and vLLM load in `start`, on the generator's ranks only."""
+Light on purpose: model code and vLLM load in `build`, on the generator's ranks only.
+
+Every engine is an `Engine`: token ids in (never text), each sample seeded from (run seed, step,
+prompt index, sample index), groups streamed out as their G samples finish, with the log-probs of
+the sampled tokens; a multi-turn rollout's `turns` get each sample's turn ends and hand back the
+observation's ids, which the engine appends to that sample's KV."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterator, Literal, Mapping, Protocol
 
 from common.registry import Registry
 from executors.base import ExecutorEnv
-from executors.generator.config import GeneratorConfig
+from executors.generator.config import GeneratorConfig, VllmConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from channels.payloads import ParamSpec
+    from executors.generator.engine import GroupCompletion, PromptRequest, SamplingParams, Turns
+
+
+class Engine(Protocol):
+    def generate(self, requests: list[PromptRequest], params: SamplingParams, *, step: int,
+                 stop: Callable[[], bool] = ..., turns: Turns | None = None) -> Iterator[GroupCompletion]:
+        """Each request's G-sample group as soon as it is done; `stop()` True abandons the rest."""
+
+    def load_weights(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> None:
+        """The WEIGHTS channel's push has landed in `shards`: make the engine sample with it."""
+
+    def close(self) -> None:
+        """Release what the engine holds, while the world is still up."""
 
 
 @dataclass(frozen=True)
-class Engine:
-    # (generator, env) -> (engine, {name: spec}, {name: local shard}): the WEIGHTS channel's view of it
-    start: Callable
+class EngineKind:
+    # (generator, env) -> (Engine, {name: spec}, {name: local shard}): the WEIGHTS channel's view of it
+    build: Callable
     # (generator config, model path) -> None, or ValueError naming the field: before any rank starts
     check: Callable[[GeneratorConfig, str | None], None]
     slots_key: str  # the config key of its decode slots (recipes/defaults.py, --plan)
     slots_are_rows: bool  # the key counts sample rows (G per prompt group), not prompt groups
     push_buffer: bool  # receives pushes into a buffer of its own weights' size, then loads them
+    # how it admits groups: fixed ("continuous": a continuous batcher), or None: generator.admission
+    admission: Literal["continuous", "chunked"] | None = None
+    config: type | None = None  # its own options' section under generator (generator.vllm: VllmConfig)
     kv_note: str = ""  # its KV cache, where the memory estimate cannot size it: how it is sized
+
+    def slots(self, generator: dict) -> int:
+        """Its decode slots in prompt groups, from a resolved generator section (config.json's)."""
+        value = generator
+        for part in self.slots_key.split(".")[1:]:
+            value = value[part]
+        return max(1, value // generator["samples_per_prompt"]) if self.slots_are_rows else value
+
+    def slots_setting(self, groups: int, *, samples: int) -> tuple[str, int]:
+        """The --set that gives it `groups` decode slots."""
+        return self.slots_key, groups * samples if self.slots_are_rows else groups
 
 
 def _no_check(cfg: GeneratorConfig, model_path: str | None) -> None:
@@ -43,7 +80,7 @@ def _check_vllm(g: GeneratorConfig, model_path: str | None) -> None:
         check_tp_fits_vllm(load_config(model_path), tp=g.tp)
 
 
-def _start_native(gen, env: ExecutorEnv):
+def _build_native(gen, env: ExecutorEnv):
     from executors.generator.engine import NativeEngine
     from executors.hf import load_model
     from executors.parallel import apply_tp, build_mesh, local_shards, param_specs
@@ -60,7 +97,7 @@ def _start_native(gen, env: ExecutorEnv):
                           max_batch_prompts=gen.cfg.max_batch_prompts, admission=gen.cfg.admission)
     return engine, param_specs(model), local_shards(model)  # pushes land in the model itself
 
-def _start_vllm(gen, env: ExecutorEnv):
+def _build_vllm(gen, env: ExecutorEnv):
     from executors.generator.vllm_engine import VllmEngine, engine_model_dir, receive_buffers
 
     tp_rank = env.units[env.unit_index].index(env.rank)
@@ -77,9 +114,9 @@ def _start_vllm(gen, env: ExecutorEnv):
     return engine, specs, shards
 
 
-ENGINES: Registry[Engine] = Registry("generator engine")
-ENGINES.register("native", Engine(start=_start_native, check=_no_check, slots_key="generator.max_batch_prompts",
-                                  slots_are_rows=False, push_buffer=False))
-ENGINES.register("vllm", Engine(start=_start_vllm, check=_check_vllm, slots_key="generator.vllm.max_num_seqs",
-                                slots_are_rows=True, push_buffer=True,
+ENGINES: Registry[EngineKind] = Registry("generator engine")
+ENGINES.register("native", EngineKind(build=_build_native, check=_no_check, slots_key="generator.max_batch_prompts",
+                                      slots_are_rows=False, push_buffer=False))
+ENGINES.register("vllm", EngineKind(build=_build_vllm, check=_check_vllm, slots_key="generator.vllm.max_num_seqs",
+                                    slots_are_rows=True, push_buffer=True, admission="continuous", config=VllmConfig,
                                 kv_note="KV cache (vLLM: generator.vllm.gpu_memory_utilization or kv_cache_gb)"))

@@ -9,9 +9,10 @@ from channels.payloads import GroupVerdict, RolloutGroup, WeightsUpdate
 from executors.base import Executor, ExecutorEnv, Input, Output, StepContext, unit_aborted
 from executors.data import PromptRow, PromptSet, load_prompts
 from executors.embedded.task import embedded_prompts
-from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig
-from executors.generator.engine import PromptRequest, SamplingParams
+from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, MultiTurnConfig
+from executors.generator.engine import SamplingParams
 from executors.generator.engines import ENGINES
+from executors.generator.rollouts import ROLLOUTS
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class GeneratorMetrics:
     gen_end_t: float
     prompts_generated: int  # B, plus the top-ups of dynamic sampling
     sampling_rounds: int
+    turns_mean: float  # model turns per sample (1 in a single-turn rollout)
+    env_s: float  # time in the environment's calls (multi-turn), summed over samples
+    env_errors: int  # samples an environment failed in (multi_turn.on_error=zero: scored 0)
 
 
 class Generator(Executor):
@@ -32,8 +36,8 @@ class Generator(Executor):
     rollouts = Output(RolloutGroup)
 
     def __init__(self, *, name: str = "generator", config: GeneratorConfig, model: ModelConfig,
-                 data: DataConfig, dynamic_sampling: bool = False, max_rounds: int = 16,
-                 longest_response: int = 0):
+                 data: DataConfig, rollout: str = "single_turn", multi_turn: MultiTurnConfig | None = None,
+                 dynamic_sampling: bool = False, max_rounds: int = 16, longest_response: int = 0):
         """`dynamic_sampling`: after each round, wait for the reward's verdicts and sample
         B - kept more prompts (indices B, B+1, ...) with the same weights, until B groups are kept.
         `longest_response`: the longest response a guest samples with this engine (an evaluation's
@@ -41,14 +45,17 @@ class Generator(Executor):
         super().__init__(name=name, units=config.replicas, ranks_per_unit=config.tp)
         self.cfg, self.model_cfg, self.data_cfg = config, model, data
         self.dynamic, self.max_rounds = dynamic_sampling, max_rounds
-        self.longest_response = max(longest_response, config.max_new_tokens)
+        self.rollout_cls, self.multi_turn = ROLLOUTS.get(rollout), multi_turn or MultiTurnConfig()
+        self.rollout_name = rollout
+        turn_total = self.multi_turn.total_tokens(config.max_new_tokens) if rollout == "multi_turn" else 0
+        self.longest_response = max(longest_response, config.max_new_tokens, turn_total)
 
     def needs(self, port) -> bool:
         return port is Generator.verdicts and self.dynamic or super().needs(port)
 
     def describe(self):
         return {"replicas": self.cfg.replicas, "tp": self.cfg.tp, "G": self.cfg.samples_per_prompt,
-                "engine": self.cfg.engine}
+                "engine": self.cfg.engine, "rollout": self.rollout_name}
 
     def init(self, env: ExecutorEnv) -> None:
         super().init(env)
@@ -58,18 +65,24 @@ class Generator(Executor):
 
         self.tokenizer = load_tokenizer(self.model_cfg.path)
         # the engine, and the WEIGHTS channel's view of it: {name: spec} and {name: local shard}
-        self.engine, self.specs, self.shards = ENGINES.get(self.cfg.engine).start(self, env)
+        self.rollout = self.rollout_cls(tokenizer=self.tokenizer, config=self.multi_turn,
+                                        max_new_tokens=self.cfg.max_new_tokens)
+        self.engine, self.specs, self.shards = ENGINES.get(self.cfg.engine).build(self, env)
         rows = (load_prompts(self.data_cfg.path, self.data_cfg.columns) if self.data_cfg.path else
-                [PromptRow(prompt=r["prompt"], extras={"answer": r["answer"]})
-                 for r in embedded_prompts(self.data_cfg.embedded_prompts, seed=env.seed)])
+                [self.embedded_row(r) for r in embedded_prompts(self.data_cfg.embedded_prompts, seed=env.seed)])
         self.prompts = PromptSet(rows, tokenizer=self.tokenizer, max_prompt_tokens=self.data_cfg.max_prompt_tokens,
-                                 apply_chat_template=self.data_cfg.chat_template)
+                                 apply_chat_template=self.data_cfg.chat_template, tools=self.rollout.tools)
         if self.prompts.dropped and env.is_leader:
             print(f"tidal: {self.prompts.dropped} of {len(rows)} prompts are longer than "
                   f"max_prompt_tokens={self.data_cfg.max_prompt_tokens} and were dropped", flush=True)
         self.params = SamplingParams(n=self.cfg.samples_per_prompt, max_new_tokens=self.cfg.max_new_tokens,
                                      seed=env.seed, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                                      top_k=self.cfg.top_k)
+
+    def embedded_row(self, row: dict) -> PromptRow:
+        """An embedded-task prompt as this generator's rollout poses it (also an evaluation's way to it)."""
+        row = self.rollout.embedded(row)
+        return PromptRow(prompt=row["prompt"], extras={k: v for k, v in row.items() if k != "prompt"})
 
     @property
     def weights_path(self) -> str | None:
@@ -85,6 +98,7 @@ class Generator(Executor):
         t0, start_t = time.perf_counter(), time.time()
         B = self.data_cfg.prompts_per_step
         indices, kept, next_index, rounds, tokens = list(range(B)), 0, B, 0, 0
+        self.episodes = []  # this step's multi-turn episodes, for the metrics
         verdicts = iter(ctx.inbound[self.verdicts]) if self.dynamic else None
         with ctx.timeline.span("generate"):
             while True:
@@ -102,8 +116,15 @@ class Generator(Executor):
                 indices = list(range(next_index, next_index + B - kept))
                 next_index += B - kept
         gen_s = time.perf_counter() - t0
+        errors = [e["error"] for e in self.episodes if e["error"] is not None]
+        if errors and self.env.rank == self.env.units[self.env.unit_index][0]:  # once per replica
+            print(f"tidal: warning: {len(errors)} samples ended by an environment error at step {ctx.step} "
+                  f"(scored 0, multi_turn.on_error=zero); the first: {errors[0]}", flush=True)
         return GeneratorMetrics(gen_s=gen_s, gen_tokens_per_s=tokens / max(gen_s, 1e-9), gen_start_t=start_t,
-                                gen_end_t=time.time(), prompts_generated=next_index, sampling_rounds=rounds + 1)
+                                gen_end_t=time.time(), prompts_generated=next_index, sampling_rounds=rounds + 1,
+                                turns_mean=(sum(e["turns"] for e in self.episodes) / len(self.episodes)
+                                            if self.episodes else 1.0),
+                                env_s=sum(e["env_s"] for e in self.episodes), env_errors=len(errors))
 
     def finalize(self, output_dir) -> None:
         self.engine.close()
@@ -121,7 +142,8 @@ class Generator(Executor):
                                     batch_size=B, seed=self.env.seed, max_topups=B * self.max_rounds)
         out, tokens = ctx.outbound[self.rollouts], 0
         for group in self.sample(mine, self.params, step=ctx.step):
-            tokens += sum(r.numel() for r in group.responses)
+            tokens += sum(group.model_tokens(i) for i in range(len(group.responses)))
+            self.episodes += group.episodes or []
             ctx.timeline.mark("generated", index=group.index)
             out.send(group)
         return tokens
@@ -130,13 +152,7 @@ class Generator(Executor):
                step: int) -> Iterator[RolloutGroup]:
         """Each (index, row, token ids) prompt's group, the moment its samples are done, with the
         weights of this step (also a guest's way to this engine, e.g. an evaluation's)."""
-        rows = {i: row for i, row, _ in prompts}
-        requests = [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in prompts]
-        for done in self.engine.generate(requests, params, step=step, stop=self._stop_now):
-            row = rows[done.index]
-            yield RolloutGroup(step=step, index=done.index, prompt=row.prompt, extras=row.extras,
-                               prompt_ids=done.prompt_ids_P, responses=done.response_ids, logprobs=done.logprobs,
-                               finished=done.finished_G, data_row=row.line)
+        return self.rollout.run(self.engine, prompts, params, step=step, stop=self._stop_now)
 
     def sampling(self, *, n: int, max_new_tokens: int, seed: int, temperature: float) -> SamplingParams:
         """Sampling parameters for a guest: the generator's top-p and top-k, its own n, length, noise and temperature."""

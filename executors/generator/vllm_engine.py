@@ -30,7 +30,7 @@ import torch
 
 from channels.payloads import ParamSpec, chunk, local_shape
 from executors.generator.config import VllmConfig
-from executors.generator.engine import GroupCompletion, PromptRequest, SamplingParams, sample_seed
+from executors.generator.engine import GroupCompletion, PromptRequest, SamplingParams, Turns, sample_seed
 from executors.generator.vllm_world import generator_world, keep_default_group
 
 if TYPE_CHECKING:
@@ -112,6 +112,9 @@ class VllmEngine:
                 max_model_len=max_model_len,
                 enforce_eager=config.enforce_eager if config.enforce_eager is not None else device_type == "cpu",
                 enable_prefix_caching=config.prefix_caching, max_num_seqs=config.max_num_seqs,
+                # on CPU a chunked prefill of a seeded request crashes vLLM (it rewinds the CUDA
+                # generator's offset): whole prefills only (multi-turn requests are long)
+                enable_chunked_prefill=device_type != "cpu",
                 logprobs_mode="processed_logprobs", runner="generate", **device_kw)
         self.init_s = time.perf_counter() - t0
         self._next_id = 0
@@ -119,19 +122,18 @@ class VllmEngine:
     # -- generation -------------------------------------------------------------------------------
 
     def generate(self, requests: list[PromptRequest], params: SamplingParams, *, step: int,
-                 stop: Callable[[], bool] = lambda: False) -> Iterator[GroupCompletion]:
+                 stop: Callable[[], bool] = lambda: False, turns: Turns | None = None) -> Iterator[GroupCompletion]:
         """Stream the G-sample group of every request, each as soon as its G samples are done.
         `stop()` is asked before every engine step: True aborts the requests in flight and ends the
-        stream (a stop request abandons the step, common/stop.py)."""
-        import vllm
-
+        stream (a stop request abandons the step, common/stop.py). `turns`: a multi-turn rollout's
+        observations; a sample's next turn is a new request of its whole sequence, whose KV prefix
+        caching finds (the sequence's ids as sampled: nothing is re-tokenised)."""
         indices = [r.index for r in requests]
         if len(set(indices)) != len(indices):
             raise ValueError(f"duplicate prompt indices in one generate call: {sorted(indices)}")
         if params.top_p < 1.0 or params.top_k > 0:
             raise ValueError("the vLLM engine samples with top_p = 1 and top_k = 0 only (see "
                              "executors/generator/vllm_engine.py)")
-        engine = self.llm.llm_engine
         owner: dict[str, tuple[int, int]] = {}
         prompts = {}
         for r in requests:
@@ -140,18 +142,29 @@ class VllmEngine:
                 raise ValueError("empty prompt")
             prompts[r.index] = ids
             for j in range(params.n):
-                sp = vllm.SamplingParams(
-                    n=1, temperature=params.temperature, top_p=1.0, top_k=-1, max_tokens=params.max_new_tokens,
-                    seed=sample_seed(run_seed=params.seed, step=step, prompt_index=r.index, sample_index=j),
-                    logprobs=0, stop_token_ids=[self.eos_token_id], detokenize=False, ignore_eos=False)
-                rid = f"s{step}-p{r.index}-j{j}-{self._next_id}"
-                self._next_id += 1
-                owner[rid] = (r.index, j)
-                engine.add_request(rid, {"prompt_token_ids": ids}, sp)
-        return self._stream(engine, owner, prompts, params.n, stop)
+                self._add(owner, (r.index, j), ids, params, step=step, turn=0, max_tokens=params.max_new_tokens)
+        return self._stream(owner, prompts, params, step, stop, turns)
 
-    def _stream(self, engine, owner, prompts, G, stop) -> Iterator[GroupCompletion]:
-        done: dict[int, dict[int, tuple]] = defaultdict(dict)
+    def _add(self, owner, sample: tuple[int, int], ids: list[int], params: SamplingParams, *, step: int, turn: int,
+             max_tokens: int) -> None:
+        """One request: sample j of prompt `index`, its `turn`-th turn after `ids`, with its own seed."""
+        import vllm
+
+        index, j = sample
+        seed = sample_seed(run_seed=params.seed, step=step, prompt_index=index, sample_index=j)
+        sp = vllm.SamplingParams(
+            n=1, temperature=params.temperature, top_p=1.0, top_k=-1, max_tokens=max_tokens,
+            seed=(seed + turn) % 2**63, logprobs=0, stop_token_ids=[self.eos_token_id], detokenize=False,
+            ignore_eos=False)
+        rid = f"s{step}-p{index}-j{j}-t{turn}-{self._next_id}"
+        self._next_id += 1
+        owner[rid] = sample
+        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+
+    def _stream(self, owner, prompts, params, step, stop, turns) -> Iterator[GroupCompletion]:
+        engine, G = self.llm.llm_engine, params.n
+        done: dict[int, dict[int, _Sample]] = defaultdict(dict)
+        live: dict[tuple[int, int], _Sample] = defaultdict(_Sample)
         while engine.has_unfinished_requests():
             if stop():
                 engine.abort_request(list(owner))  # the engine is left empty for whatever comes next
@@ -159,18 +172,33 @@ class VllmEngine:
             for out in engine.step():
                 if not out.finished:
                     continue
-                index, j = owner[out.request_id]
+                key = index, j = owner.pop(out.request_id)
                 c = out.outputs[0]
                 toks = torch.tensor(list(c.token_ids), dtype=torch.long)
                 # logprobs=0: each position's dict holds the sampled token's entry only
                 logp = torch.tensor([pos[int(t)].logprob for pos, t in zip(c.logprobs, toks)], dtype=torch.float32)
-                done[index][j] = (toks, logp, c.finish_reason == "stop")
+                sample = live[key]
+                sample.add(toks, logp, sampled=True)
+                ended = c.finish_reason == "stop"
+                # a sample that filled its budget is cut there (finished stays False), as the native engine does
+                cut = turns is not None and sample.length >= turns.max_total_tokens
+                obs = None if turns is None or cut else turns(index=index, sample=j, turn_ids=toks, ended=ended)
+                if obs is not None and sample.length + len(obs) < turns.max_total_tokens:
+                    sample.add(torch.tensor(obs, dtype=torch.long), torch.zeros(len(obs)), sampled=False)
+                    room = turns.max_total_tokens - sample.length
+                    self._add(owner, key, prompts[index] + sample.ids().tolist(), params, step=step,
+                              turn=sample.turns, max_tokens=min(params.max_new_tokens, room))
+                    continue
+                # single-turn: finished at EOS; multi-turn: the environment ended the episode (not cut)
+                sample.finished = ended if turns is None else not cut and obs is None
+                done[index][j] = live.pop(key)
                 if len(done[index]) == G:
-                    rows = [done[index][k] for k in range(G)]
+                    rows = [done[index].pop(k) for k in range(G)]
                     del done[index]
                     yield GroupCompletion(index=index, prompt_ids_P=torch.tensor(prompts[index], dtype=torch.long),
-                                          response_ids=[r[0] for r in rows], logprobs=[r[1] for r in rows],
-                                          finished_G=torch.tensor([r[2] for r in rows]))
+                                          response_ids=[r.ids() for r in rows], logprobs=[r.logp() for r in rows],
+                                          finished_G=torch.tensor([r.finished for r in rows]),
+                                          loss_masks=None if turns is None else [r.mask() for r in rows])
 
     # -- weights ----------------------------------------------------------------------------------
 
@@ -202,6 +230,29 @@ class VllmEngine:
             start, stop = chunk(spec.shape[spec.tp_dim], self.tp, self.tp_rank)
             full.narrow(spec.tp_dim, start, stop - start).copy_(local)
             yield name, full
+
+
+class _Sample:
+    """One sample's response as its turns come back: token ids, log-probs and whether it sampled each."""
+
+    def __init__(self):
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        self.length, self.turns, self.finished = 0, 0, False
+
+    def add(self, ids: torch.Tensor, logp: torch.Tensor, *, sampled: bool) -> None:
+        self.parts.append((ids, logp, sampled))
+        self.length += ids.numel()
+        self.turns += sampled
+
+    def ids(self) -> torch.Tensor:
+        return torch.cat([p[0] for p in self.parts]) if self.parts else torch.zeros(0, dtype=torch.long)
+
+    def logp(self) -> torch.Tensor:
+        return torch.cat([p[1] for p in self.parts]) if self.parts else torch.zeros(0)
+
+    def mask(self) -> torch.Tensor:
+        return torch.cat([torch.full((p[0].numel(),), p[2]) for p in self.parts]) if self.parts else \
+            torch.zeros(0, dtype=torch.bool)
 
 
 def _reload(worker, weights) -> None:

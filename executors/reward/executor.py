@@ -50,18 +50,33 @@ class Reward(Executor):
     def score(self, group: RolloutGroup) -> tuple[list[str], torch.Tensor, dict[str, list[float]], dict[int, str]]:
         """(texts, the weighted reward [G], each function's scores, {failed sample: its first error}) of
         one group. A sample counts as failed once, however many of its functions failed: its reward is off."""
-        texts = self.tokenizer.batch_decode(group.responses, skip_special_tokens=True)
+        samples = group.extras if group.episodes is None else self._episodes(group)
+        # a multi-turn sample's answer is its last turn (the transcript is in sample["turns"])
+        texts = (self.tokenizer.batch_decode(group.responses, skip_special_tokens=True) if group.episodes is None
+                 else [next(t["text"] for t in reversed(s["turns"]) if t["role"] == "assistant") for s in samples])
         total_G = torch.zeros(len(texts), dtype=torch.float32)
         errors, parts = {}, {}
         for spec, fn, w in zip(self.specs, self.fns, self.weights):
-            scores, failed = score_group(fn, name=spec, prompt=group.prompt, responses=texts, sample=group.extras,
+            scores, failed = score_group(fn, name=spec, prompt=group.prompt, responses=texts, sample=samples,
                                          prompt_index=group.index, data_row=group.data_row,
                                          on_error=self.cfg.on_error, timeout_s=self.cfg.timeout_s)
             total_G += w * torch.tensor(scores, dtype=torch.float32)
             for sample_index, message in failed.items():
                 errors.setdefault(sample_index, message)
             parts[spec] = scores
+        if group.episodes is not None:  # an episode its environment failed in scores 0 (multi_turn.on_error=zero)
+            total_G.masked_fill_(torch.tensor([e["error"] is not None for e in group.episodes]), 0.0)
         return texts, total_G, parts, errors
+
+    def _episodes(self, group: RolloutGroup) -> list[dict]:
+        """A multi-turn group's samples as rewards read them: the data row, `turns` (role and text of
+        each turn: assistant, tool) and `env` (the environment's reward parts)."""
+        out = []
+        for i, episode in enumerate(group.episodes):
+            turns = [{"role": role, "text": self.tokenizer.decode(ids, skip_special_tokens=True)}
+                     for role, ids in group.turns(i)]
+            out.append({**group.extras, "turns": turns, "env": episode["reward_parts"]})
+        return out
 
     def step(self, ctx: StepContext):
         busy, failures, samples, first = 0.0, 0, 0, None

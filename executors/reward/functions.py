@@ -10,15 +10,12 @@ import inspect
 import math
 import numbers
 import re
-import queue
-import threading
-import time
 from fractions import Fraction
 from typing import Callable, Literal
 
 from common.registry import Registry
-from common.stop import StepAborted, aborted
-from executors.embedded.task import embedded_reward
+from common.timeout import CallTimeout, call_with_timeout
+from executors.embedded.task import embedded_reward, lookup_reward
 
 RewardFn = Callable[[str, str, dict], float]
 
@@ -174,10 +171,20 @@ def _parse_gold(mv, gold_text: str) -> list:
 # the columns each reads, checked against the data file's first rows at launch (launch/preflight.py)
 math_verify.columns = math_simple.columns = ("answer",)
 
+def env_reward(prompt: str, response: str, sample: dict) -> float:
+    """A multi-turn sample's reward parts from its environment (EnvStep.reward_parts), summed."""
+    del prompt, response
+    if "env" not in sample:
+        raise ValueError("the `env` reward reads a multi-turn rollout's reward parts (rollout=multi_turn)")
+    return float(sum(sample["env"].values()))
+
+
 REWARDS: Registry[RewardFn] = Registry("reward")
 REWARDS.register("math_verify", math_verify)
 REWARDS.register("math_simple", math_simple)
 REWARDS.register("embedded", embedded_reward)
+REWARDS.register("embedded_lookup", lookup_reward)
+REWARDS.register("env", env_reward)
 
 
 def resolve_reward(spec: str) -> RewardFn:
@@ -236,7 +243,7 @@ def score_group(
     name: str,
     prompt: str,
     responses: list[str],
-    sample: dict,
+    sample: dict | list[dict],
     prompt_index: int,
     on_error: Literal["fail", "zero"],
     timeout_s: float | None = None,
@@ -244,14 +251,16 @@ def score_group(
 ) -> tuple[list[float], dict[int, str]]:
     """Score the G responses of one prompt; returns (scores, {failed sample: its error message}).
     timeout_s: each call's limit; a call past it fails like one that raised. data_row: the prompt's
-    line in its data file, named in errors (with the row's id column) instead of `prompt_index`."""
+    line in its data file, named in errors (with the row's id column) instead of `prompt_index`.
+    `sample`: the data row, or one dict per response (a multi-turn rollout's, with its turns)."""
     if on_error not in ("fail", "zero"):
         raise ValueError(f"on_error must be 'fail' or 'zero', got {on_error!r}")
     scores, errors = [], {}
-    row = describe_row(prompt_index=prompt_index, data_row=data_row, sample=sample)
-    for sample_index, response in enumerate(responses):
+    samples = sample if isinstance(sample, list) else [sample] * len(responses)
+    row = describe_row(prompt_index=prompt_index, data_row=data_row, sample=samples[0] if samples else {})
+    for sample_index, (response, sample) in enumerate(zip(responses, samples, strict=True)):
         try:
-            value = fn(prompt, response, sample) if timeout_s is None else _call_with_timeout(
+            value = fn(prompt, response, sample) if timeout_s is None else call_with_timeout(
                 fn, (prompt, response, sample), timeout_s=timeout_s)
             # bool is a numbers.Real; a rule returning True/False is a fine 1/0 reward.
             if not isinstance(value, numbers.Real):
@@ -261,64 +270,10 @@ def score_group(
             scores.append(float(value))
         except Exception as e:  # any failure of user code is reported the same way
             where = f"on {row}, sample {sample_index}"
-            message = (f"reward {name!r} timed out after {timeout_s:g} s {where}" if isinstance(e, _Timeout)
+            message = (f"reward {name!r} timed out after {timeout_s:g} s {where}" if isinstance(e, CallTimeout)
                        else f"reward {name!r} failed {where}: {type(e).__name__}: {' '.join(str(e).split())}")
             if on_error == "fail":
                 raise RewardError(message) from e
             scores.append(0.0)
             errors[sample_index] = message
     return scores, errors
-
-
-class _Timeout(Exception):
-    pass
-
-
-class _Worker:
-    """One daemon thread that runs reward calls in turn. Daemon: a call abandoned past its timeout
-    must not keep the process from exiting (a ThreadPoolExecutor's threads are joined at exit)."""
-
-    def __init__(self):
-        self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="tidal-reward", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            fn, args, box, done = self.calls.get()
-            try:
-                box.append((True, fn(*args)))
-            except BaseException as exc:  # handed to the caller, raised there
-                box.append((False, exc))
-            done.set()
-
-
-_worker: _Worker | None = None
-
-
-def _wait(done: threading.Event, timeout_s: float) -> bool:
-    """done.wait(timeout_s), in slices: a stop request abandons the call (common/stop.py)."""
-    deadline = time.monotonic() + timeout_s
-    while not done.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
-        if aborted():
-            raise StepAborted()
-        if time.monotonic() >= deadline:
-            return False
-    return True
-
-
-def _call_with_timeout(fn: RewardFn, args: tuple, *, timeout_s: float) -> float:
-    """`fn(*args)` on the worker thread, waited for at most `timeout_s`. A call past it is abandoned
-    with its thread (Python cannot stop a thread; under on_error=zero it may keep a core busy until it
-    returns) and the next call gets a new worker."""
-    global _worker
-    if _worker is None:
-        _worker = _Worker()
-    box, done = [], threading.Event()
-    _worker.calls.put((fn, args, box, done))
-    if not _wait(done, timeout_s):
-        _worker = None
-        raise _Timeout()
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value

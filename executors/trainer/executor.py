@@ -119,8 +119,8 @@ class Trainer(Learner):
                 if train or (self.batch_scope and kl_in_reward(self.algo_cfg)) else None)
         if self.batch_scope and group is not None:  # every group's scores are needed at the barrier
             score = self._scores(state, group, work.micro_batches, refs)
-            # per-token scores: the moments of the real tokens, not of the padding
-            state.moments[group.index] = score_moments(score if score.dim() == 1 else torch.cat(group.advantages))
+            # per-token scores: the moments of the model's tokens, not of the padding or the environment's
+            state.moments[group.index] = score_moments(score if score.dim() == 1 else _model_token_advantages(group))
         if train:
             with ctx.timeline.span("train", index=group.index if group is not None else -1):
                 state.sums += self._train(work, refs, state, first_pass=True)
@@ -136,9 +136,13 @@ class Trainer(Learner):
         if group.index in state.scores:
             return state.scores[group.index]
         if self.token_advantages:
-            state.scores[group.index] = torch.nn.utils.rnn.pad_sequence(group.advantages, batch_first=True)
+            adv = group.advantages
+            if group.loss_masks is not None:  # the environment's tokens carry no advantage, whoever sent the group
+                adv = [torch.where(m, a, 0.0) for a, m in zip(adv, group.loss_masks)]
+            state.scores[group.index] = torch.nn.utils.rnn.pad_sequence(adv, batch_first=True)
             return state.scores[group.index]
-        lengths_G = torch.tensor([r.numel() for r in group.responses])
+        # the tokens the model wrote (DAPO's overlong penalty): a multi-turn response's observations are not its
+        lengths_G = torch.tensor([group.model_tokens(i) for i in range(len(group.responses))])
         rewards_G = self.algo.shape_rewards(group.rewards, lengths_G, self.algo_cfg)
         if kl_in_reward(self.algo_cfg):
             rewards_G = rewards_G.clone().to(torch.float64)
@@ -284,7 +288,18 @@ def _advantages(adv: torch.Tensor, *, like: torch.Tensor) -> dict:
 
 
 def _per_sample(adv: torch.Tensor, group: ScoredGroup) -> torch.Tensor:
-    """[G] for samples.jsonl: per-token advantages as each response's mean over its tokens."""
+    """[G] for samples.jsonl: per-token advantages as each response's mean over its model tokens."""
     if adv.dim() == 1:
         return adv
-    return torch.stack([adv[g, : max(1, r.numel())].mean() for g, r in enumerate(group.responses)])
+    if group.loss_masks is None:
+        return torch.stack([adv[g, : max(1, r.numel())].mean() for g, r in enumerate(group.responses)])
+    # a response without a model token (an episode the environment ended at once) trained nothing: 0
+    return torch.stack([adv[g, : m.numel()][m].mean() if m.any() else adv.new_zeros(())
+                        for g, m in enumerate(group.loss_masks)])
+
+
+def _model_token_advantages(group: AdvantagedGroup) -> torch.Tensor:
+    """The group's per-token advantages at the model's tokens only, concatenated: [sum of model tokens]."""
+    if group.loss_masks is None:
+        return torch.cat(group.advantages)
+    return torch.cat([a[m] for a, m in zip(group.advantages, group.loss_masks)])

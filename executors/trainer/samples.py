@@ -15,14 +15,22 @@ from channels.payloads import ScoredGroup
 from common.files import append_jsonl
 
 
-def sample_rows(group: ScoredGroup, advantages_G: torch.Tensor, texts: list[str]) -> list[dict]:
+def sample_rows(group: ScoredGroup, advantages_G: torch.Tensor, texts: list[str], tokenizer=None) -> list[dict]:
+    """One line per sample; a multi-turn sample's also has `turns` (who wrote what: role, text, tokens),
+    `model_tokens` (the trained ones) and `env_error` (its environment's failure, or null)."""
     rows = []
     for j, (ids, text) in enumerate(zip(group.responses, texts)):
-        rows.append({
+        row = {
             "step": group.step, "prompt_index": group.index, "sample": j, "prompt": group.prompt, "response": text,
             "reward": float(group.rewards[j]), "rewards": {name: s[j] for name, s in group.reward_parts.items()},
             "advantage": float(advantages_G[j]), "length": int(ids.numel()), "finished": bool(group.finished[j]),
-        })
+        }
+        if group.episodes is not None:
+            row["turns"] = [{"role": role, "text": tokenizer.decode(part, skip_special_tokens=True),
+                             "tokens": int(part.numel())} for role, part in group.turns(j)]
+            row["model_tokens"] = group.model_tokens(j)
+            row["env_error"] = group.episodes[j]["error"]
+        rows.append(row)
     return rows
 
 
@@ -31,5 +39,5 @@ def append_samples(path: Path, groups: list[ScoredGroup], advantages: dict[int, 
     rows = []
     for group in sorted(groups, key=lambda g: g.index):
         texts = tokenizer.batch_decode(group.responses, skip_special_tokens=True)
-        rows += sample_rows(group, advantages[group.index], texts)
+        rows += sample_rows(group, advantages[group.index], texts, tokenizer)
     append_jsonl(path, rows)

@@ -94,4 +94,6 @@ def group_digest(group: ScoredGroup) -> str:
     h = hashlib.sha256(f"{group.index}:{group.prompt_ids.tolist()}".encode())
     for r in group.responses:
         h.update(r.to(torch.int64).numpy().tobytes() + b"|")
+    for m in group.loss_masks or ():  # multi-turn: who wrote each token is part of what was sampled
+        h.update(m.to(torch.uint8).numpy().tobytes() + b"|")
     return h.hexdigest()

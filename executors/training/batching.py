@@ -19,7 +19,9 @@ class MicroBatch:
     input_ids_NL: torch.Tensor  # [prompt, response_i], right-padded
     attention_mask_NL: torch.Tensor
     targets_NT: torch.Tensor  # response tokens, padded with 0
-    mask_NT: torch.Tensor  # bool, True on real response tokens
+    # bool, True on the response tokens trained: real and, in a multi-turn rollout, sampled by the
+    # model (the environment's tokens are input, context only: never a log-prob, never a gradient)
+    mask_NT: torch.Tensor
     prompt_len: int
 
     @property
@@ -51,8 +53,22 @@ class MicroBatch:
         return torch.where(self.mask_NT, v_NT, 0.0)
 
 
+def check_loss_masks(responses: list[torch.Tensor], loss_masks: list[torch.Tensor] | None) -> None:
+    """A loss mask per response, of its length (RolloutGroup.loss_masks); None: every token is the model's."""
+    if loss_masks is None:
+        return
+    if len(loss_masks) != len(responses):
+        raise ValueError(f"{len(loss_masks)} loss masks for {len(responses)} responses")
+    for i, (r, m) in enumerate(zip(responses, loss_masks)):
+        if m.dtype != torch.bool or m.shape != r.shape:
+            raise ValueError(f"loss mask {i} must be bool of shape {tuple(r.shape)} (its response's), got "
+                             f"{m.dtype} {tuple(m.shape)}")
+
+
 def split_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, micro_batch_size: int,
-                pad_id: int, device: torch.device) -> list[MicroBatch]:
+                pad_id: int, device: torch.device, loss_masks: list[torch.Tensor] | None = None) -> list[MicroBatch]:
+    """loss_masks: G x [R_i] bool, the tokens trained (the model's); None: all of them."""
+    check_loss_masks(responses, loss_masks)
     P = prompt_ids_P.numel()
     out = []
     for start in range(0, len(responses), micro_batch_size):
@@ -70,7 +86,7 @@ def split_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, mi
             input_ids[n, P:P + R] = r
             attn[n, :P + R] = 1
             targets[n, :R] = r
-            mask[n, :R] = True
+            mask[n, :R] = True if loss_masks is None else loss_masks[samples[n]]
         out.append(MicroBatch(samples, input_ids.to(device), attn.to(device), targets.to(device),
                               mask.to(device), P))
     return out

@@ -55,11 +55,12 @@ def shares_prompt(cfg: LearnerConfig, prompt_ids_P: torch.Tensor, responses: lis
 
 
 def micro_batches(cfg: LearnerConfig, prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, pad_id: int,
-                  device: torch.device) -> list:
+                  device: torch.device, loss_masks: list[torch.Tensor] | None = None) -> list:
     """A group's micro-batches: fixed by the group alone (sample index order), never by arrival
-    (DESIGN.md determinism rule 2)."""
+    (DESIGN.md determinism rule 2). loss_masks: the tokens trained (RolloutGroup.loss_masks)."""
     return make_micro_batches(prompt_ids_P, responses, mode=cfg.shared_prompt, token_budget=cfg.token_budget,
-                              micro_batch_size=cfg.micro_batch_size, pad_id=pad_id, device=device)
+                              micro_batch_size=cfg.micro_batch_size, pad_id=pad_id, device=device,
+                              loss_masks=loss_masks)
 
 
 class LearnerModels:
@@ -76,7 +77,7 @@ class LearnerModels:
 
     def micro_batches(self, group) -> list:
         return micro_batches(self.cfg, group.prompt_ids, group.responses, pad_id=self.tokenizer.pad_token_id,
-                             device=self.device)
+                             device=self.device, loss_masks=group.loss_masks)
 
     @functools.cached_property
     def dummy(self):

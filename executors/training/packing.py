@@ -6,7 +6,8 @@ shared_prompt off: the G rows `[prompt, r_i]` back to back, each its own causal 
 Either way a group whose row would exceed `token_budget` splits into several rows by sample index
 (greedy, in index order, so the split depends only on the group, never on arrival; DESIGN.md
 determinism rule 2), and a shared row repeats the prompt. `PackedMicroBatch` has `MicroBatch`'s
-interface, so the trainer treats both alike.
+interface, so the trainer treats both alike. In a multi-turn group (loss masks) the environment's
+tokens are in the row, as context, but only the model's tokens are in mask_NT and rows_K.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from executors.training.batching import MicroBatch, ResponseLogprobs, split_group
+from executors.training.batching import MicroBatch, ResponseLogprobs, check_loss_masks, split_group
 from executors.training.head import chunked_head
 from executors.training.packed_attention import BACKENDS, Backend, PackMask, install, packed_forward
 
@@ -35,8 +36,8 @@ class PackedMicroBatch:
     position_ids_1L: torch.Tensor
     pack: PackMask
     targets_NT: torch.Tensor  # response tokens, padded with 0
-    mask_NT: torch.Tensor  # bool, True on real response tokens
-    rows_K: torch.Tensor  # the row position whose logits predict each real response token, in mask_NT order
+    mask_NT: torch.Tensor  # bool, True on the response tokens trained (real, and the model's)
+    rows_K: torch.Tensor  # the row position whose logits predict each trained response token, in mask_NT order
 
     @property
     def tokens(self) -> int:
@@ -85,7 +86,7 @@ def _chunks(costs: list[int], *, fixed: int, token_budget: int) -> list[tuple[in
     return out
 
 
-def _row(prompt_ids_P, responses, samples, *, shared, backend, device) -> PackedMicroBatch:
+def _row(prompt_ids_P, responses, samples, *, shared, backend, device, loss_masks=None) -> PackedMicroBatch:
     P = prompt_ids_P.numel()
     lens = [responses[i].numel() for i in samples]
     N, T = len(samples), max(1, max(lens))
@@ -112,6 +113,8 @@ def _row(prompt_ids_P, responses, samples, *, shared, backend, device) -> Packed
             pos.append(torch.arange(P + R))
             seg.append(torch.full((P + R,), n, dtype=torch.long))
             end = start + P + R
+        if loss_masks is not None:  # only the rows that predict the model's tokens reach the head
+            rows[-1] = rows[-1][loss_masks[i]]
         if end > start:
             spans.append((start, end))
         start = end
@@ -119,7 +122,7 @@ def _row(prompt_ids_P, responses, samples, *, shared, backend, device) -> Packed
     mask = torch.zeros((N, T), dtype=torch.bool)
     for n, (i, R) in enumerate(zip(samples, lens)):
         targets[n, :R] = responses[i]
-        mask[n, :R] = True
+        mask[n, :R] = True if loss_masks is None else loss_masks[i]
     pack = PackMask(seg_L=torch.cat(seg).to(device), spans=tuple(spans), shared=shared, backend=backend)
     return PackedMicroBatch(samples=tuple(samples), input_ids_1L=torch.cat(ids).long()[None].to(device),
                             position_ids_1L=torch.cat(pos)[None].to(device), pack=pack,
@@ -128,10 +131,13 @@ def _row(prompt_ids_P, responses, samples, *, shared, backend, device) -> Packed
 
 
 def pack_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, token_budget: int, pad_id: int,
-               device: torch.device, shared_prompt: bool, backend: Backend = "auto") -> list[PackedMicroBatch]:
+               device: torch.device, shared_prompt: bool, backend: Backend = "auto",
+               loss_masks: list[torch.Tensor] | None = None) -> list[PackedMicroBatch]:
     """One group as unpadded rows of at most `token_budget` tokens (a lone over-long sample excepted).
 
     `pad_id` is unused (nothing is padded); kept so every micro-batcher takes the same arguments.
+    loss_masks: G x [R_i] bool, the tokens trained (the model's); None: all of them. The budget
+    counts every token of the row (the environment's run through the forward too).
     """
     del pad_id
     P = prompt_ids_P.numel()
@@ -143,13 +149,14 @@ def pack_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, tok
         raise ValueError(f"trainer.token_budget must be >= 1, got {token_budget}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown packed attention backend {backend!r}; choose one of {BACKENDS}")
+    check_loss_masks(responses, loss_masks)
     lens = [r.numel() for r in responses]
     if shared_prompt:
         rows = _chunks(lens, fixed=P, token_budget=token_budget)
     else:
         rows = _chunks([P + R for R in lens], fixed=0, token_budget=token_budget)
-    return [_row(prompt_ids_P, responses, samples, shared=shared_prompt, backend=backend, device=device)
-            for samples in rows]
+    return [_row(prompt_ids_P, responses, samples, shared=shared_prompt, backend=backend, device=device,
+                 loss_masks=loss_masks) for samples in rows]
 
 
 def auto_shared_prompt(prompt_len: int, response_lens: list[int]) -> bool:
@@ -167,14 +174,16 @@ def auto_shared_prompt(prompt_len: int, response_lens: list[int]) -> bool:
 
 
 def make_micro_batches(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, mode: Mode, token_budget: int,
-                       micro_batch_size: int, pad_id: int, device: torch.device,
-                       backend: Backend = "auto") -> list[MicroBatch] | list[PackedMicroBatch]:
-    """trainer.shared_prompt: on | off | auto pack under `token_budget`; padded is the reference `split_group`."""
+                       micro_batch_size: int, pad_id: int, device: torch.device, backend: Backend = "auto",
+                       loss_masks: list[torch.Tensor] | None = None) -> list[MicroBatch] | list[PackedMicroBatch]:
+    """trainer.shared_prompt: on | off | auto pack under `token_budget`; padded is the reference `split_group`.
+    loss_masks: the group's (RolloutGroup.loss_masks), None for a single-turn group."""
     if mode == "padded":
-        return split_group(prompt_ids_P, responses, micro_batch_size=micro_batch_size, pad_id=pad_id, device=device)
+        return split_group(prompt_ids_P, responses, micro_batch_size=micro_batch_size, pad_id=pad_id, device=device,
+                           loss_masks=loss_masks)
     if mode not in MODES:
         raise ValueError(f"trainer.shared_prompt must be one of {MODES}, got {mode!r}")
     shared = mode == "on" or (mode == "auto" and auto_shared_prompt(prompt_ids_P.numel(),
                                                                       [r.numel() for r in responses]))
     return pack_group(prompt_ids_P, responses, token_budget=token_budget, pad_id=pad_id, device=device,
-                      shared_prompt=shared, backend=backend)
+                      shared_prompt=shared, backend=backend, loss_masks=loss_masks)

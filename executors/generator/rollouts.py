@@ -1,0 +1,234 @@
+"""Rollouts (`rollout`): how the generator turns a step's prompts into responses with its engine.
+
+    single_turn   one completion per sample, up to generator.max_new_tokens: the engine's stream as is
+    multi_turn    the model writes a turn, an environment answers (executors/environments), the model
+                  writes again, until the environment says done or multi_turn's limits end it
+
+Token in, token out: a multi-turn response is one token sequence, the model's turns exactly as
+sampled and each observation rendered once and appended; nothing is decoded and encoded again, so
+the trainer sees the ids the engine sampled (re-tokenising a conversation each turn is how peers'
+multi-turn runs drifted). The engine keeps every sample's KV across its turns. `loss_masks` marks
+the model's tokens, the only ones trained; `episodes` carries each sample's turns, environment time,
+reward parts and error, for the reward and metrics.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+import torch
+
+from channels.payloads import RolloutGroup
+from common.registry import Registry
+from common.timeout import CallTimeout, call_with_timeout
+from executors.data import PromptRow
+from executors.embedded.task import hide_digit
+from executors.environments.base import EnvStep, ModelTurn, env_class
+from executors.generator.config import MultiTurnConfig
+from executors.generator.engine import PromptRequest, SamplingParams
+
+Prompts = list[tuple[int, PromptRow, list[int]]]  # (index in the step, data row, token ids)
+
+
+class Rollout(Protocol):
+    tools: list[dict] | None  # JSON schemas of the environment's tools, for the chat template's prompts
+
+    def embedded(self, row: dict) -> dict:
+        """An embedded-task row as this rollout poses it (the multi-turn task hides its digit)."""
+
+    def run(self, engine, prompts: Prompts, params: SamplingParams, *, step: int,
+            stop: Callable[[], bool]) -> Iterator[RolloutGroup]:
+        """Each prompt's group, the moment its G samples are done."""
+
+
+class EnvError(ValueError):
+    """An environment failed under multi_turn.on_error=fail."""
+
+
+class SingleTurn:
+    tools = None
+
+    def __init__(self, *, tokenizer, config: MultiTurnConfig, max_new_tokens: int):
+        del tokenizer, config, max_new_tokens
+
+    def embedded(self, row: dict) -> dict:
+        return row
+
+    def run(self, engine, prompts, params, *, step, stop):
+        rows = {i: row for i, row, _ in prompts}
+        requests = [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in prompts]
+        for done in engine.generate(requests, params, step=step, stop=stop):
+            yield _group(step, rows[done.index], done)
+
+
+def _group(step: int, row: PromptRow, done, **multi_turn) -> RolloutGroup:
+    return RolloutGroup(step=step, index=done.index, prompt=row.prompt, extras=row.extras, prompt_ids=done.prompt_ids_P,
+                        responses=done.response_ids, logprobs=done.logprobs, finished=done.finished_G,
+                        data_row=row.line, loss_masks=done.loss_masks, **multi_turn)
+
+
+@dataclass
+class _Episode:
+    env: object
+    where: str  # "step 3, prompt 5 (data row 17), sample 2": named by every error
+    turns: int = 0
+    tokens: int = 0  # response tokens so far, model's and observations'
+    env_s: float = 0.0
+    reward_parts: dict = field(default_factory=dict)
+    error: str | None = None
+
+    def record(self) -> dict:
+        return {"turns": self.turns, "env_s": self.env_s, "reward_parts": self.reward_parts, "error": self.error}
+
+
+class MultiTurn:
+    def __init__(self, *, tokenizer, config: MultiTurnConfig, max_new_tokens: int):
+        self.cfg, self.tokenizer, self.spec = config, tokenizer, config.env or "lookup"
+        self.env_cls = env_class(self.spec)
+        if config.require_deterministic and not getattr(self.env_cls, "deterministic", True):
+            raise ValueError(f"multi_turn.env={self.spec!r} says it is not deterministic (deterministic = False), "
+                             f"and multi_turn.require_deterministic is set: sync and periodic runs would differ")
+        self.max_total_tokens = config.total_tokens(max_new_tokens)
+        self.render = ObservationRenderer(tokenizer)
+        # the tools a chat template describes in each prompt (data.chat_template=true)
+        self.tools = getattr(self.env_cls, "TOOLS", None) or None
+
+    def embedded(self, row: dict) -> dict:
+        return hide_digit(row)  # the embedded multi-turn task: its digit is behind a tool
+
+    def run(self, engine, prompts, params, *, step, stop):
+        episodes, requests, rows = {}, [], {}
+        for index, row, ids in prompts:
+            where = f"step {step}, prompt {index}" + (f" (data row {row.line})" if row.line else "")
+            group = [self._start(row, f"{where}, sample {j}") for j in range(params.n)]
+            firsts = {tuple(first) for ep, first in group if ep.error is None} or {()}
+            if len(firsts) > 1:
+                raise ValueError(f"environment {self.spec!r}: reset() gave the samples of {where} different first "
+                                 f"observations; it must depend on the data row only (it extends the shared prompt)")
+            episodes.update({(index, j): ep for j, (ep, _) in enumerate(group)})
+            rows[index] = row
+            requests.append(PromptRequest(index=index, prompt_ids=list(ids) + list(firsts.pop())))
+        turns = _Turns(self, episodes)
+        for done in engine.generate(requests, params, step=step, stop=stop, turns=turns):
+            yield _group(step, rows[done.index], done,
+                         episodes=[episodes.pop((done.index, j)).record() for j in range(params.n)])
+
+    def _start(self, row: PromptRow, where: str) -> tuple[_Episode, list[int]]:
+        ep = _Episode(env=None, where=where)
+        try:
+            ep.env = self._call(ep, self.env_cls, {"prompt": row.prompt, **row.extras}, **self.cfg.env_args)
+            first = self._call(ep, ep.env.reset)
+            return ep, [] if first is None else self._tokens(first, closed=True)
+        except _Failed as failed:
+            self._failed(ep, str(failed))
+            return ep, []
+
+    def turn(self, ep: _Episode, turn_ids: torch.Tensor, ended: bool) -> list[int] | None:
+        """The environment's answer to a model turn as token ids, or None: the episode is over."""
+        ep.turns += 1
+        ep.tokens += turn_ids.numel()
+        if ep.error is not None or ep.turns >= self.cfg.max_turns:
+            return None
+        text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
+        try:
+            result = self._call(ep, ep.env.step, ModelTurn(index=ep.turns - 1, ids=turn_ids, text=text, ended=ended))
+            if not isinstance(result, EnvStep):
+                raise _Failed(f"step() returned {type(result).__name__}, not an EnvStep")
+            for name, value in result.reward_parts.items():
+                ep.reward_parts[name] = ep.reward_parts.get(name, 0.0) + float(value)
+            if result.done:
+                return None
+            ids = [] if result.observation is None else self._tokens(result.observation, closed=ended)
+            if ep.tokens + len(ids) + 1 > self.max_total_tokens:
+                raise _Failed(f"its observation of {len(ids)} tokens leaves no room for a turn in "
+                              f"multi_turn.max_total_tokens={self.max_total_tokens} ({ep.tokens} used)")
+        except _Failed as failed:
+            self._failed(ep, str(failed))
+            return None
+        ep.tokens += len(ids)
+        return ids
+
+    def _call(self, ep: _Episode, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        name = "its constructor" if isinstance(fn, type) else f"{fn.__name__}()"
+        try:
+            return call_with_timeout(functools.partial(fn, **kwargs), args, timeout_s=self.cfg.timeout_s)
+        except CallTimeout:
+            raise _Failed(f"{name} timed out after {self.cfg.timeout_s:g} s") from None
+        except Exception as exc:  # any failure of user code is reported the same way
+            raise _Failed(f"{name} raised {type(exc).__name__}: {' '.join(str(exc).split())}") from exc
+        finally:
+            ep.env_s += time.perf_counter() - t0
+
+    def _tokens(self, observation, *, closed: bool) -> list[int]:
+        if isinstance(observation, str):
+            return self.render(observation, closed=closed)
+        if isinstance(observation, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                          for t in observation):
+            vocab = len(self.tokenizer)
+            bad = [t for t in observation if not 0 <= t < vocab]
+            if bad:
+                raise _Failed(f"observation token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            return list(observation)
+        raise _Failed(f"observation is a {type(observation).__name__}, not text or a list of token ids")
+
+    def _failed(self, ep: _Episode, message: str) -> None:
+        message = f"environment {self.spec!r} failed at {ep.where}: {message}"
+        if self.cfg.on_error == "fail":
+            raise EnvError(message)
+        ep.error = message
+
+
+class _Failed(Exception):
+    pass
+
+
+@dataclass
+class _Turns:
+    """The engine's side of a multi-turn rollout (executors/generator/engine.py Turns)."""
+
+    rollout: MultiTurn
+    episodes: dict
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.rollout.max_total_tokens
+
+    def __call__(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> list[int] | None:
+        return self.rollout.turn(self.episodes[(index, sample)], turn_ids, ended)
+
+
+class ObservationRenderer:
+    """Observation text -> token ids, once: wrapped as a tool message by the tokenizer's chat template
+    where it has one (Qwen3/Hermes: `<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>
+    \\n<|im_start|>assistant\\n`), else the text as it is. The wrap is read off the template once, as
+    the difference between a conversation with and without a tool message after the model's turn."""
+
+    _MARK = "\x00tidal-observation\x00"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.before, self.after, self.close = "", "", ""
+        if getattr(tokenizer, "chat_template", None):
+            chat = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+            base = tokenizer.apply_chat_template(chat, tokenize=False)
+            full = tokenizer.apply_chat_template(chat + [{"role": "tool", "content": self._MARK}], tokenize=False,
+                                                 add_generation_prompt=True)
+            eot = tokenizer.eos_token or ""
+            closes = bool(eot) and eot in base  # the model's EOS ends a message of its template
+            cut = base.rfind(eot) + len(eot) if closes else len(base)
+            if full.startswith(base[:cut]) and self._MARK in full:
+                self.before, _, self.after = full[cut:].partition(self._MARK)
+                # a turn cut at its cap did not write its end-of-turn token: the wrap does
+                self.close = eot if closes else ""
+
+    def __call__(self, text: str, *, closed: bool = True) -> list[int]:
+        wrapped = ("" if closed else self.close) + self.before + text + self.after
+        return self.tokenizer.encode(wrapped, add_special_tokens=False)
+
+
+ROLLOUTS: Registry[type] = Registry("rollout")
+ROLLOUTS.register("single_turn", SingleTurn)
+ROLLOUTS.register("multi_turn", MultiTurn)

@@ -1,0 +1,217 @@
+"""Multi-turn rollouts at the engine and rollout level: token in, token out; the KV kept across turns
+gives the log-probs of a fresh forward over the whole sequence; per-sample determinism; observation
+rendering through a chat template; and every bad input of an environment."""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+
+from executors.data import PromptRow
+from executors.embedded.task import embedded_prompts, hide_digit
+from executors.environments.base import EnvStep
+from executors.generator.config import MultiTurnConfig
+from executors.generator.engine import PromptRequest, SamplingParams
+from executors.generator.rollouts import EnvError, MultiTurn, ObservationRenderer
+
+from tests.test_engine import _engine, model, tok  # noqa: F401 (fixtures: the embedded model and tokenizer)
+
+
+class Echo:
+    """Observations of varying length: turn k of sample j of prompt i gets (i + j + k) % 4 + 1 tokens
+    derived from what the model wrote; the episode ends after the third turn."""
+
+    def __init__(self, max_total_tokens=64):
+        self.max_total_tokens = max_total_tokens
+        self.calls = {}
+
+    def __call__(self, *, index, sample, turn_ids, ended):
+        turns = self.calls.setdefault((index, sample), [])
+        turns.append(turn_ids.clone())
+        if len(turns) == 3:
+            return None
+        n = (index + sample + len(turns)) % 4 + 1
+        return [(int(turn_ids[-1]) + 7 * k) % 500 + 1 for k in range(n)]
+
+
+def _requests(tok, n=6):
+    return [PromptRequest(index=i, prompt_ids=tok(p["prompt"]).input_ids) for i, p in enumerate(embedded_prompts(n, seed=3))]
+
+
+def _turn_runs(mask):
+    """[(sampled?, start, stop)] runs of a loss mask."""
+    runs, start = [], 0
+    for t in range(1, len(mask) + 1):
+        if t == len(mask) or bool(mask[t]) != bool(mask[start]):
+            runs.append((bool(mask[start]), start, t))
+            start = t
+    return runs
+
+
+@pytest.mark.parametrize("admission", ["chunked", "continuous"])
+def test_turns_are_sampled_ids_and_kv_across_turns_is_exact(model, tok, admission):
+    """The response is the turns exactly as sampled with the observations between them; the log-probs
+    the engine reports with its kept KV equal a fresh forward over prompt + response."""
+    turns = Echo()
+    params = SamplingParams(n=3, max_new_tokens=5, seed=4)
+    groups = list(_engine(model, tok, max_batch_prompts=2, admission=admission).generate(
+        _requests(tok), params, step=0, turns=turns))
+    assert sorted(g.index for g in groups) == list(range(6))
+    for g in groups:
+        for j, (resp, logp, mask) in enumerate(zip(g.response_ids, g.logprobs, g.loss_masks)):
+            seen = turns.calls[(g.index, j)]
+            model_runs = [(a, b) for sampled, a, b in _turn_runs(mask) if sampled]
+            assert [resp[a:b].tolist() for a, b in model_runs] == [t.tolist() for t in seen]
+            assert len(seen) == 3 and bool(g.finished_G[j])
+            assert (logp[~mask] == 0).all()
+            P = len(g.prompt_ids_P)
+            with torch.no_grad():
+                logits_TV = model(torch.cat([g.prompt_ids_P, resp])[None]).logits[0, P - 1:-1]
+            ref = torch.log_softmax(logits_TV.float(), -1).gather(-1, resp[:, None])[:, 0]
+            torch.testing.assert_close(logp[mask], ref[mask], atol=1e-5, rtol=0)
+
+
+def test_multi_turn_samples_do_not_depend_on_batching(model, tok):
+    params = SamplingParams(n=2, max_new_tokens=4, seed=9)
+
+    def run(**kw):
+        return {g.index: g.response_ids for g in _engine(model, tok, **kw).generate(_requests(tok), params, step=2,
+                                                                                    turns=Echo())}
+    one, many, cont = run(max_batch_prompts=1), run(max_batch_prompts=6), run(max_batch_prompts=2, admission="continuous")
+    for i in one:
+        assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(one[i], many[i], cont[i]))
+
+
+def test_a_turn_that_never_ends_is_cut_at_the_budget(model, tok):
+    class Never:  # always answers, never ends the episode
+        max_total_tokens = 20
+
+        def __call__(self, **_):
+            return [5, 6]
+
+    params = SamplingParams(n=2, max_new_tokens=4, seed=1)
+    for g in _engine(model, tok).generate(_requests(tok, 2), params, step=0, turns=Never()):
+        assert all(len(r) <= 20 for r in g.response_ids) and not g.finished_G.any()
+
+
+# ---- the rollout: environments, rendering, errors ---------------------------------------------------
+
+
+def _rows(n=4):
+    return [PromptRow(prompt=r["prompt"], extras={k: v for k, v in r.items() if k != "prompt"})
+            for r in map(hide_digit, embedded_prompts(n, seed=0))]
+
+
+def _rollout(tok, **cfg):
+    return MultiTurn(tokenizer=tok, config=MultiTurnConfig(**cfg), max_new_tokens=6)
+
+
+def _run_rollout(rollout, model, tok, rows, *, n=2):
+    prompts = [(i, row, tok(row.prompt).input_ids) for i, row in enumerate(rows)]
+    return {g.index: g for g in rollout.run(_engine(model, tok), prompts, SamplingParams(n=n, max_new_tokens=6, seed=0),
+                                            step=0, stop=lambda: False)}
+
+
+def test_lookup_rollout_shows_the_hidden_digit_after_a_look(model, tok):
+    groups = _run_rollout(_rollout(tok), model, tok, _rows())
+    looked = 0
+    for g in groups.values():
+        assert "?" in g.prompt and g.extras["answer"] not in g.prompt.split(".")[0]
+        for i, episode in enumerate(g.episodes):
+            roles = [role for role, _ in g.turns(i)]
+            assert roles[0] == "assistant" and episode["turns"] == roles.count("assistant") and episode["error"] is None
+            for role, ids in g.turns(i):
+                if role == "tool":
+                    looked += 1
+                    assert tok.decode(ids) == g.extras["reveal"]
+    assert looked > 0
+
+
+class Raises:
+    deterministic = True
+
+    def __init__(self, sample, *, fail_at=0, what="raise"):
+        self.fail_at, self.what, self.n = fail_at, what, 0
+
+    def reset(self):
+        return None
+
+    def step(self, turn):
+        self.n += 1
+        if self.n <= self.fail_at:
+            return EnvStep(observation=" ok")
+        if self.what == "raise":
+            raise RuntimeError("the tool broke")
+        if self.what == "hang":
+            time.sleep(30)
+        if self.what == "type":
+            return EnvStep(observation=3.5)
+        if self.what == "huge":
+            return EnvStep(observation=" a" * 400)
+        if self.what == "not_a_step":
+            return "text"
+        raise AssertionError(self.what)
+
+
+@pytest.mark.parametrize("what, message", [
+    ("raise", "step() raised RuntimeError: the tool broke"),
+    ("hang", "step() timed out after 0.5 s"),
+    ("type", "observation is a float, not text or a list of token ids"),
+    ("huge", "its observation of 400 tokens leaves no room for a turn in multi_turn.max_total_tokens=64"),
+    ("not_a_step", "step() returned str, not an EnvStep"),
+])
+def test_environment_errors_end_the_sample_named_or_stop_the_run(model, tok, what, message):
+    kw = dict(env="tests.test_multi_turn:Raises", env_args={"fail_at": 1, "what": what}, max_total_tokens=64,
+              timeout_s=0.5, max_turns=4)
+    groups = _run_rollout(_rollout(tok, **kw), model, tok, _rows(2))
+    for g in groups.values():
+        for i, episode in enumerate(g.episodes):
+            head = f"environment 'tests.test_multi_turn:Raises' failed at step 0, prompt {g.index}, sample {i}: "
+            assert episode["error"].startswith(head) and message in episode["error"], episode["error"]
+            assert episode["turns"] == 2  # the turn before the failure kept its observation
+            assert [r for r, _ in g.turns(i)] == ["assistant", "tool", "assistant"]
+    with pytest.raises(EnvError, match=r"failed at step 0, prompt \d, sample \d: " + re.escape(message)):
+        _run_rollout(_rollout(tok, **kw, on_error="fail"), model, tok, _rows(2))
+
+
+def test_unknown_environment_and_nondeterministic_refusal(tok):
+    with pytest.raises(ValueError, match="unknown environment 'nope'; known: calculator, lookup, python"):
+        _rollout(tok, env="nope")
+    with pytest.raises(ValueError, match="cannot load it"):
+        _rollout(tok, env="tests.no_such_module:Env")
+
+    class Clock(Raises):
+        deterministic = False
+    globals()["Clock"] = Clock
+    with pytest.raises(ValueError, match="not deterministic"):
+        _rollout(tok, env="tests.test_multi_turn:Clock", require_deterministic=True)
+    _rollout(tok, env="tests.test_multi_turn:Clock")  # allowed when equivalence is not asked for
+
+
+# Qwen3's shape, with the embedded tokenizer's EOS as the end of a message (Qwen3's EOS is <|im_end|>)
+QWEN_LIKE_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
+    "</tool_response><|endoftext|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_observations_render_as_tool_messages_and_are_never_retokenised(tok):
+    """With a chat template, an observation becomes the template's tool message, closed by the model's
+    own end-of-turn token. Re-tokenising the conversation as text drifts from what was sampled: a
+    model may sample a word as pieces the tokenizer would merge; Tidal keeps the sampled ids."""
+    import copy
+
+    chat_tok = copy.deepcopy(tok)
+    chat_tok.chat_template = QWEN_LIKE_TEMPLATE
+    render = ObservationRenderer(chat_tok)
+    eot = chat_tok.eos_token
+    assert chat_tok.decode(render("42")) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|endoftext|>\n"
+                                            "<|im_start|>assistant\n")
+    assert chat_tok.decode(render("42", closed=False)).startswith(eot + "\n<|im_start|>user")
+    assert ObservationRenderer(tok)(" 7 cats") == tok.encode(" 7 cats", add_special_tokens=False)  # no template
+    # the sampled ids of a turn: "apples" as single letters, which decode to the same text
+    sampled = [tok.convert_tokens_to_ids(c) for c in "apples"] + [tok.eos_token_id]
+    retokenised = tok.encode(tok.decode(sampled), add_special_tokens=False)
+    assert tok.decode(retokenised) == tok.decode(sampled) and retokenised != sampled
