@@ -31,7 +31,7 @@ from tabulate import tabulate
 _ROOT = str(Path(__file__).resolve().parents[1])
 sys.path[:] = [_ROOT] + [p for p in sys.path if Path(p or ".").resolve() != Path(_ROOT, "bench") and p != _ROOT]
 
-from executors.data import _tokenize
+from executors.data import _ChatForm, _tokenize
 from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams
 from executors.hf import load_model, load_tokenizer
 from executors.trainer.accumulate import Mismatch
@@ -125,7 +125,7 @@ def main() -> None:
     t0 = time.perf_counter()
     tok = load_tokenizer(args.model)
     rows = [json.loads(line) for line in open(args.data)][: args.prompts]
-    prompts = [torch.tensor(_tokenize(tok, r["prompt"], apply_chat_template=True)) for r in rows]
+    prompts = [torch.tensor(_tokenize(tok, r["prompt"], chat=_ChatForm())) for r in rows]
 
     gen = load_model(args.model, dtype=torch.bfloat16)  # as executors/generator/executor.py loads it
     master = load_model(args.model, dtype=torch.float32)  # as executors/trainer/models.py loads it

@@ -132,8 +132,9 @@ class PromptSet:
         # Prompts over max_prompt_tokens are dropped, never truncated: a cut question is a
         # different question, with a reward that no longer fits it.
         self.dropped = 0
+        chat = _ChatForm.of(tokenizer, tools) if apply_chat_template else None
         for row in rows:
-            ids = _tokenize(tokenizer, row.prompt, apply_chat_template=apply_chat_template, tools=tools)
+            ids = _tokenize(tokenizer, row.prompt, chat=chat)
             if len(ids) > max_prompt_tokens:
                 self.dropped += 1
             else:
@@ -180,18 +181,31 @@ class PromptSet:
         return out
 
 
-def _tokenize(tokenizer: Any, prompt: str, *, apply_chat_template: bool, tools: list[dict] | None = None) -> list[int]:
-    if not apply_chat_template:
-        return list(tokenizer(prompt)["input_ids"])
-    chat = [{"role": "user", "content": prompt}]
-    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    if tools:
-        with_tools = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, tools=tools)
-        if with_tools == text:  # the template ignores `tools=`: a system message describes them
-            from executors.environments.toolcall import describe_tools
+@dataclass(frozen=True)
+class _ChatForm:
+    """How the chat template writes a prompt: the `tools=` it is given, or, for a template that ignores
+    them (SmolLM2's), a system message describing them. Probed once per prompt set, not per prompt."""
+    tools: list[dict] | None = None
+    system: str | None = None
 
-            with_tools = tokenizer.apply_chat_template([{"role": "system", "content": describe_tools(tools)}, *chat],
-                                                       add_generation_prompt=True, tokenize=False)
-        text = with_tools
+    @classmethod
+    def of(cls, tokenizer: Any, tools: list[dict] | None) -> "_ChatForm":
+        if not tools:
+            return cls()
+        probe = [{"role": "user", "content": "x"}]
+        if tokenizer.apply_chat_template(probe, tokenize=False, tools=tools) != \
+                tokenizer.apply_chat_template(probe, tokenize=False):
+            return cls(tools=tools)
+        from executors.environments.toolcall import describe_tools
+
+        return cls(system=describe_tools(tools))
+
+
+def _tokenize(tokenizer: Any, prompt: str, *, chat: _ChatForm | None) -> list[int]:
+    if chat is None:
+        return list(tokenizer(prompt)["input_ids"])
+    messages = [{"role": "system", "content": chat.system}] if chat.system else []
+    text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False, **({"tools": chat.tools} if chat.tools else {}))
     # The template already writes BOS/special tokens; adding them again would double BOS.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -15,6 +15,7 @@ from algorithms.registry import get_algorithm
 from executors.critic.config import CriticConfig
 from executors.evaluation.config import EvalConfig
 from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, MultiTurnConfig
+from executors.generator.rollouts import ROLLOUTS
 from executors.reward.config import RewardConfig
 from executors.trainer.config import TrainerConfig
 
@@ -64,8 +65,6 @@ class RunConfig(BaseModel):
     @field_validator("rollout")
     @classmethod
     def _registered(cls, name: str) -> str:
-        from executors.generator.rollouts import ROLLOUTS
-
         ROLLOUTS.get(name)  # ValueError: unknown rollout 'x'; known: ...
         return name
 
@@ -89,9 +88,7 @@ class RunConfig(BaseModel):
     @property
     def response_tokens(self) -> int:
         """The longest response: generator.max_new_tokens, or a multi-turn sample's whole budget."""
-        if self.rollout == "multi_turn":
-            return self.multi_turn.total_tokens(self.generator.max_new_tokens)
-        return self.generator.max_new_tokens
+        return ROLLOUTS.get(self.rollout).response_tokens(self.multi_turn, self.generator.max_new_tokens)
 
     @property
     def reward_functions(self) -> list[str]:
@@ -100,7 +97,7 @@ class RunConfig(BaseModel):
             return self.reward.functions
         if self.data.path:
             return ["math_verify"]
-        return ["embedded_lookup"] if self.rollout == "multi_turn" else ["embedded"]
+        return [ROLLOUTS.get(self.rollout).embedded_reward]
 
     def resolved(self) -> dict:
         """Everything the run used, algorithm defaults included (written to config.json)."""

@@ -61,7 +61,7 @@ def test_ppo_trains_multi_turn_responses(tmp_path):
     """The critic's values and GAE over responses whose observations are holes in the loss mask."""
     rows = metrics(_run(tmp_path, algo="ppo", nproc=4))
     assert all(r["turns_mean"] > 1.5 for r in rows)
-    assert all(abs(r["critic/value_loss"]) >= 0 for r in rows) and rows[-1]["critic/value_loss"] > 0
+    assert all(0 < r["critic/value_loss"] < float("inf") for r in rows)
 
 
 ENV_FAILS = ["--set", "multi_turn.env=tests.envs:BreaksOnSomePrompts"]
@@ -90,4 +90,4 @@ def test_on_error_fail_stops_the_run_naming_environment_step_prompt_and_sample(t
 def test_bad_environment_name_fails_before_any_rank_starts(tmp_path):
     proc = launch(tmp_path, *MULTI_TURN, "--set", "multi_turn.env=tests.envs:Nope", timeout=120)
     assert proc.returncode != 0
-    assert "multi_turn.env" in proc.stderr or "rollout.env" in proc.stderr
+    assert "multi_turn.env='tests.envs:Nope': cannot load it" in proc.stderr

@@ -47,8 +47,8 @@ class Generator(Executor):
         self.dynamic, self.max_rounds = dynamic_sampling, max_rounds
         self.rollout_cls, self.multi_turn = ROLLOUTS.get(rollout), multi_turn or MultiTurnConfig()
         self.rollout_name = rollout
-        turn_total = self.multi_turn.total_tokens(config.max_new_tokens) if rollout == "multi_turn" else 0
-        self.longest_response = max(longest_response, config.max_new_tokens, turn_total)
+        self.longest_response = max(longest_response, self.rollout_cls.response_tokens(self.multi_turn,
+                                                                                       config.max_new_tokens))
 
     def needs(self, port) -> bool:
         return port is Generator.verdicts and self.dynamic or super().needs(port)

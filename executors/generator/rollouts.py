@@ -34,6 +34,11 @@ Prompts = list[tuple[int, PromptRow, list[int]]]  # (index in the step, data row
 
 class Rollout(Protocol):
     tools: list[dict] | None  # JSON schemas of the environment's tools, for the chat template's prompts
+    embedded_reward: str  # the reward of the embedded task as this rollout poses it
+
+    @staticmethod
+    def response_tokens(config: MultiTurnConfig, max_new_tokens: int) -> int:
+        """The longest response this rollout writes (memory estimates, vLLM's context, Dr. GRPO)."""
 
     def embedded(self, row: dict) -> dict:
         """An embedded-task row as this rollout poses it (the multi-turn task hides its digit)."""
@@ -49,6 +54,11 @@ class EnvError(ValueError):
 
 class SingleTurn:
     tools = None
+    embedded_reward = "embedded"
+
+    @staticmethod
+    def response_tokens(config: MultiTurnConfig, max_new_tokens: int) -> int:
+        return max_new_tokens
 
     def __init__(self, *, tokenizer, config: MultiTurnConfig, max_new_tokens: int):
         del tokenizer, config, max_new_tokens
@@ -84,13 +94,19 @@ class _Episode:
 
 
 class MultiTurn:
+    embedded_reward = "embedded_lookup"
+
+    @staticmethod
+    def response_tokens(config: MultiTurnConfig, max_new_tokens: int) -> int:
+        return config.total_tokens(max_new_tokens)  # model turns and observations together
+
     def __init__(self, *, tokenizer, config: MultiTurnConfig, max_new_tokens: int):
         self.cfg, self.tokenizer, self.spec = config, tokenizer, config.env or "lookup"
         self.env_cls = env_class(self.spec)
         if config.require_deterministic and not getattr(self.env_cls, "deterministic", True):
             raise ValueError(f"multi_turn.env={self.spec!r} says it is not deterministic (deterministic = False), "
                              f"and multi_turn.require_deterministic is set: sync and periodic runs would differ")
-        self.max_total_tokens = config.total_tokens(max_new_tokens)
+        self.max_total_tokens = self.response_tokens(config, max_new_tokens)
         self.render = ObservationRenderer(tokenizer)
         # the tools a chat template describes in each prompt (data.chat_template=true)
         self.tools = getattr(self.env_cls, "TOOLS", None) or None
