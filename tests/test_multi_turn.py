@@ -21,11 +21,14 @@ from tests.test_engine import _engine, model, tok  # noqa: F401 (fixtures: the e
 
 class Echo:
     """Observations of varying length: turn k of sample j of prompt i gets (i + j + k) % 4 + 1 tokens
-    derived from what the model wrote; the episode ends after the third turn."""
+    derived from what the model wrote; the episode ends after the third turn, turn k capped at caps[k]."""
 
-    def __init__(self, max_total_tokens=64):
-        self.max_total_tokens = max_total_tokens
+    def __init__(self, max_total_tokens=64, caps=(5, 5, 5)):
+        self.max_total_tokens, self.caps = max_total_tokens, caps
         self.calls = {}
+
+    def max_tokens(self, *, index, sample):
+        return self.caps[len(self.calls.get((index, sample), []))]
 
     def __call__(self, *, index, sample, turn_ids, ended):
         turns = self.calls.setdefault((index, sample), [])
@@ -78,7 +81,7 @@ def test_multi_turn_samples_do_not_depend_on_batching(model, tok):
 
     def run(**kw):
         return {g.index: g.response_ids for g in _engine(model, tok, **kw).generate(_requests(tok), params, step=2,
-                                                                                    turns=Echo())}
+                                                                                    turns=Echo(caps=(4, 4, 4)))}
     one, many, cont = run(max_batch_prompts=1), run(max_batch_prompts=6), run(max_batch_prompts=2, admission="continuous")
     for i in one:
         assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(one[i], many[i], cont[i]))
@@ -91,9 +94,28 @@ def test_a_turn_that_never_ends_is_cut_at_the_budget(model, tok):
         def __call__(self, **_):
             return [5, 6]
 
+        def max_tokens(self, **_):
+            return 4
+
     params = SamplingParams(n=2, max_new_tokens=4, seed=1)
     for g in _engine(model, tok).generate(_requests(tok, 2), params, step=0, turns=Never()):
         assert all(len(r) <= 20 for r in g.response_ids) and not g.finished_G.any()
+
+
+@pytest.mark.parametrize("admission", ["chunked", "continuous"])
+def test_each_turn_stops_at_the_cap_the_rollout_gives_it(model, tok, admission):
+    """Turn k of every sample ends at its own cap (1, then 3, then 2 tokens) unless the model ends it
+    first; a cut turn is handed to the rollout as not ended."""
+    turns = Echo(caps=(1, 3, 2))
+    cut = 0
+    for g in _engine(model, tok, max_batch_prompts=2, admission=admission).generate(
+            _requests(tok), SamplingParams(n=3, max_new_tokens=5, seed=4), step=0, turns=turns):
+        for j in range(3):
+            for cap, ids in zip(turns.caps, turns.calls[(g.index, j)], strict=True):
+                eos = int(ids[-1]) == tok.eos_token_id
+                assert len(ids) == cap or (eos and len(ids) < cap), (cap, ids)
+                cut += not eos
+    assert cut > 0
 
 
 # ---- the rollout: environments, rendering, errors ---------------------------------------------------
@@ -122,6 +144,7 @@ def test_lookup_rollout_shows_the_hidden_digit_after_a_look(model, tok):
         for i, episode in enumerate(g.episodes):
             roles = [role for role, _ in g.turns(i)]
             assert roles[0] == "assistant" and episode["turns"] == roles.count("assistant") and episode["error"] is None
+            assert len(g.turns(i)[0][1]) == 1  # the look: reset() caps the first turn at one token
             for role, ids in g.turns(i):
                 if role == "tool":
                     looked += 1
@@ -152,6 +175,8 @@ class Raises:
             return EnvStep(observation=" a" * 400)
         if self.what == "not_a_step":
             return "text"
+        if self.what == "cap":
+            return EnvStep(observation=" ok", max_tokens=0)
         raise AssertionError(self.what)
 
 
@@ -161,6 +186,7 @@ class Raises:
     ("type", "observation is a float, not text or a list of token ids"),
     ("huge", "its observation of 400 tokens leaves no room for a turn in multi_turn.max_total_tokens=64"),
     ("not_a_step", "step() returned str, not an EnvStep"),
+    ("cap", "step() asked for max_tokens=0; a turn's token cap is an int >= 1"),
 ])
 def test_environment_errors_end_the_sample_named_or_stop_the_run(model, tok, what, message):
     kw = dict(env="tests.test_multi_turn:Raises", env_args={"fail_at": 1, "what": what}, max_total_tokens=64,
@@ -174,6 +200,42 @@ def test_environment_errors_end_the_sample_named_or_stop_the_run(model, tok, wha
             assert [r for r, _ in g.turns(i)] == ["assistant", "tool", "assistant"]
     with pytest.raises(EnvError, match=r"failed at step 0, prompt \d, sample \d: " + re.escape(message)):
         _run_rollout(_rollout(tok, **kw, on_error="fail"), model, tok, _rows(2))
+
+
+class Caps:
+    """Caps its turns at 2, then 3, then 100 tokens (more than generator.max_new_tokens: 6 apply)."""
+    deterministic = True
+
+    def __init__(self, sample, *, at_reset=EnvStep(max_tokens=2)):
+        self.at_reset, self.n = at_reset, 0
+
+    def reset(self):
+        return self.at_reset
+
+    def step(self, turn):
+        self.n += 1
+        return EnvStep(observation=" ok", max_tokens={1: 3, 2: 100}[self.n])
+
+
+def test_the_environment_caps_each_turn(model, tok):
+    groups = _run_rollout(_rollout(tok, env="tests.test_multi_turn:Caps", max_turns=3), model, tok, _rows(2), n=4)
+    lengths = set()
+    for g in groups.values():
+        for i, episode in enumerate(g.episodes):
+            assert episode["error"] is None
+            model_turns = [ids for role, ids in g.turns(i) if role == "assistant"]
+            for cap, ids in zip((2, 3, 6), model_turns):
+                assert len(ids) == cap or (len(ids) < cap and int(ids[-1]) == tok.eos_token_id)
+                lengths.add(len(ids))
+    assert {2, 3, 6} <= lengths  # every cap was reached by some turn
+
+    bad = [(EnvStep(max_tokens=True), "reset() asked for max_tokens=True; a turn's token cap is an int >= 1"),
+           (EnvStep(done=True), "reset() returned an EnvStep with done or reward_parts; before the first turn only "
+                                "its observation and max_tokens apply")]
+    for at_reset, message in bad:
+        groups = _run_rollout(_rollout(tok, env="tests.test_multi_turn:Caps", env_args={"at_reset": at_reset}),
+                              model, tok, _rows(1))
+        assert [ep["error"].endswith(message) for ep in groups[0].episodes] == [True, True], groups[0].episodes
 
 
 def test_unknown_environment_and_nondeterministic_refusal(tok):

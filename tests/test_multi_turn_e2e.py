@@ -47,6 +47,7 @@ def test_turns_in_metrics_samples_and_console(periodic):
     for line in lines:
         roles = [t["role"] for t in line["turns"]]
         assert roles[0] == "assistant" and roles[::2] == ["assistant"] * len(roles[::2])
+        assert line["turns"][0]["tokens"] == 1  # the look: the lookup environment caps it at one token
         assert all(r == "tool" for r in roles[1::2])
         assert line["length"] == line["model_tokens"] + sum(t["tokens"] for t in line["turns"] if t["role"] == "tool")
         assert "?" in line["prompt"]  # the digit is behind the tool

@@ -78,6 +78,23 @@ def _checks(tp: int) -> dict:
         out["finished_has_eos"] = all(bool(r[-1] == tok.eos_token_id) == bool(f)
                                       for g in first.values() for r, f in zip(g.response_ids, g.finished_G))
 
+        class Capped:  # three turns capped at 1, 3 and 2 tokens, a two-token observation between them
+            max_total_tokens = 40
+            caps, seen = (1, 3, 2), {}
+
+            def max_tokens(self, *, index, sample):
+                return self.caps[len(self.seen.get((index, sample), []))]
+
+            def __call__(self, *, index, sample, turn_ids, ended):
+                self.seen.setdefault((index, sample), []).append((turn_ids.tolist(), ended))
+                return None if len(self.seen[(index, sample)]) == 3 else [5, 6]
+
+        turns = Capped()
+        list(engine.generate(reqs, params, step=6, turns=turns))
+        out["turn_caps"] = all(len(ids) == cap or (ended and len(ids) < cap)
+                               for sample in turns.seen.values() for cap, (ids, ended) in zip(Capped.caps, sample))
+        out["turns_seen"] = {len(sample) for sample in turns.seen.values()}
+
         # a push: new weights (as if trained), this rank's tp shards only, read back through the engine
         with torch.no_grad():
             gen = torch.Generator().manual_seed(7)
@@ -121,6 +138,12 @@ def test_logprobs_are_the_trainers_definition(checks):
     for r in results[:tp]:
         for T in TEMPERATURES:
             assert r[f"lp_err_T{T}"] < 1e-4, (T, r[f"lp_err_T{T}"])
+
+
+def test_each_turn_stops_at_its_cap(checks):
+    tp, results = checks
+    for r in results[:tp]:
+        assert r["turn_caps"] and r["turns_seen"] == {3}
 
 
 def test_per_sample_seeds(checks):

@@ -3,8 +3,9 @@
 An environment is a class, one instance per sample (so it may keep the episode's state):
 
     env = Env(sample, **multi_turn.env_args)  # the prompt's data row; `sample["prompt"]` is its text
-    first = env.reset()      # None, or an observation appended to the prompt (the same for its G samples)
-    result = env.step(turn)  # after every model turn: EnvStep(observation, done, reward_parts)
+    first = env.reset()      # None, or an observation appended to the prompt (the same for its G samples),
+                             # or EnvStep(observation, max_tokens=k) to cap the model's first turn too
+    result = env.step(turn)  # after every model turn: EnvStep(observation, done, reward_parts, max_tokens)
 
 An observation is text (rendered once into tokens, as a tool message of the model's chat template
 where it has one: executors/generator/rollouts.py ObservationRenderer) or a list of token ids
@@ -39,12 +40,15 @@ class EnvStep:
     observation: str | list[int] | None = None  # None (or ""): nothing to append
     done: bool = False  # True: the episode is over; the observation, if any, is not appended
     reward_parts: dict[str, float] = field(default_factory=dict)  # summed over the episode, name by name
+    # the token cap of the model's next turn (None: generator.max_new_tokens, which it can only lower):
+    # a turn the environment reads one token of (a choice, a yes/no) ends there instead of running on
+    max_tokens: int | None = None
 
 
 class Env(Protocol):
     deterministic: bool
 
-    def reset(self) -> str | list[int] | None: ...
+    def reset(self) -> str | list[int] | EnvStep | None: ...
 
     def step(self, turn: ModelTurn) -> EnvStep: ...
 

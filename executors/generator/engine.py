@@ -71,10 +71,14 @@ class GroupCompletion:
 
 class Turns(Protocol):
     """A multi-turn rollout's side of the engine (executors/generator/rollouts.py). With it, a sample's
-    response is its turns and the observations between them; `SamplingParams.max_new_tokens` caps each
-    turn, `max_total_tokens` the whole response."""
+    response is its turns and the observations between them; `max_tokens` caps each turn (at most
+    `SamplingParams.max_new_tokens`), `max_total_tokens` the whole response."""
 
     max_total_tokens: int
+
+    def max_tokens(self, *, index: int, sample: int) -> int:
+        """The token cap of the current turn of sample `sample` of prompt `index` (asked again after
+        every turn: the environment may change it)."""
 
     def __call__(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> list[int] | None:
         """Sample `sample` of prompt `index` ended a turn (`ended`: with EOS, else at the turn's cap):
@@ -352,11 +356,11 @@ class _Batch:
             r.len_B[b] = n = n + 1
             ended = int(tok_B[b]) == eng.eos_token_id
             chunks[b] = [int(tok_B[b])]
-            if not ended and n - int(r.turn_start_B[b]) < p.max_new_tokens:
+            k, j = self.groups[b // G][0], b % G
+            if not ended and n - int(r.turn_start_B[b]) < self.turns.max_tokens(index=k, sample=j):
                 if n == self.T:  # a turn that never ends is cut at the budget (finished stays False)
                     r.eos_B[b] = True
                 continue
-            k, j = self.groups[b // G][0], b % G
             obs = self.turns(index=k, sample=j, turn_ids=r.tokens_BT[b, int(r.turn_start_B[b]):n].clone(), ended=ended)
             if obs is None:
                 r.eos_B[b], r.t_B[b] = True, 1  # t_B = 1: the episode ended (finished), not cut

@@ -83,6 +83,8 @@ def _group(step: int, row: PromptRow, done, **multi_turn) -> RolloutGroup:
 class _Episode:
     env: object
     where: str  # "step 3, prompt 5 (data row 17), sample 2": named by every error
+    max_new_tokens: int  # generator.max_new_tokens: every turn's cap
+    cap: int = 0  # the current turn's cap: max_new_tokens, or lower where the environment asked
     turns: int = 0
     tokens: int = 0  # response tokens so far, model's and observations'
     env_s: float = 0.0
@@ -118,7 +120,7 @@ class MultiTurn:
         episodes, requests, rows = {}, [], {}
         for index, row, ids in prompts:
             where = f"step {step}, prompt {index}" + (f" (data row {row.line})" if row.line else "")
-            group = [self._start(row, f"{where}, sample {j}") for j in range(params.n)]
+            group = [self._start(row, f"{where}, sample {j}", params.max_new_tokens) for j in range(params.n)]
             firsts = {tuple(first) for ep, first in group if ep.error is None} or {()}
             if len(firsts) > 1:
                 raise ValueError(f"environment {self.spec!r}: reset() gave the samples of {where} different first "
@@ -131,11 +133,17 @@ class MultiTurn:
             yield _group(step, rows[done.index], done,
                          episodes=[episodes.pop((done.index, j)).record() for j in range(params.n)])
 
-    def _start(self, row: PromptRow, where: str) -> tuple[_Episode, list[int]]:
-        ep = _Episode(env=None, where=where)
+    def _start(self, row: PromptRow, where: str, max_new_tokens: int) -> tuple[_Episode, list[int]]:
+        ep = _Episode(env=None, where=where, max_new_tokens=max_new_tokens, cap=max_new_tokens)
         try:
             ep.env = self._call(ep, self.env_cls, {"prompt": row.prompt, **row.extras}, **self.cfg.env_args)
             first = self._call(ep, ep.env.reset)
+            if isinstance(first, EnvStep):
+                if first.done or first.reward_parts:
+                    raise _Failed("reset() returned an EnvStep with done or reward_parts; before the first turn "
+                                  "only its observation and max_tokens apply")
+                self._cap(ep, first.max_tokens, "reset()")
+                first = first.observation
             return ep, [] if first is None else self._tokens(first, closed=True)
         except _Failed as failed:
             self._failed(ep, str(failed))
@@ -152,6 +160,7 @@ class MultiTurn:
             result = self._call(ep, ep.env.step, ModelTurn(index=ep.turns - 1, ids=turn_ids, text=text, ended=ended))
             if not isinstance(result, EnvStep):
                 raise _Failed(f"step() returned {type(result).__name__}, not an EnvStep")
+            self._cap(ep, result.max_tokens, "step()")
             for name, value in result.reward_parts.items():
                 ep.reward_parts[name] = ep.reward_parts.get(name, 0.0) + float(value)
             if result.done:
@@ -165,6 +174,15 @@ class MultiTurn:
             return None
         ep.tokens += len(ids)
         return ids
+
+    @staticmethod
+    def _cap(ep: _Episode, max_tokens, call: str) -> None:
+        if max_tokens is None:
+            ep.cap = ep.max_new_tokens
+        elif isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1:
+            ep.cap = min(max_tokens, ep.max_new_tokens)
+        else:
+            raise _Failed(f"{call} asked for max_tokens={max_tokens!r}; a turn's token cap is an int >= 1")
 
     def _call(self, ep: _Episode, fn, *args, **kwargs):
         t0 = time.perf_counter()
@@ -211,6 +229,9 @@ class _Turns:
     @property
     def max_total_tokens(self) -> int:
         return self.rollout.max_total_tokens
+
+    def max_tokens(self, *, index: int, sample: int) -> int:
+        return self.episodes[(index, sample)].cap
 
     def __call__(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> list[int] | None:
         return self.rollout.turn(self.episodes[(index, sample)], turn_ids, ended)

@@ -142,7 +142,9 @@ class VllmEngine:
                 raise ValueError("empty prompt")
             prompts[r.index] = ids
             for j in range(params.n):
-                self._add(owner, (r.index, j), ids, params, step=step, turn=0, max_tokens=params.max_new_tokens)
+                cap = params.max_new_tokens if turns is None else \
+                    min(turns.max_tokens(index=r.index, sample=j), turns.max_total_tokens)
+                self._add(owner, (r.index, j), ids, params, step=step, turn=0, max_tokens=cap)
         return self._stream(owner, prompts, params, step, stop, turns)
 
     def _add(self, owner, sample: tuple[int, int], ids: list[int], params: SamplingParams, *, step: int, turn: int,
@@ -187,7 +189,7 @@ class VllmEngine:
                     sample.add(torch.tensor(obs, dtype=torch.long), torch.zeros(len(obs)), sampled=False)
                     room = turns.max_total_tokens - sample.length
                     self._add(owner, key, prompts[index] + sample.ids().tolist(), params, step=step,
-                              turn=sample.turns, max_tokens=min(params.max_new_tokens, room))
+                              turn=sample.turns, max_tokens=min(turns.max_tokens(index=index, sample=j), room))
                     continue
                 # single-turn: finished at EOS; multi-turn: the environment ended the episode (not cut)
                 sample.finished = ended if turns is None else not cut and obs is None
