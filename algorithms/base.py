@@ -50,6 +50,11 @@ class AlgoConfig(BaseModel):
         return False
 
     @property
+    def needs_behaviour(self) -> bool:
+        """The loss reads the generator's log-probs of the sampled tokens (LossInputs.behaviour_logp_NT)."""
+        return False
+
+    @property
     def filters_groups(self) -> bool:
         """The reward executor may drop groups and the generator then tops the batch up (DAPO)."""
         return False
@@ -81,6 +86,9 @@ class LossInputs:
     mask_NT: torch.Tensor  # bool, True on real response tokens
     adv_N: torch.Tensor | None = field(default=None, kw_only=True)
     adv_NT: torch.Tensor | None = field(default=None, kw_only=True)
+    # the generator's log-probs of the sampled tokens (the behaviour policy mu), for a loss whose
+    # config `needs_behaviour` (algorithms/corrections.py); None otherwise
+    behaviour_logp_NT: torch.Tensor | None = field(default=None, kw_only=True)
 
     def token_advantages(self) -> torch.Tensor:
         """[N, T] (per-sample advantages as [N, 1], which broadcasts), at least float32."""
@@ -93,7 +101,7 @@ class LossStats:
     normaliser (stat / summed denom is a mean), except the token-level ratio figures. A loss without
     a figure leaves it at 0."""
 
-    clip_low_sum: float = 0.0  # clipped below (ratio < 1 - clip_low, negative advantage)
+    clip_low_sum: float = 0.0  # clipped below (ratio < 1 - clip_low, or over the dual clip: negative advantage)
     clip_high_sum: float = 0.0  # clipped above (ratio > 1 + clip_high, positive advantage)
     clip_sum: float = 0.0  # clipped either way
     kl_sum: float = 0.0  # the KL to the reference (0 without one)
@@ -101,6 +109,8 @@ class LossStats:
     ratio_token_sum: float = 0.0  # the ratio summed over the real tokens (for a token mean)
     ratio_max: float = 0.0  # the largest ratio of a real token
     adv_sum: float = 0.0  # the advantages
+    is_weight_token_sum: float | None = None  # a correction's weight summed over the tokens kept (None: no correction)
+    dropped_tokens: float = 0.0  # tokens a correction dropped from the loss (mis, icepop)
 
 
 @dataclass(frozen=True)
@@ -194,5 +204,7 @@ def check_loss_inputs(inputs: LossInputs) -> None:
         raise ValueError(f"adv_N has shape {tuple(inputs.adv_N.shape)}, expected ({shape[0]},)")
     if inputs.adv_NT is not None and tuple(inputs.adv_NT.shape) != shape:
         raise ValueError(f"adv_NT has shape {tuple(inputs.adv_NT.shape)}, expected {shape} like logp_NT")
+    if inputs.behaviour_logp_NT is not None and tuple(inputs.behaviour_logp_NT.shape) != shape:
+        raise ValueError(f"behaviour_logp_NT has shape {tuple(inputs.behaviour_logp_NT.shape)}, expected {shape}")
     if inputs.mask_NT.dtype != torch.bool:
         raise ValueError(f"mask_NT must be bool, got {inputs.mask_NT.dtype}")

@@ -68,7 +68,10 @@ def clipped_value_loss(values_NT: torch.Tensor, old_values_NT: torch.Tensor, ret
     plain_NT, clip_NT = (v_NT - ret_NT) ** 2, (clipped_NT - ret_NT) ** 2
     loss_NT = 0.5 * torch.maximum(plain_NT, clip_NT)
     with torch.no_grad():
-        clipped = int(((clip_NT > plain_NT) & mask_NT).sum())
+        # the clamp must have moved V: within the band `V_old + (V - V_old)` rounds away from V, and its
+        # branch could win by that rounding alone (V=-0.07, V_old=0.02 counted a clip that did not act)
+        active_NT = (v_NT - old_NT).abs() > clip
+        clipped = int((active_NT & (clip_NT > plain_NT) & mask_NT).sum())
     return torch.where(mask_NT, loss_NT, 0.0).sum(), clipped
 
 

@@ -11,7 +11,7 @@ the paper). A clipped sequence gets no policy-gradient at all, for any of its to
 from __future__ import annotations
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from algorithms.base import Algorithm, LossInputs, LossOutput, LossStats, check_loss_inputs, upcast
 from algorithms.grpo import group_normalised
@@ -23,6 +23,16 @@ class GSPOConfig(ClipConfig):
     clip_low: float = Field(3e-4, ge=0.0, lt=1.0, description="Sequence ratio clamped below at 1 - clip_low.")
     clip_high: float = Field(4e-4, ge=0.0, description="Sequence ratio clamped above at 1 + clip_high.")
     eps: float = Field(1e-6, gt=0.0, description="Added to the group std before dividing.")
+
+    @model_validator(mode="after")
+    def _token_options(self) -> "GSPOConfig":
+        # its ratio and clip are per sequence: the token-level corrections have nothing to act on
+        for name, off in (("correction", self.correction.kind == "none"), ("clip_ratio_c", self.clip_ratio_c is None),
+                          ("log_ratio_clamp", self.log_ratio_clamp is None)):
+            if not off:
+                raise ValueError(f"{name}: gspo's ratio is per sequence; the corrections apply to the "
+                                 f"token-level losses (grpo, dr_grpo, dapo, rloo, reinforce_pp, ppo)")
+        return self
 
 
 def gspo_advantages(rewards_G: torch.Tensor, cfg: GSPOConfig) -> torch.Tensor:

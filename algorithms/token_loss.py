@@ -4,7 +4,9 @@ Per token t of sequence i, with ratio_it = exp(logp_it - old_logp_it):
     pg_it = -min(ratio_it * A_i, clip(ratio_it, 1 - clip_low, 1 + clip_high) * A_i)
     l_it  = pg_it + beta * kl_it          (kl only when kl_in == "loss")
 The algorithms differ only in how tokens are summed (a mean per sequence, or a plain sum) and in
-what the batch denominator counts (`Normaliser`), so both are arguments here.
+what the batch denominator counts (`Normaliser`), so both are arguments here. Corrections for
+samples the trained weights did not draw (importance weights against the generator's log-probs,
+dual clip, a log-ratio clamp) are options of every such loss: algorithms/corrections.py.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pydantic import Field
 
 from algorithms.base import (AlgoConfig, LossInputs, LossOutput, LossStats, Normaliser, batch_denominator,
                              check_loss_inputs, upcast)
+from algorithms.corrections import CorrectionConfig, aipo_weights, clamp_log_ratio, is_weights
 from algorithms.kl import KLConfig, check_kl_inputs, kl_in_loss, masked_kl_NT
 
 
@@ -24,6 +27,18 @@ class ClipConfig(KLConfig):
         0.2, ge=0.0,
         description="Upper clip: the ratio is clamped above at 1 + clip_high (clip-higher when > clip_low).",
     )
+    correction: CorrectionConfig = Field(
+        default_factory=CorrectionConfig,
+        description="importance weights against the generator's log-probs: none, tis, mis, icepop, aipo")
+    clip_ratio_c: float | None = Field(
+        None, gt=1.0, description="dual clip: a token with a negative advantage loses at most -c * A (None: off)")
+    log_ratio_clamp: float | None = Field(
+        None, gt=0.0, description="clamp every log-ratio to [-L, L] before exp (None: off)")
+
+    @property
+    def needs_behaviour(self) -> bool:
+        """The loss reads the generator's log-probs of the sampled tokens (LossInputs.behaviour_logp_NT)."""
+        return self.correction.needs_behaviour
 
 
 class ResponseBudget(AlgoConfig):
@@ -58,13 +73,33 @@ def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normali
     """
     check_loss_inputs(inputs)
     check_kl_inputs(inputs, cfg)
-    mask_NT = inputs.mask_NT
+    if cfg.needs_behaviour and inputs.behaviour_logp_NT is None:
+        raise ValueError(f"correction.kind={cfg.correction.kind!r} needs the generator's log-probs (behaviour_logp_NT)")
+    mask_NT = tokens_NT = inputs.mask_NT
     # Padding positions may hold anything (even -inf); zero them before exp so that 0 * inf
     # never turns into NaN in the forward or the backward.
     logp_NT = upcast(inputs.logp_NT)
-    ratio_NT = torch.exp(torch.where(mask_NT, logp_NT - upcast(inputs.old_logp_NT), 0.0))
+    ratio_NT = torch.exp(clamp_log_ratio(torch.where(mask_NT, logp_NT - upcast(inputs.old_logp_NT), 0.0),
+                                         cfg.log_ratio_clamp))
     adv_NT = inputs.token_advantages()  # [N, 1] for per-sample advantages
-    tok_NT, low_NT, high_NT = clipped_surrogate(ratio_NT, adv_NT, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    corr, weight_NT = cfg.correction, None
+    if corr.kind == "aipo":  # -min(pi/mu, rho) * A * grad log pi: exp(logp - logp) is 1 with logp's gradient
+        weight_NT = aipo_weights(logp_NT=logp_NT, behaviour_logp_NT=inputs.behaviour_logp_NT, mask_NT=mask_NT,
+                                 rho=corr.bounds[1], log_ratio_clamp=cfg.log_ratio_clamp)
+        tok_NT = -(weight_NT * adv_NT) * torch.exp(logp_NT - logp_NT.detach())
+        low_NT = high_NT = torch.zeros_like(mask_NT)
+    else:
+        tok_NT, low_NT, high_NT = clipped_surrogate(ratio_NT, adv_NT, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    if cfg.clip_ratio_c is not None:  # dual clip: a negative advantage's loss is capped at -c * A
+        cap_NT = -cfg.clip_ratio_c * adv_NT
+        with torch.no_grad():
+            low_NT = low_NT | ((adv_NT < 0) & (tok_NT > cap_NT))
+        tok_NT = torch.where(adv_NT < 0, torch.minimum(tok_NT, cap_NT), tok_NT)
+    if corr.kind in ("tis", "mis", "icepop"):  # a constant weight per token; mis/icepop drop tokens outside the band
+        weight_NT, mask_NT = is_weights(corr, old_logp_NT=upcast(inputs.old_logp_NT),
+                                        behaviour_logp_NT=inputs.behaviour_logp_NT, mask_NT=mask_NT,
+                                        log_ratio_clamp=cfg.log_ratio_clamp)
+        tok_NT = weight_NT * tok_NT
 
     kl_NT = None
     if inputs.ref_logp_NT is not None:
@@ -92,6 +127,8 @@ def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normali
             ratio_token_sum=torch.where(mask_NT, ratio_NT, 0.0).sum().item(),  # for a token mean
             ratio_max=torch.where(mask_NT, ratio_NT, 0.0).max().item() if mask_NT.numel() else 0.0,
             adv_sum=adv_NT.sum().item() if inputs.adv_NT is None else weighted_sum(adv_NT, True).item(),
+            is_weight_token_sum=torch.where(mask_NT, weight_NT, 0.0).sum().item() if weight_NT is not None else None,
+            dropped_tokens=float((tokens_NT & ~mask_NT).sum().item()),
         )
     denom = batch_denominator(normaliser, mask_NT, max_response_tokens=max_response_tokens)
     return LossOutput(loss_sum=loss_sum, denom=denom, stats=stats)

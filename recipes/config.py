@@ -122,7 +122,7 @@ def config_error(exc: ValidationError, source: str, *, prefix: str = "",
     key gets the closest known key of its section (`model`: the class validated)."""
     lines = []
     for err in exc.errors():
-        field = prefix + ".".join(str(p) for p in err["loc"]) or "(top level)"
+        field = (prefix + ".".join(str(p) for p in err["loc"])).rstrip(".") or "(top level)"  # a section's own check: its name
         got = f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and "input" in err and \
             not isinstance(err["input"], dict) else ""
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]

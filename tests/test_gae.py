@@ -64,6 +64,18 @@ def test_clipped_value_loss_by_hand():
     torch.testing.assert_close(new.grad, torch.tensor([[0.0, 1.5, 0.0]]))
 
 
+def test_value_clipfrac_counts_only_tokens_the_clamp_moved():
+    # V - V_old = -0.09 is inside the band (clip 0.2): V_old + (V - V_old) rounds to a float just off V,
+    # and that branch's square is larger than the plain one by the rounding alone; no clip acted
+    v, old, mask = torch.tensor([[-0.07]]), torch.tensor([[0.02]]), torch.tensor([[True]])
+    assert ((old + (v - old).clamp(-0.2, 0.2)) - 0.0) ** 2 > (v - 0.0) ** 2  # the rounding the count must ignore
+    _, clipped = clipped_value_loss(v, old, torch.tensor([[0.0]]), mask, clip=0.2)
+    assert clipped == 0
+    # just outside the band, with the clipped branch winning: counted
+    _, clipped = clipped_value_loss(torch.tensor([[-0.19]]), old, torch.tensor([[-1.0]]), mask, clip=0.2)
+    assert clipped == 1
+
+
 def test_explained_variance():
     ret = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     assert explained_variance(ret, ret, MASK) == 1.0

@@ -34,6 +34,9 @@ def test_valid_graph_with_lagged_cycle(three):
     ([Channel("items", "producer", "relay", Kind.SCATTER, Item),
       Channel("items", "relay", "sink", Kind.GATHER, Item, src_port="back", dst_port="back")],
      "two channels are named 'items'"),
+    ([Channel("items", "producer", "relay", Kind.SCATTER, Item, lag=2),
+      Channel("back", "relay", "sink", Kind.GATHER, Item)],
+     "channel 'items': lag 2; a channel is consumed in the step it is produced (lag 0) or in the next (lag 1)"),
 ])
 def test_wiring_errors(three, channels, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -84,6 +84,8 @@ class LossSums:
     mismatch: Mismatch = field(default_factory=Mismatch)  # values, not a sum: gathered over dp
     ratio_sum: float = 0.0  # the policy / old-policy ratio summed over tokens (/ entropy_tokens: a mean)
     ratio_max: float = 0.0  # its largest token (sequence, for GSPO) value: a max
+    is_weight_sum: float = 0.0  # a correction's weights over the tokens kept (algorithms/corrections.py)
+    dropped_tokens: float = 0.0  # tokens a correction dropped
 
     def __iadd__(self, other: "LossSums") -> "LossSums":
         for name in Pass:
@@ -96,21 +98,24 @@ class LossSums:
         self.mismatch += other.mismatch
         self.ratio_sum += other.ratio_sum
         self.ratio_max = max(self.ratio_max, other.ratio_max)
+        self.is_weight_sum += other.is_weight_sum
+        self.dropped_tokens += other.dropped_tokens
         return self
 
     def all_reduce(self, *, group: dist.ProcessGroup | None) -> "LossSums":
         if group is None or dist.get_world_size(group) == 1:
             return self
         sums = torch.tensor([*(self.loss[n] for n in Pass), self.denom, self.kl_sum, self.clip_sum,
-                             self.entropy_sum, self.entropy_tokens, self.ratio_sum], dtype=torch.float64)
+                             self.entropy_sum, self.entropy_tokens, self.ratio_sum, self.is_weight_sum,
+                             self.dropped_tokens], dtype=torch.float64)
         maxima = torch.tensor([self.ratio_max], dtype=torch.float64)
         dist.all_reduce(sums, group=group)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-        *loss, denom, kl_sum, clip_sum, entropy_sum, entropy_tokens, ratio_sum = sums.tolist()
+        *loss, denom, kl_sum, clip_sum, entropy_sum, entropy_tokens, ratio_sum, is_weight_sum, dropped = sums.tolist()
         (ratio_max,) = maxima.tolist()
         mismatch = self.mismatch.all_gather(group=group)
         return LossSums(dict(zip(Pass, loss)), denom, kl_sum, clip_sum, entropy_sum, entropy_tokens, mismatch,
-                        ratio_sum, ratio_max)
+                        ratio_sum, ratio_max, is_weight_sum, dropped)
 
 
 @dataclass

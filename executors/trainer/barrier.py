@@ -30,6 +30,8 @@ class OptimizerStep:
     lr: float
     ratio_sum: float = 0.0
     ratio_max: float = 0.0
+    is_weight_sum: float = 0.0
+    dropped_tokens: float = 0.0
 
 
 class Barrier(Optimizer):
@@ -53,4 +55,5 @@ class Barrier(Optimizer):
                                               at_zero=sums.loss[Pass.ZERO] if zero else None, mu=mu, scale=scale)
         grad_norm, lr = self.apply(grads, denom=sums.denom)
         return OptimizerStep(loss, sums.denom, sums.kl_sum, sums.clip_sum, sums.entropy_sum, sums.entropy_tokens,
-                             grad_norm, sums.mismatch, lr, sums.ratio_sum, sums.ratio_max)
+                             grad_norm, sums.mismatch, lr, sums.ratio_sum, sums.ratio_max, sums.is_weight_sum,
+                             sums.dropped_tokens)

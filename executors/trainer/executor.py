@@ -169,13 +169,18 @@ class Trainer(Learner):
                 self._micro_step(self.models.dummy, None, None, first_pass=first_pass, linear=linear, sums=sums)
                 continue
             mb, idx = mbs[k], list(mbs[k].samples)
-            logp_NT = self._micro_step(mb, refs[k], score_G[idx], first_pass=first_pass, linear=linear, sums=sums)
+            # the generator's log-probs, for a loss with a correction against them (algorithms/corrections.py)
+            behaviour = (lambda like, idx=idx: sampled_logprobs(group, idx, like=like)) \
+                if self.algo_cfg.needs_behaviour else None
+            logp_NT = self._micro_step(mb, refs[k], score_G[idx], first_pass=first_pass, linear=linear, sums=sums,
+                                       behaviour=behaviour)
             if first_pass:  # on-policy check: the trainer recomputes what the generator sampled
                 sampled_NT = sampled_logprobs(group, idx, like=logp_NT)
                 sums.mismatch.add(logp_NT=logp_NT, sampled_NT=sampled_NT, mask_NT=mb.mask_NT)
         return sums
 
-    def _micro_step(self, mb, ref_NT, score, *, first_pass: bool, linear: bool, sums: LossSums) -> torch.Tensor:
+    def _micro_step(self, mb, ref_NT, score, *, first_pass: bool, linear: bool, sums: LossSums,
+                    behaviour=None) -> torch.Tensor:
         """One micro-batch: policy (and old) forward, then one backward per loss pass. score: the
         advantages of its samples, [N] or per token [N, R]; None: a lockstep dummy, its loss multiplied by 0."""
         logp_NT, entropy_NT = self.models.policy_logprobs(mb, entropy=score is not None)
@@ -183,6 +188,7 @@ class Trainer(Learner):
             sums.entropy_sum += entropy_NT[mb.mask_NT].sum().item()
             sums.entropy_tokens += mb.mask_NT.sum().item()
         old_NT = self.models.old_logprobs(mb, policy_NT=logp_NT, first_pass=first_pass)
+        mu_NT = behaviour(logp_NT) if behaviour is not None else None
         if score is None:  # a dummy: the same passes, no advantages
             passes = dict.fromkeys(self.first_passes if linear else (Pass.SCORE,))
         elif linear:  # batch scope: the loss at s, 1 (and 0), combined at the barrier (algorithms/batch_scope.py)
@@ -199,7 +205,8 @@ class Trainer(Learner):
                 loss = (logp_NT * 0).sum()
             else:
                 out = self.algo.loss(LossInputs(logp_NT=logp_NT, old_logp_NT=old_NT, ref_logp_NT=ref_NT,
-                                                mask_NT=mb.mask_NT, **_advantages(adv, like=logp_NT)), self.algo_cfg)
+                                                mask_NT=mb.mask_NT, behaviour_logp_NT=mu_NT,
+                                                **_advantages(adv, like=logp_NT)), self.algo_cfg)
                 loss = out.loss_sum
                 sums.loss[name] += out.loss_sum.item()
                 if name is Pass.SCORE:
@@ -208,6 +215,9 @@ class Trainer(Learner):
                     sums.clip_sum += out.stats.clip_sum
                     sums.ratio_sum += out.stats.ratio_token_sum
                     sums.ratio_max = max(sums.ratio_max, out.stats.ratio_max)
+                    weights = out.stats.is_weight_token_sum  # None: no correction, every token weighs 1
+                    sums.is_weight_sum += mb.mask_NT.sum().item() if weights is None else weights
+                    sums.dropped_tokens += out.stats.dropped_tokens
             loss.backward(retain_graph=not recompute and k < len(passes) - 1)
             self.optim.grads.add_from_params_(name)
         return logp_NT

@@ -41,6 +41,10 @@ class TrainerMetrics:
     clip_frac: float
     ratio_mean: float  # policy / old policy over the step's loss passes: 1 on a step's first pass
     ratio_max: float
+    # algorithm.correction (algorithms/corrections.py): its mean weight over the tokens it kept (1 without
+    # one), and the fraction of the tokens trained on that it dropped (mis, icepop)
+    is_weight_mean: float
+    is_dropped_frac: float
     entropy: float  # the policy's mean token entropy (at the sampling temperature) over the tokens trained on
     grad_norm: float  # mean over the step's optimizer steps, before clipping
     lr: float
@@ -68,12 +72,15 @@ class TrainerMetrics:
         """From the step's dp-reduced record and its optimizer steps (barrier.OptimizerStep); `errors`:
         the first reward error of each group that had one, over all dp ranks."""
         n, denom = record.samples, sum(s.denom for s in steps)
+        tokens, dropped = sum(s.entropy_tokens for s in steps), sum(s.dropped_tokens for s in steps)
         mean = record.reward_sum / n
         digest = hashlib.sha256("".join(digests[i] for i in sorted(digests)).encode()).hexdigest()[:16]
         return cls(reward_mean=mean, reward_std=math.sqrt(max(0.0, record.reward_sq_sum / n - mean * mean)),
                    response_len_mean=record.len_sum / n, loss=sum(s.loss for s in steps) / denom,
                    kl=sum(s.kl_sum for s in steps) / denom, clip_frac=sum(s.clip_sum for s in steps) / denom,
                    ratio_mean=sum(s.ratio_sum for s in steps) / max(1.0, sum(s.entropy_tokens for s in steps)), ratio_max=max(s.ratio_max for s in steps),
+                   is_weight_mean=sum(s.is_weight_sum for s in steps) / max(1.0, tokens - dropped),
+                   is_dropped_frac=dropped / max(1.0, tokens),
                    entropy=sum(s.entropy_sum for s in steps) / max(1.0, sum(s.entropy_tokens for s in steps)),
                    grad_norm=sum(s.grad_norm / len(steps) for s in steps), lr=steps[-1].lr,
                    **_mismatch(steps), groups=int(record.groups), samples=int(record.samples),

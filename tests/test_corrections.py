@@ -1,0 +1,142 @@
+"""The corrections of algorithms/corrections.py against values computed by hand: truncated, masked
+and IcePop importance weights per token and per sequence, AIPO, dual clip, the log-ratio clamp, and
+their bad configs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from algorithms.base import LossInputs
+from algorithms.gspo import GSPOConfig
+from algorithms.grpo import GRPOConfig
+from algorithms.token_loss import token_level_loss
+
+LN = math.log
+MASK = torch.tensor([[True, True, True], [True, True, False]])
+ADV = torch.tensor([1.0, -2.0])
+# log pi_old - log mu per token: k = pi_old / mu is [1, 3, 0.5] and [4, 1] (the third is padding)
+DELTA = torch.tensor([[0.0, LN(3), LN(0.5)], [LN(4), 0.0, 0.0]])
+OLD = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.7, float("nan")]])
+
+
+def _loss(*, logp=None, old=OLD, behaviour=OLD - DELTA, **cfg):
+    """A token-sum loss (tokens normaliser) on the first pass (pi = pi_old unless `logp` says otherwise)."""
+    logp = (old.clone() if logp is None else logp).nan_to_num(0.0).requires_grad_(True)
+    inputs = LossInputs(logp_NT=logp, old_logp_NT=old, ref_logp_NT=None, mask_NT=MASK, adv_N=ADV,
+                        behaviour_logp_NT=behaviour)
+    out = token_level_loss(inputs, GRPOConfig(**cfg), normaliser="tokens", per_sequence_mean=False)
+    out.loss_sum.backward()
+    return out, logp.grad
+
+
+def test_no_correction_is_the_plain_surrogate():
+    out, grad = _loss()
+    assert out.loss_sum.item() == pytest.approx(-(1 * 3) + 2 * 2)  # -A per token at ratio 1
+    assert out.stats.is_weight_token_sum is None and out.stats.dropped_tokens == 0
+    torch.testing.assert_close(grad, torch.tensor([[-1.0, -1.0, -1.0], [2.0, 2.0, 0.0]]))
+
+
+def test_truncated_is_per_token_and_per_sequence():
+    out, grad = _loss(correction={"kind": "tis"})  # cap 2: weights [1, 2, 0.5] and [2, 1]
+    assert out.loss_sum.item() == pytest.approx(-(1 + 2 + 0.5) + 2 * (2 + 1))
+    torch.testing.assert_close(grad, torch.tensor([[-1.0, -2.0, -0.5], [4.0, 2.0, 0.0]]))
+    assert out.stats.is_weight_token_sum == pytest.approx(6.5) and out.denom == 5
+    # per sequence: K = 1 * 3 * 0.5 = 1.5 and 4 * 1 = 4, capped at 2
+    out, _ = _loss(correction={"kind": "tis", "level": "sequence"})
+    assert out.loss_sum.item() == pytest.approx(-(3 * 1.5) + 2 * (2 * 2))
+    out, _ = _loss(correction={"kind": "tis", "high": 5.0})  # a looser cap keeps the 3 and the 4
+    assert out.loss_sum.item() == pytest.approx(-(1 + 3 + 0.5) + 2 * (4 + 1))
+
+
+def test_masked_is_drops_tokens_and_sequences_outside_the_band():
+    out, grad = _loss(correction={"kind": "mis", "low": 0.6, "high": 2.0})  # keeps k = 1 of each sequence
+    assert out.loss_sum.item() == pytest.approx(-1 + 2)
+    assert out.stats.dropped_tokens == 3 and out.denom == 2  # dropped tokens leave the token count too
+    torch.testing.assert_close(grad, torch.tensor([[-1.0, 0.0, 0.0], [0.0, 2.0, 0.0]]))
+    # per sequence (band [0, 2]): K = 1.5 keeps sequence 0, weighted 1.5; K = 4 drops sequence 1
+    out, grad = _loss(correction={"kind": "mis", "level": "sequence"})
+    assert out.loss_sum.item() == pytest.approx(-(3 * 1.5))
+    assert out.stats.dropped_tokens == 2 and out.denom == 3
+    torch.testing.assert_close(grad, torch.tensor([[-1.5, -1.5, -1.5], [0.0, 0.0, 0.0]]))
+
+
+def test_icepop_keeps_its_band_inclusive():
+    out, _ = _loss(correction={"kind": "icepop"})  # [0.5, 5]: every ratio here is inside, 0.5 included
+    assert out.loss_sum.item() == pytest.approx(-(1 + 3 + 0.5) + 2 * (4 + 1)) and out.stats.dropped_tokens == 0
+    out, _ = _loss(correction={"kind": "icepop", "high": 3.5})  # the 4 is out
+    assert out.loss_sum.item() == pytest.approx(-(1 + 3 + 0.5) + 2 * 1) and out.stats.dropped_tokens == 1
+
+
+def test_aipo_weighs_the_policy_gradient_by_the_ratio_to_mu_clipped_at_rho():
+    # pi / mu with pi = pi_old: [1, 3, 0.5] and [4, 1]; rho 2. No ratio to pi_old enters: a different
+    # pi_old changes nothing, where the clipped surrogate would clip every token
+    out, grad = _loss(correction={"kind": "aipo"}, old=OLD + 5.0, logp=OLD.clone())
+    assert out.loss_sum.item() == pytest.approx(-(1 + 2 + 0.5) + 2 * (2 + 1))
+    torch.testing.assert_close(grad, torch.tensor([[-1.0, -2.0, -0.5], [4.0, 2.0, 0.0]]))
+    # above rho the weight stays rho (a constant): the gradient does not vanish as a clipped ratio's would
+    out, grad = _loss(correction={"kind": "aipo", "high": 10.0}, old=OLD + 5.0, logp=OLD.clone())
+    torch.testing.assert_close(grad, torch.tensor([[-1.0, -3.0, -0.5], [8.0, 2.0, 0.0]]))
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    # token 0 of sequence 1 (A = -2) has ratio 5: the surrogate's loss is -(5 * -2) = 10, capped at 3 * 2
+    logp = OLD.clone()
+    logp[1, 0] += LN(5)
+    out, grad = _loss(logp=logp, clip_ratio_c=3.0)
+    assert out.loss_sum.item() == pytest.approx(-3 + 6 + 2)
+    assert grad[1, 0] == 0 and out.stats.clip_low_sum == 1  # the cap is a constant; counted as clipped
+    plain, _ = _loss(logp=logp)
+    assert plain.loss_sum.item() == pytest.approx(-3 + 10 + 2)
+
+
+def test_log_ratio_clamp():
+    logp = OLD.clone()
+    logp[0, 0] += 3.0  # ratio e^3, clamped to e^1; clip_high 30 keeps the clip itself out of the way
+    out, _ = _loss(logp=logp, log_ratio_clamp=1.0, clip_high=30.0)
+    assert out.loss_sum.item() == pytest.approx(-(math.e + 2) + 4)
+    out, _ = _loss(logp=logp, clip_high=30.0)
+    assert out.loss_sum.item() == pytest.approx(-(math.e ** 3 + 2) + 4)
+
+
+def test_bad_configs_are_named():
+    cases = [({"correction": {"kind": "aipo", "level": "sequence"}}, "correction.kind='aipo' is per token"),
+             ({"correction": {"kind": "tis", "low": 0.5}}, "correction.kind='tis' has no lower bound"),
+             ({"correction": {"kind": "mis", "low": 2.0, "high": 1.0}}, r"correction.low \(2\) must be below"),
+             ({"correction": {"kind": "nope"}}, "kind"),
+             ({"clip_ratio_c": 1.0}, "clip_ratio_c"),
+             ({"log_ratio_clamp": 0.0}, "log_ratio_clamp")]
+    for cfg, message in cases:
+        with pytest.raises(ValidationError, match=message):
+            GRPOConfig(**cfg)
+    with pytest.raises(ValidationError, match="correction: gspo.s ratio is per sequence"):
+        GSPOConfig(correction={"kind": "tis"})
+    with pytest.raises(ValueError, match="needs the generator's log-probs"):
+        _loss(correction={"kind": "tis"}, behaviour=None)
+
+
+# ---- end to end: the generator's log-probs reach the loss under every layout ------------------------
+
+def test_corrections_end_to_end(tmp_path):
+    """TIS on one trainer rank and on two (dp=2; two epochs: the second reads mu again) trains
+    the same weights, its weights ~1 on-policy; a masked-IS band no token falls in trains nothing."""
+    from tests.e2e import launch, max_abs_diff, metrics, weights
+
+    tis = ["--set", "algorithm.correction.kind=tis", "--set", "trainer.epochs=2",
+           "--set", "reward.functions=[tests.rewards:length_parity]"]  # dense: every pass has a signal
+    for name, extra, nproc in (("one", [], 3), ("dp2", ["--set", "trainer.dp=2"], 4)):
+        proc = launch(tmp_path / name, *tis, *extra, nproc=nproc, steps=2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    one, dp2 = metrics(tmp_path / "one"), metrics(tmp_path / "dp2")
+    assert [r["rollout_digest"] for r in one] == [r["rollout_digest"] for r in dp2]
+    assert max_abs_diff(weights(tmp_path / "one/final"), weights(tmp_path / "dp2/final")) < 1e-5
+    for r in one + dp2:  # fp32 engines agree to ~1e-6 in log-prob: weights within 1e-4 of 1, nothing dropped
+        assert abs(r["is_weight_mean"] - 1) < 1e-4 and r["is_dropped_frac"] == 0 and r["optimizer_steps"] == 2
+
+    proc = launch(tmp_path / "none", "--set", "algorithm.correction.kind=mis", "--set", "algorithm.correction.low=3",
+                  "--set", "algorithm.correction.high=4", steps=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in metrics(tmp_path / "none"):
+        assert r["is_dropped_frac"] == 1 and r["loss"] == 0 and r["grad_norm"] == 0
