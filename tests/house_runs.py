@@ -1,5 +1,5 @@
 """The embedded runs whose results the house's refactors must keep (issue 27): GRPO, PPO, DAPO with
-dynamic sampling, GRPO with evaluation. `python -m tests.house_runs OUT.json` records them;
+dynamic sampling, GRPO with evaluation; and since the objective seam (issue 29) every other algorithm. `python -m tests.house_runs OUT.json` records them;
 tests/test_house_digests.py runs them again and compares.
 
 What is compared: every step's rollout digest (the sampled tokens), the eval metrics, and a hash of
@@ -17,12 +17,25 @@ from pathlib import Path
 
 from tests.e2e import launch, metrics
 
+DENSE = ("--set", "reward.functions=[tests.rewards:length_parity]")
+
 RUNS = {
     "grpo": dict(algo="grpo", nproc=3, args=()),
     "ppo": dict(algo="ppo", nproc=4, args=()),
     "dapo": dict(algo="dapo", nproc=3, args=("--set", "reward.functions=[tests.rewards:flat_for_half_the_prompts]")),
     "eval": dict(algo="grpo", nproc=3, args=("--set", "eval.every=2", "--set", "eval.prompts=8",
                                               "--set", "eval.samples=2", "--set", "eval.temperature=1")),
+    # recorded at 341b4e5, before the objective seam (issue 29): every loss pass of every algorithm;
+    # batch scope with its KL in the loss (three passes) and in the reward over dp=2 with later
+    # mini-batches and epochs; a dense reward so that every pass has a signal
+    "reinforce_pp_kl": dict(algo="reinforce_pp", nproc=3, args=(*DENSE, "--set", "algorithm.beta=0.04",
+                                                               "--set", "algorithm.kl_in=loss")),
+    "reinforce_pp_passes": dict(algo="reinforce_pp", nproc=4, args=(
+        *DENSE, "--set", "algorithm.beta=0.04", "--set", "algorithm.kl_in=reward", "--set", "trainer.dp=2",
+        "--set", "trainer.mini_batches=2", "--set", "trainer.epochs=2")),
+    "gspo": dict(algo="gspo", nproc=3, args=DENSE),
+    "rloo": dict(algo="rloo", nproc=3, args=()),
+    "dr_grpo": dict(algo="dr_grpo", nproc=3, args=("--set", "algorithm.beta=0.04")),
 }
 EVAL_KEYS = ("eval/reward_mean", "eval/pass@1", "eval/pass@2", "eval/response_len_mean", "eval/prompts")
 

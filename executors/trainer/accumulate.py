@@ -1,6 +1,7 @@
 """What a trainer step accumulates besides gradients (barrier.Gradients), as typed values.
 
-- `Pass`: the advantages a loss pass is evaluated at; each pass has its own gradient buffers.
+- `Pass` (algorithms/objective.py): the advantages a loss pass is evaluated at; each pass has its own
+  gradient buffers.
 - `LossSums`: the loss passes' sums and the batch denominator of one optimizer step.
 - `Mismatch`: the trainer's log-prob of each sampled token minus the sampler's (the on-policy check).
 - `GroupRecord`: what was sampled and scored, summed over the groups of a step.
@@ -10,22 +11,13 @@ arrive and all-reduces them once, at the barrier.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 import torch.distributed as dist
 
+from algorithms.objective import Pass
 from channels.payloads import ScoredGroup
 from executors.training.sums import Sums
-
-
-class Pass(str, Enum):
-    """The advantages a loss pass is evaluated at (algorithms/batch_scope.py): the scores, and for
-    batch-scope algorithms also 1 and 0, combined exactly at the barrier."""
-
-    SCORE = "score"
-    ONE = "one"
-    ZERO = "zero"
 
 
 @dataclass

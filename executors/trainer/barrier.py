@@ -2,15 +2,17 @@
 
 Batch-level denominators (1/(B·G), DAPO's 1/total-tokens) are applied here, once, to the
 accumulated gradient: gradients are linear in the loss, so dividing the sum at the end equals
-dividing each term (DESIGN.md "Normalisation that survives streaming"). For batch-scope
-advantages the first pass's three gradients are combined here too (algorithms/batch_scope.py).
+dividing each term (DESIGN.md "Normalisation that survives streaming"). Where the objective
+evaluates a first step at several passes (batch-scope advantages), it says how they combine
+(algorithms/objective.py `combine`), and they are combined here.
 The optimizer itself (AdamW, schedule, accumulators, clipping, checkpoint) is executors/training/optim.py.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from algorithms.batch_scope import batch_normalise_at_barrier
+from typing import Callable
+
 from executors.trainer.accumulate import LossSums, Mismatch, Pass
 from executors.training.optim import Optimizer
 
@@ -37,22 +39,16 @@ class OptimizerStep:
 class Barrier(Optimizer):
     """The policy's optimizer, stepping on the combination of its loss passes."""
 
-    def step(self, sums: LossSums, *, passes: tuple[Pass, ...],
-             mu_scale: tuple[float, float] | None) -> OptimizerStep:
-        """One optimizer step from the accumulated `passes`; `mu_scale`: the batch's mean and scale
-        when the first pass of a batch-scope algorithm is combined, else None."""
+    def step(self, sums: LossSums, *, passes: tuple[Pass, ...], combine: Callable | None = None) -> OptimizerStep:
+        """One optimizer step from the accumulated `passes`; `combine` ({pass: value} -> value, for
+        gradients and loss sums alike): how the objective combines them, None: the score pass alone."""
         sums = sums.all_reduce(group=self.dp_group)
         self.reduce_(passes)
         by_pass, loss = self.grads.by_pass, sums.loss[Pass.SCORE]
         grads = by_pass[Pass.SCORE]
-        if mu_scale is not None:
-            mu, scale = mu_scale
-            zero = Pass.ZERO in by_pass
-            grads = [batch_normalise_at_barrier(at_score=s, at_one=o, at_zero=z, mu=mu, scale=scale)
-                     for s, o, z in zip(by_pass[Pass.SCORE], by_pass[Pass.ONE],
-                                        by_pass[Pass.ZERO] if zero else [None] * len(self.params))]
-            loss = batch_normalise_at_barrier(at_score=sums.loss[Pass.SCORE], at_one=sums.loss[Pass.ONE],
-                                              at_zero=sums.loss[Pass.ZERO] if zero else None, mu=mu, scale=scale)
+        if combine is not None:
+            grads = [combine(dict(zip(by_pass, per_param))) for per_param in zip(*by_pass.values())]
+            loss = combine({name: sums.loss[name] for name in by_pass})
         grad_norm, lr = self.apply(grads, denom=sums.denom)
         return OptimizerStep(loss, sums.denom, sums.kl_sum, sums.clip_sum, sums.entropy_sum, sums.entropy_tokens,
                              grad_norm, sums.mismatch, lr, sums.ratio_sum, sums.ratio_max, sums.is_weight_sum,

@@ -5,6 +5,8 @@
     barrier(ctx, state)  records over dp, optimizer step, later mini-batches and epochs, lr
                          schedule, then the weight push to the generator
 
+What varies by algorithm (advantages, loss passes, the batch's statistics, the loss) is its objective
+(algorithms/objective.py); this file keeps no algorithm flag.
 Its parts: models.py (policy, old policy, reference and their log-probs), accumulate.py (gradients,
 loss sums and group records as typed values), barrier.py (combine, normalise, step), stats.py (the
 step's state and its metrics record); what it shares with the critic is in executors/training/
@@ -22,8 +24,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms.base import Algorithm, AlgoConfig, LossInputs
-from algorithms.batch_scope import batch_mean_scale, batch_normalise, linear_passes, score_moments
-from algorithms.kl import kl_in_loss, kl_in_reward, kl_penalised_rewards
+from algorithms.objective import Objective
 from channels.payloads import AdvantagedGroup, ScoredGroup, WeightsUpdate
 from common.stop import StepAborted
 from executors.base import ExecutorEnv, Input, Output, StepContext, unit_aborted
@@ -50,23 +51,16 @@ class Trainer(Learner):
         super().__init__(name=name, config=config)
         self.samples_every = samples_every
         self.model_path, self.dtype = model_path, dtype
-        self.algo, self.algo_cfg, self.temperature, self.total_steps = algorithm, algo_config, temperature, total_steps
-        self.batch_scope = algorithm.advantage_scope == "batch"
-        # the first pass of a batch-scope algorithm evaluates the loss at s, 1 (and 0 with a KL in it)
-        self.first_passes = ((Pass.SCORE, Pass.ONE) + ((Pass.ZERO,) if kl_in_loss(algo_config) else ())
-                             if self.batch_scope else (Pass.SCORE,))
-        self.token_advantages = token_advantages
-        if algorithm.advantages is None and not token_advantages:
-            raise ValueError(f"algorithm {algorithm.name!r} computes no advantages: they come per token from its "
-                             f"advantage source ({algorithm.advantage_source!r}); build the trainer with "
-                             f"token_advantages=True and an AdvantagedGroup channel into its `scored` port")
+        self.temperature, self.total_steps = temperature, total_steps
+        self.objective = Objective(algorithm, algo_config, token_advantages=token_advantages)
 
     def consumes(self, port):
-        return AdvantagedGroup if port is Trainer.scored and self.token_advantages else super().consumes(port)
+        per_token = port is Trainer.scored and self.objective.token_advantages
+        return AdvantagedGroup if per_token else super().consumes(port)
 
     def describe(self):
         return {"dp": self.cfg.dp, "tp": self.cfg.tp, "fsdp": self.cfg.fsdp, "backend": self.cfg.backend,
-                "algo": self.algo.name, "reference": self.algo_cfg.needs_reference}
+                "algo": self.objective.algorithm.name, "reference": self.objective.needs_reference}
 
     def init(self, env: ExecutorEnv) -> None:
         super().init(env)
@@ -77,10 +71,10 @@ class Trainer(Learner):
         from executors.trainer.backends import BACKENDS
 
         self.models = BACKENDS.get(self.cfg.backend).models().build(model_path=self.model_path, dtype=self.dtype, env=env, cfg=self.cfg,
-                                     temperature=self.temperature, reference=self.algo_cfg.needs_reference,
+                                     temperature=self.temperature, reference=self.objective.needs_reference,
                                      snapshot=self.passes > 1, policy_path=env.resume)
         self.optim = Barrier(self.models.master, compute=self.models.policy, cfg=self.cfg, total_steps=self.total_steps,
-                             mesh=self.models.mesh, dp_group=self.models.dp_group, passes=self.first_passes,
+                             mesh=self.models.mesh, dp_group=self.models.dp_group, passes=self.objective.first_passes,
                              replicated_dp=not self.shards_over_units, tp_partial=self.models.tp_partial(),
                              zero=self.models.per_rank_optimizer)
         if env.resume is not None:  # the policy came from the checkpoint; the optimizer and schedule too
@@ -114,13 +108,11 @@ class Trainer(Learner):
                 state.held.append(group)
             if self._logs_samples(ctx.step):
                 state.logged.append(group)
-        # reference log-probs: for the loss, or for a KL in the reward the batch moments need now
         refs = (self.models.ref_logprobs(work.micro_batches, pad_to=work.steps)
-                if train or (self.batch_scope and kl_in_reward(self.algo_cfg)) else None)
-        if self.batch_scope and group is not None:  # every group's scores are needed at the barrier
+                if self.objective.needs_refs(train=train) else None)
+        if self.objective.scores_on_arrival and group is not None:  # the batch's statistics need every group
             score = self._scores(state, group, work.micro_batches, refs)
-            # per-token scores: the moments of the model's tokens, not of the padding or the environment's
-            state.moments[group.index] = score_moments(score if score.dim() == 1 else _model_token_advantages(group))
+            state.moments[group.index] = self.objective.moments(group, score)
         if train:
             with ctx.timeline.span("train", index=group.index if group is not None else -1):
                 state.sums += self._train(work, refs, state, first_pass=True)
@@ -131,27 +123,10 @@ class Trainer(Learner):
         return self.samples_every > 0 and step % self.samples_every == 0 and self.env.rank == unit[0]
 
     def _scores(self, state: StepState, group: ScoredGroup, mbs, refs) -> torch.Tensor:
-        """The algorithm's advantages of one group (batch scope: the scores), once per step: [G], or
-        [G, longest response] when they came per token with the group."""
-        if group.index in state.scores:
-            return state.scores[group.index]
-        if self.token_advantages:
-            adv = group.advantages
-            if group.loss_masks is not None:  # the environment's tokens carry no advantage, whoever sent the group
-                adv = [torch.where(m, a, 0.0) for a, m in zip(adv, group.loss_masks)]
-            state.scores[group.index] = torch.nn.utils.rnn.pad_sequence(adv, batch_first=True)
-            return state.scores[group.index]
-        # the tokens the model wrote (DAPO's overlong penalty): a multi-turn response's observations are not its
-        lengths_G = torch.tensor([group.model_tokens(i) for i in range(len(group.responses))])
-        rewards_G = self.algo.shape_rewards(group.rewards, lengths_G, self.algo_cfg)
-        if kl_in_reward(self.algo_cfg):
-            rewards_G = rewards_G.clone().to(torch.float64)
-            for mb, ref_NT in zip(mbs, refs):
-                idx = list(mb.samples)
-                rewards_G[idx] = kl_penalised_rewards(
-                    rewards_N=rewards_G[idx], logp_NT=sampled_logprobs(group, idx, like=ref_NT),
-                    ref_logp_NT=ref_NT, mask_NT=mb.mask_NT, cfg=self.algo_cfg)
-        state.scores[group.index] = self.algo.advantages(rewards_G, self.algo_cfg)
+        """The objective's advantages of one group (batch scope: its scores), once per step."""
+        if group.index not in state.scores:
+            state.scores[group.index] = self.objective.scores(
+                group, micro_batches=mbs, refs=refs, sampled=lambda idx, like: sampled_logprobs(group, idx, like=like))
         return state.scores[group.index]
 
     def _train(self, work: Work, refs, state: StepState, *, first_pass: bool,
@@ -159,11 +134,9 @@ class Trainer(Learner):
         """Forward/backward of one unit of work's micro-batches (then lockstep dummies up to
         `work.steps`); gradients go to the accumulators, sums come back."""
         group, mbs, sums = work.group, work.micro_batches, LossSums()
-        linear = self.batch_scope and first_pass
-        if group is not None:
-            score_G = self._scores(state, group, mbs, refs)
-            if self.batch_scope and not first_pass:  # mean and scale of the batch are known by now
-                score_G = batch_normalise(score_G, mu=mu_scale[0], scale=mu_scale[1])
+        linear = self.objective.linear(first_pass=first_pass)
+        if group is not None:  # later passes: the batch's statistics are known by now
+            score_G = self.objective.advantages(self._scores(state, group, mbs, refs), mu_scale)
         for k in range(work.steps):
             if k >= len(mbs):  # lockstep padding: weight 0, same forwards and backwards
                 self._micro_step(self.models.dummy, None, None, first_pass=first_pass, linear=linear, sums=sums)
@@ -171,7 +144,7 @@ class Trainer(Learner):
             mb, idx = mbs[k], list(mbs[k].samples)
             # the generator's log-probs, for a loss with a correction against them (algorithms/corrections.py)
             behaviour = (lambda like, idx=idx: sampled_logprobs(group, idx, like=like)) \
-                if self.algo_cfg.needs_behaviour else None
+                if self.objective.needs_behaviour else None
             logp_NT = self._micro_step(mb, refs[k], score_G[idx], first_pass=first_pass, linear=linear, sums=sums,
                                        behaviour=behaviour)
             if first_pass:  # on-policy check: the trainer recomputes what the generator sampled
@@ -189,12 +162,7 @@ class Trainer(Learner):
             sums.entropy_tokens += mb.mask_NT.sum().item()
         old_NT = self.models.old_logprobs(mb, policy_NT=logp_NT, first_pass=first_pass)
         mu_NT = behaviour(logp_NT) if behaviour is not None else None
-        if score is None:  # a dummy: the same passes, no advantages
-            passes = dict.fromkeys(self.first_passes if linear else (Pass.SCORE,))
-        elif linear:  # batch scope: the loss at s, 1 (and 0), combined at the barrier (algorithms/batch_scope.py)
-            passes = {Pass(name): adv for name, adv in linear_passes(score, self.algo_cfg).items()}
-        else:
-            passes = {Pass.SCORE: score}
+        passes = self.objective.passes(score, linear=linear)  # a dummy (score None): the same passes, no advantages
         # FSDP frees the gathered weights after each backward, so a second backward over the same
         # graph would read freed storage: recompute the forward per pass instead of retain_graph
         recompute = self.cfg.fsdp
@@ -204,9 +172,9 @@ class Trainer(Learner):
             if adv is None:
                 loss = (logp_NT * 0).sum()
             else:
-                out = self.algo.loss(LossInputs(logp_NT=logp_NT, old_logp_NT=old_NT, ref_logp_NT=ref_NT,
-                                                mask_NT=mb.mask_NT, behaviour_logp_NT=mu_NT,
-                                                **_advantages(adv, like=logp_NT)), self.algo_cfg)
+                out = self.objective.loss(LossInputs(logp_NT=logp_NT, old_logp_NT=old_NT, ref_logp_NT=ref_NT,
+                                                     mask_NT=mb.mask_NT, behaviour_logp_NT=mu_NT,
+                                                     **_advantages(adv, like=logp_NT)))
                 loss = out.loss_sum
                 sums.loss[name] += out.loss_sum.item()
                 if name is Pass.SCORE:
@@ -228,7 +196,8 @@ class Trainer(Learner):
         t0 = time.perf_counter()
         with ctx.timeline.span("barrier"):
             record, digests, errors, mu_scale = self._gather(state)
-            steps = [self.optim.step(state.sums, passes=self.first_passes, mu_scale=mu_scale)]
+            steps = [self.optim.step(state.sums, passes=self.objective.first_passes,
+                                     combine=self.objective.combine(mu_scale))]
             steps += self._later_passes(state, mu_scale)
             self.optim.end_of_batch()
         if state.logged:
@@ -244,8 +213,8 @@ class Trainer(Learner):
     def _log_samples(self, state: StepState, mu_scale) -> None:
         from executors.trainer.samples import append_samples
 
-        advantages = {g.index: _per_sample(batch_normalise(state.scores[g.index], mu=mu_scale[0], scale=mu_scale[1])
-                                           if self.batch_scope else state.scores[g.index], g) for g in state.logged}
+        advantages = {g.index: _per_sample(self.objective.advantages(state.scores[g.index], mu_scale), g)
+                      for g in state.logged}
         append_samples(self.env.output_dir / "samples.jsonl", state.logged, advantages, self.models.tokenizer)
 
     def _gather(self, state: StepState):
@@ -258,8 +227,7 @@ class Trainer(Learner):
             digests = {k: v for d, _, _ in gathered for k, v in d.items()}
             errors = {k: v for _, e, _ in gathered for k, v in e.items()}
             moments = {k: v for _, _, m in gathered for k, v in m.items()}
-        mu_scale = batch_mean_scale(moments, eps=self.algo_cfg.eps) if self.batch_scope else None
-        return record, digests, errors, mu_scale
+        return record, digests, errors, self.objective.batch_stats(moments)
 
     def _later_passes(self, state: StepState, mu_scale) -> list:
         """Mini-batches after the first, and further epochs: all groups are in, in index order,
@@ -275,7 +243,7 @@ class Trainer(Learner):
                 for work in self._work(mine):
                     refs = self.models.ref_logprobs(work.micro_batches, pad_to=work.steps)
                     sums += self._train(work, refs, state, first_pass=False, mu_scale=mu_scale)
-                steps.append(self.optim.step(sums, passes=(Pass.SCORE,), mu_scale=None))
+                steps.append(self.optim.step(sums, passes=(Pass.SCORE,)))
         return steps
 
     # ---- outputs ------------------------------------------------------------------------------
@@ -306,10 +274,3 @@ def _per_sample(adv: torch.Tensor, group: ScoredGroup) -> torch.Tensor:
     # a response without a model token (an episode the environment ended at once) trained nothing: 0
     return torch.stack([adv[g, : m.numel()][m].mean() if m.any() else adv.new_zeros(())
                         for g, m in enumerate(group.loss_masks)])
-
-
-def _model_token_advantages(group: AdvantagedGroup) -> torch.Tensor:
-    """The group's per-token advantages at the model's tokens only, concatenated: [sum of model tokens]."""
-    if group.loss_masks is None:
-        return torch.cat(group.advantages)
-    return torch.cat([a[m] for a, m in zip(group.advantages, group.loss_masks)])
