@@ -29,6 +29,10 @@ class RolloutGroup:
     # one dict per sample from the rollout's environment: {"turns": n, "env_s": s, "reward_parts":
     # {name: value}, "error": message or None}; None for a single-turn rollout
     episodes: list[dict] | None = field(default=None, kw_only=True)
+    # the version of the weights that sampled it: how many optimizer steps' barriers they had been
+    # through (0: the initial weights); the trainer at step s holds version s, so s - version is the
+    # group's staleness (0 in the on-policy schedules, checked every step)
+    policy_version: int = field(default=0, kw_only=True)
 
     def turns(self, i: int) -> list[tuple[str, torch.Tensor]]:
         """Response i as (role, token ids) runs: "assistant" where the model sampled, "tool" where the

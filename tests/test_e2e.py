@@ -32,6 +32,7 @@ def test_run_outputs(periodic_run):
         assert row["run_tpspd"] == pytest.approx(sum(r["tokens"] for r in done) / run_s / 3, rel=1e-9)
         assert row["logp_mismatch_max"] < 1e-4  # the trainer recomputes what the generator sampled
         assert row["ratio_mean"] == pytest.approx(1.0) and row["ratio_max"] == pytest.approx(1.0)  # one pass: on-policy
+        assert row["staleness_mean"] == 0 and row["staleness_max"] == 0  # sampled by the weights it trains
         assert 0 < row["entropy"] < 6.3  # nats, below log(512) of the embedded vocabulary
     assert len({r["rollout_digest"] for r in rows}) == 3
     config = json.loads((periodic_run / "config.json").read_text())

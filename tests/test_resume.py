@@ -67,6 +67,8 @@ def test_resume_equals_uninterrupted_run(whole, tmp_path, name):
                  algo="dapo" if name.startswith("dapo") else "grpo", timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path)] == [2, 3]
+    # the resumed generator's first weights are the checkpoint's: the version the trainer holds
+    assert all(r["staleness_max"] == 0 for r in metrics(tmp_path))
     _same(whole[name], tmp_path, steps=range(2, 4))
     if name == "dapo_dynamic":  # top-ups happened, so the data position includes them
         assert any(r["sampling_rounds"] > 1 for r in metrics(whole[name]))

@@ -75,6 +75,7 @@ class Generator(Executor):
         if self.prompts.dropped and env.is_leader:
             print(f"tidal: {self.prompts.dropped} of {len(rows)} prompts are longer than "
                   f"max_prompt_tokens={self.data_cfg.max_prompt_tokens} and were dropped", flush=True)
+        self.policy_version: int | None = None  # set at this attempt's first step (see `step`)
         self.params = SamplingParams(n=self.cfg.samples_per_prompt, max_new_tokens=self.cfg.max_new_tokens,
                                      seed=env.seed, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                                      top_k=self.cfg.top_k)
@@ -92,6 +93,10 @@ class Generator(Executor):
     def step(self, ctx: StepContext):
         with ctx.timeline.span("weights_recv"):
             received = ctx.inbound[self.weights].receive_into(self.shards, self.specs)  # shard by shard
+        if self.policy_version is None:  # the run's start weights: the model's, or the checkpoint of step - 1
+            self.policy_version = ctx.step
+        elif received:  # a push is one barrier further (none received: the same weights again)
+            self.policy_version += 1
         if received:
             with ctx.timeline.span("weights_load"):
                 self.engine.load_weights(self.shards, self.specs)
@@ -145,6 +150,7 @@ class Generator(Executor):
             tokens += sum(group.model_tokens(i) for i in range(len(group.responses)))
             self.episodes += group.episodes or []
             ctx.timeline.mark("generated", index=group.index)
+            group.policy_version = self.policy_version
             out.send(group)
         return tokens
 

@@ -102,6 +102,7 @@ class Trainer(Learner):
             state.first_train_t = state.first_train_t or time.time()
             state.record += GroupRecord.of(group, shared_prompt=self.models.shares_prompt(group))
             state.digests[group.index] = group_digest(group)
+            state.versions[group.index] = (group.policy_version, sum(map(group.model_tokens, range(len(group.responses)))))
             if group.first_error is not None:
                 state.errors[group.index] = group.first_error
             if self.passes > 1:
@@ -195,7 +196,7 @@ class Trainer(Learner):
         """All groups are in: optimizer step(s), then the weights go to the generator."""
         t0 = time.perf_counter()
         with ctx.timeline.span("barrier"):
-            record, digests, errors, mu_scale = self._gather(state)
+            record, digests, errors, versions, mu_scale = self._gather(state)
             steps = [self.optim.step(state.sums, passes=self.objective.first_passes,
                                      combine=self.objective.combine(mu_scale))]
             steps += self._later_passes(state, mu_scale)
@@ -207,7 +208,8 @@ class Trainer(Learner):
         with ctx.timeline.span("push"):
             ctx.outbound[self.weights].push(self.models.shards(), self.models.specs)
             ctx.outbound[self.weights].flush()
-        return TrainerMetrics.of(record, steps, digests, errors=errors, train_s=train_s, push_s=time.perf_counter() - t0,
+        return TrainerMetrics.of(record, steps, digests, errors=errors, staleness=_staleness(ctx.step, versions),
+                                 train_s=train_s, push_s=time.perf_counter() - t0,
                                  first_train_t=state.first_train_t, push_end_t=time.time())
 
     def _log_samples(self, state: StepState, mu_scale) -> None:
@@ -218,16 +220,15 @@ class Trainer(Learner):
         append_samples(self.env.output_dir / "samples.jsonl", state.logged, advantages, self.models.tokenizer)
 
     def _gather(self, state: StepState):
-        """Per-group records, digests, reward errors and score moments over dp, once per step."""
-        record, digests, errors, moments = state.record, state.digests, state.errors, state.moments
+        """Per-group records, digests, reward errors, policy versions and score moments over dp, once per step."""
+        record, parts = state.record, (state.digests, state.errors, state.versions, state.moments)
         if self.units > 1:
             record = record.all_reduce(group=self.models.dp_group)
             gathered = [None] * self.units
-            dist.all_gather_object(gathered, (digests, errors, moments), group=self.models.dp_group)
-            digests = {k: v for d, _, _ in gathered for k, v in d.items()}
-            errors = {k: v for _, e, _ in gathered for k, v in e.items()}
-            moments = {k: v for _, _, m in gathered for k, v in m.items()}
-        return record, digests, errors, self.objective.batch_stats(moments)
+            dist.all_gather_object(gathered, parts, group=self.models.dp_group)
+            parts = tuple({k: v for rank in gathered for k, v in rank[i].items()} for i in range(len(parts)))
+        digests, errors, versions, moments = parts
+        return record, digests, errors, versions, self.objective.batch_stats(moments)
 
     def _later_passes(self, state: StepState, mu_scale) -> list:
         """Mini-batches after the first, and further epochs: all groups are in, in index order,
@@ -256,6 +257,13 @@ class Trainer(Learner):
 
     def finalize(self, output_dir: Path) -> None:
         self.models.save(output_dir / "final", leader=self.env.is_leader)
+
+
+def _staleness(step: int, versions: dict[int, tuple[int, int]]) -> tuple[float, int]:
+    """(mean over the model's tokens, max) of how many versions behind step's weights the groups were sampled."""
+    tokens = sum(n for _, n in versions.values())
+    mean = sum((step - v) * n for v, n in versions.values()) / max(1, tokens)
+    return mean, max((step - v for v, _ in versions.values()), default=0)
 
 
 def _advantages(adv: torch.Tensor, *, like: torch.Tensor) -> dict:

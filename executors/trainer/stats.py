@@ -23,6 +23,7 @@ class StepState:
     # per group and step, since they may need reference forwards (a KL in the reward)
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     moments: dict[int, torch.Tensor] = field(default_factory=dict)  # batch scope: score moments per group
+    versions: dict[int, tuple[int, int]] = field(default_factory=dict)  # group index -> (policy version, model tokens)
     held: list[ScoredGroup] = field(default_factory=list)  # for later mini-batches and epochs
     logged: list[ScoredGroup] = field(default_factory=list)  # for samples.jsonl, on a logging step
     train_s: float = 0.0
@@ -45,6 +46,10 @@ class TrainerMetrics:
     # one), and the fraction of the tokens trained on that it dropped (mis, icepop)
     is_weight_mean: float
     is_dropped_frac: float
+    # how many policy versions behind the trained weights the step's tokens were sampled (RolloutGroup
+    # .policy_version): the mean over the model's tokens, and the largest; 0 in on-policy schedules
+    staleness_mean: float
+    staleness_max: int
     entropy: float  # the policy's mean token entropy (at the sampling temperature) over the tokens trained on
     grad_norm: float  # mean over the step's optimizer steps, before clipping
     lr: float
@@ -68,7 +73,7 @@ class TrainerMetrics:
 
     @classmethod
     def of(cls, record: GroupRecord, steps: list, digests: dict[int, str], *, errors: dict[int, str],
-           **timing) -> "TrainerMetrics":
+           staleness: tuple[float, int] = (0.0, 0), **timing) -> "TrainerMetrics":
         """From the step's dp-reduced record and its optimizer steps (barrier.OptimizerStep); `errors`:
         the first reward error of each group that had one, over all dp ranks."""
         n, denom = record.samples, sum(s.denom for s in steps)
@@ -81,6 +86,7 @@ class TrainerMetrics:
                    ratio_mean=sum(s.ratio_sum for s in steps) / max(1.0, sum(s.entropy_tokens for s in steps)), ratio_max=max(s.ratio_max for s in steps),
                    is_weight_mean=sum(s.is_weight_sum for s in steps) / max(1.0, tokens - dropped),
                    is_dropped_frac=dropped / max(1.0, tokens),
+                   staleness_mean=staleness[0], staleness_max=staleness[1],
                    entropy=sum(s.entropy_sum for s in steps) / max(1.0, sum(s.entropy_tokens for s in steps)),
                    grad_norm=sum(s.grad_norm / len(steps) for s in steps), lr=steps[-1].lr,
                    **_mismatch(steps), groups=int(record.groups), samples=int(record.samples),
