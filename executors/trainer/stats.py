@@ -73,9 +73,9 @@ class TrainerMetrics:
 
     @classmethod
     def of(cls, record: GroupRecord, steps: list, digests: dict[int, str], *, errors: dict[int, str],
-           staleness: tuple[float, int] = (0.0, 0), **timing) -> "TrainerMetrics":
+           staleness: tuple[float, int], **timing) -> "TrainerMetrics":
         """From the step's dp-reduced record and its optimizer steps (barrier.OptimizerStep); `errors`:
-        the first reward error of each group that had one, over all dp ranks."""
+        the first reward error of each group that had one, over all dp ranks; `staleness`: (mean, max)."""
         n, denom = record.samples, sum(s.denom for s in steps)
         tokens, dropped = sum(s.entropy_tokens for s in steps), sum(s.dropped_tokens for s in steps)
         mean = record.reward_sum / n
