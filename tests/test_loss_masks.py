@@ -12,13 +12,14 @@ import torch
 
 from algorithms.gae import gae, token_rewards
 from algorithms.grpo import GRPOConfig
+from algorithms.objective import model_token_advantages
 from algorithms.registry import get_algorithm
 from channels.payloads import AdvantagedGroup, ScoredGroup
 from controller.schedules import Periodic
 from controller.timeline import Timeline
 from executors.base import Endpoints, ExecutorEnv, StepContext
 from executors.hf import load_model
-from executors.trainer.executor import Trainer, TrainerConfig, _model_token_advantages, _per_sample
+from executors.trainer.executor import Trainer, TrainerConfig, _per_sample
 from executors.training.packing import make_micro_batches, pack_group
 
 torch.set_num_threads(1)
@@ -273,7 +274,7 @@ def test_token_advantages_average_and_whiten_over_model_tokens():
     g = AdvantagedGroup(step=0, index=0, prompt="p", extras={}, prompt_ids=torch.tensor([1]),
                         responses=[torch.tensor([1, 2, 3]), torch.tensor([4, 5])], logprobs=[], finished=torch.ones(2),
                         rewards=torch.zeros(2), reward_failures=0, advantages=adv, loss_masks=masks)
-    assert _model_token_advantages(g).tolist() == [1.0, 4.0, -2.0]  # the batch moments see these only
+    assert model_token_advantages(g).tolist() == [1.0, 4.0, -2.0]  # the batch moments see these only
     padded = torch.nn.utils.rnn.pad_sequence(adv, batch_first=True)
     assert _per_sample(padded, g).tolist() == [2.5, -2.0]
     g.loss_masks = None  # single-turn: every token, as before
