@@ -73,6 +73,13 @@ def clamp_log_ratio(log_ratio: torch.Tensor, limit: float | None) -> torch.Tenso
     return log_ratio if limit is None else log_ratio.clamp(-limit, limit)
 
 
+def log_ratio(num_NT: torch.Tensor, den_NT: torch.Tensor, mask_NT: torch.Tensor, *,
+              limit: float | None = None) -> torch.Tensor:
+    """log(num / den) of the real tokens, clamped to [-limit, limit]; 0 on padding, which may hold
+    anything (even -inf): zeroed before any exp, so 0 * inf never turns into NaN."""
+    return clamp_log_ratio(torch.where(mask_NT, num_NT - den_NT, 0.0), limit)
+
+
 def is_weights(cfg: CorrectionConfig, *, old_logp_NT: torch.Tensor, behaviour_logp_NT: torch.Tensor,
                mask_NT: torch.Tensor, log_ratio_clamp: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight_NT, keep_NT) of tis/mis/icepop: the constant weight of each token's loss, and the
@@ -80,10 +87,12 @@ def is_weights(cfg: CorrectionConfig, *, old_logp_NT: torch.Tensor, behaviour_lo
     assert cfg.kind in ("tis", "mis", "icepop"), cfg.kind
     low, high = cfg.bounds
     with torch.no_grad():
-        delta_NT = torch.where(mask_NT, old_logp_NT.detach() - behaviour_logp_NT.to(old_logp_NT), 0.0)
-        if cfg.level == "sequence":  # the sequence's ratio, the product over its tokens, on each token
-            delta_NT = delta_NT.sum(dim=1, keepdim=True).expand_as(delta_NT)
-        k_NT = torch.exp(clamp_log_ratio(delta_NT, log_ratio_clamp))
+        sequence = cfg.level == "sequence"
+        delta_NT = log_ratio(old_logp_NT.detach(), behaviour_logp_NT.to(old_logp_NT), mask_NT,
+                             limit=None if sequence else log_ratio_clamp)
+        if sequence:  # the sequence's ratio, the product over its tokens, on each token
+            delta_NT = clamp_log_ratio(delta_NT.sum(dim=1, keepdim=True).expand_as(delta_NT), log_ratio_clamp)
+        k_NT = torch.exp(delta_NT)
         if cfg.kind == "tis":
             return k_NT.clamp(max=high), mask_NT
         inside_NT = (k_NT >= low) & (k_NT <= high)
@@ -96,5 +105,5 @@ def aipo_weights(*, logp_NT: torch.Tensor, behaviour_logp_NT: torch.Tensor, mask
                  log_ratio_clamp: float | None = None) -> torch.Tensor:
     """min(pi / mu, rho) per token, constant (the policy gradient it weights carries the gradient)."""
     with torch.no_grad():
-        delta_NT = torch.where(mask_NT, logp_NT.detach() - behaviour_logp_NT.to(logp_NT), 0.0)
-        return torch.exp(clamp_log_ratio(delta_NT, log_ratio_clamp)).clamp(max=rho)
+        delta_NT = log_ratio(logp_NT.detach(), behaviour_logp_NT.to(logp_NT), mask_NT, limit=log_ratio_clamp)
+        return torch.exp(delta_NT).clamp(max=rho)

@@ -14,6 +14,7 @@ import torch
 from pydantic import Field, model_validator
 
 from algorithms.base import Algorithm, LossInputs, LossOutput, LossStats, check_loss_inputs, upcast
+from algorithms.corrections import log_ratio
 from algorithms.grpo import group_normalised
 from algorithms.kl import check_kl_inputs, kl_in_loss, masked_kl_NT
 from algorithms.token_loss import ClipConfig, clipped_surrogate
@@ -47,7 +48,7 @@ def gspo_loss(inputs: LossInputs, cfg: GSPOConfig) -> LossOutput:
     len_N = mask_NT.sum(dim=1)
     has_tokens_N = len_N > 0  # an empty sequence has s = 1 but must add nothing, not -A
     inv_len_N = 1.0 / len_N.clamp(min=1).to(logp_NT.dtype)
-    log_ratio_NT = torch.where(mask_NT, logp_NT - upcast(inputs.old_logp_NT), 0.0)
+    log_ratio_NT = log_ratio(logp_NT, upcast(inputs.old_logp_NT), mask_NT)
     s_N = torch.exp(log_ratio_NT.sum(dim=1) * inv_len_N)
     if inputs.adv_NT is not None:
         raise ValueError("GSPO's ratio is per sequence: it takes one advantage per sample (adv_N), not adv_NT")

@@ -15,7 +15,7 @@ from pydantic import Field
 
 from algorithms.base import (AlgoConfig, LossInputs, LossOutput, LossStats, Normaliser, batch_denominator,
                              check_loss_inputs, upcast)
-from algorithms.corrections import CorrectionConfig, aipo_weights, clamp_log_ratio, is_weights
+from algorithms.corrections import CorrectionConfig, aipo_weights, is_weights, log_ratio
 from algorithms.kl import KLConfig, check_kl_inputs, kl_in_loss, masked_kl_NT
 
 
@@ -76,11 +76,8 @@ def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normali
     if cfg.needs_behaviour and inputs.behaviour_logp_NT is None:
         raise ValueError(f"correction.kind={cfg.correction.kind!r} needs the generator's log-probs (behaviour_logp_NT)")
     mask_NT = tokens_NT = inputs.mask_NT
-    # Padding positions may hold anything (even -inf); zero them before exp so that 0 * inf
-    # never turns into NaN in the forward or the backward.
     logp_NT = upcast(inputs.logp_NT)
-    ratio_NT = torch.exp(clamp_log_ratio(torch.where(mask_NT, logp_NT - upcast(inputs.old_logp_NT), 0.0),
-                                         cfg.log_ratio_clamp))
+    ratio_NT = torch.exp(log_ratio(logp_NT, upcast(inputs.old_logp_NT), mask_NT, limit=cfg.log_ratio_clamp))
     adv_NT = inputs.token_advantages()  # [N, 1] for per-sample advantages
     corr, weight_NT = cfg.correction, None
     if corr.kind == "aipo":  # -min(pi/mu, rho) * A * grad log pi: exp(logp - logp) is 1 with logp's gradient

@@ -84,7 +84,7 @@ class _Episode:
     env: object
     where: str  # "step 3, prompt 5 (data row 17), sample 2": named by every error
     max_new_tokens: int  # generator.max_new_tokens: every turn's cap
-    cap: int = 0  # the current turn's cap: max_new_tokens, or lower where the environment asked
+    cap: int  # the current turn's cap: max_new_tokens, or lower where the environment asked
     turns: int = 0
     tokens: int = 0  # response tokens so far, model's and observations'
     env_s: float = 0.0

@@ -146,17 +146,18 @@ class Trainer(Learner):
             # the generator's log-probs, for a loss with a correction against them (algorithms/corrections.py)
             behaviour = (lambda like, idx=idx: sampled_logprobs(group, idx, like=like)) \
                 if self.objective.needs_behaviour else None
-            logp_NT = self._micro_step(mb, refs[k], score_G[idx], first_pass=first_pass, linear=linear, sums=sums,
-                                       behaviour=behaviour)
+            logp_NT, mu_NT = self._micro_step(mb, refs[k], score_G[idx], first_pass=first_pass, linear=linear,
+                                              sums=sums, behaviour=behaviour)
             if first_pass:  # on-policy check: the trainer recomputes what the generator sampled
-                sampled_NT = sampled_logprobs(group, idx, like=logp_NT)
+                sampled_NT = mu_NT if mu_NT is not None else sampled_logprobs(group, idx, like=logp_NT)
                 sums.mismatch.add(logp_NT=logp_NT, sampled_NT=sampled_NT, mask_NT=mb.mask_NT)
         return sums
 
     def _micro_step(self, mb, ref_NT, score, *, first_pass: bool, linear: bool, sums: LossSums,
-                    behaviour=None) -> torch.Tensor:
+                    behaviour=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One micro-batch: policy (and old) forward, then one backward per loss pass. score: the
-        advantages of its samples, [N] or per token [N, R]; None: a lockstep dummy, its loss multiplied by 0."""
+        advantages of its samples, [N] or per token [N, R]; None: a lockstep dummy, its loss multiplied by 0.
+        -> the policy's log-probs, and the generator's where `behaviour` gave them to the loss."""
         logp_NT, entropy_NT = self.models.policy_logprobs(mb, entropy=score is not None)
         if entropy_NT is not None:
             sums.entropy_sum += entropy_NT[mb.mask_NT].sum().item()
@@ -189,7 +190,7 @@ class Trainer(Learner):
                     sums.dropped_tokens += out.stats.dropped_tokens
             loss.backward(retain_graph=not recompute and k < len(passes) - 1)
             self.optim.grads.add_from_params_(name)
-        return logp_NT
+        return logp_NT, mu_NT
 
     # ---- the barrier ------------------------------------------------------------------------------
     def barrier(self, ctx: StepContext, state: StepState) -> TrainerMetrics:
