@@ -2,8 +2,9 @@
 `log_ratio_clamp`): options of every token-level loss (algorithms/token_loss.py).
 
 Three log-probs of a sampled token y_t: mu (the generator's, as it sampled: the behaviour policy),
-pi_old (the trainer's, at the weights that generated the step: equal to mu up to the engines'
-arithmetic in on-policy schedules) and pi (the policy being trained). With k_t = pi_old / mu (the
+pi_old (the trainer's, at the step's starting weights: equal to mu up to the engines' arithmetic in
+on-policy schedules, max_lag versions ahead of it under the offpolicy schedule, where it is decoupled
+PPO's proximal policy) and pi (the policy being trained). With k_t = pi_old / mu (the
 train/infer ratio of a token) and K_i = prod_t k_t (of a sequence), each correction reweights or
 drops the clipped surrogate pg_t of algorithms/token_loss.py, its weights held constant (no gradient):
 

@@ -85,6 +85,23 @@ class WeightPush:
             for works in pending.values():
                 _wait(works)
 
+    @torch.no_grad()
+    def pack(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+        """This rank's messages of one push, copied out of `tensors`, for a rank that only sends (a
+        trainer rank): [(receiver, bytes)] in the order `run` posts them on the other end (per link:
+        the direct buckets, then the rounds). The lagged push of the offpolicy schedule: the weights
+        change before the generator takes them, steps later."""
+        assert not self.incoming, f"rank {self.rank} receives in this push: pack() is for senders"
+        messages = []
+        for s in self.outgoing:
+            for bucket in [b for b in s.buckets if b.dst_direct] + [b for b in s.buckets if not b.dst_direct]:
+                buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+                for i, offset in bucket.entries:
+                    p = self.plan.pieces[i]
+                    _typed(buf, offset, p).copy_(tensors[p.name][_view(p.src_slice)])
+                messages.append((s.receiver, buf))
+        return messages
+
     def _buffered_rounds(self, tensors, pending) -> None:
         incoming = [(s, [b for b in s.buckets if not b.dst_direct]) for s in self.incoming]
         outgoing = [(s, [b for b in s.buckets if not b.dst_direct]) for s in self.outgoing]

@@ -7,6 +7,9 @@ store; every other rank reads it after its own streamed phase, before its barrie
 enough for the trainer to skip its weight push when the run stops (nobody would receive it) and costs
 no waiting: the other executors' next step waits for the trainer's barrier anyway.
 
+Under the offpolicy schedule the generator runs a step ahead: it reads the decision of step k at the
+end of its step k+1, and a stop after step k drops its step k+1 (the consumers drain what it sent).
+
 A stop is requested by SIGTERM or SIGINT to any rank (torchrun forwards them to every rank). It must
 not wait for the step to end: a real model's step can outlast the launcher's patience. So while the
 decider is inside a step, a stop turns that step's decision into an *abort*, published at once: the
@@ -71,9 +74,12 @@ class Cadence:
 
 
 class StepControl:
-    def __init__(self, *, store, watch_store, rank: int, decider: int, cadence: Cadence, run_dir: Path):
-        """watch_store: a store client of its own for the abort watcher's thread."""
+    def __init__(self, *, store, watch_store, rank: int, decider: int, cadence: Cadence, run_dir: Path,
+                 ahead: bool = False):
+        """watch_store: a store client of its own for the abort watcher's thread. ahead: this rank
+        runs a step ahead of the decider (the offpolicy schedule's generator)."""
         self.store, self.rank, self.decider, self.cadence, self.run_dir = store, rank, decider, cadence, run_dir
+        self.ahead = ahead
         self._last_save = time.monotonic()
         self._checkpointed: int | None = None  # the decider's last step decided with a checkpoint
         self.current: int | None = None  # the step this rank is in (the watcher's view)
@@ -132,6 +138,10 @@ class StepControl:
                 if self.rank == self.decider and not store.check([key]):
                     self._abort(step, int(store.get(_STOP).decode() or 0))
                 if store.check([key]) and Decision.read(store, step).abort:
+                    ABORT.set()
+                # a rank running ahead: the run ends before the step it is in when the step before it stops
+                before = _decision_key(step - 1)
+                if self.ahead and store.check([before]) and Decision.read(store, step - 1).stop:
                     ABORT.set()
             except Exception:  # the store is gone: the job is ending anyway
                 return

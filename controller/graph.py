@@ -52,12 +52,10 @@ def _validate(graph: Graph) -> None:
                 raise ValueError(f"channel {ch.name!r}: unknown {role} executor {ex_name!r} (known: {known})")
         if ch.src == ch.dst:
             raise ValueError(f"channel {ch.name!r}: source and destination are both {ch.src!r}")
-        if ch.step_lag not in (0, 1):
-            # a WEIGHTS channel two steps behind would train samples of older weights as if they were
-            # on-policy (no ratio to the sampler, the old policy taken from the trainer's weights)
+        if ch.step_lag not in (0, 1) and not (ch.kind is Kind.WEIGHTS and ch.step_lag > 1):
             raise ValueError(f"channel {ch.name!r}: lag {ch.step_lag}; a channel is consumed in the step it is "
-                             f"produced (lag 0) or in the next (lag 1): a bounded-staleness off-policy schedule "
-                             f"is not built yet")
+                             f"produced (lag 0) or in the next (lag 1); only WEIGHTS may lag more, under the "
+                             f"offpolicy schedule (controller/job.py with_schedule)")
         _check_port(ch, by_name[ch.src], Output, ch.out_port)
         _check_port(ch, by_name[ch.dst], Input, ch.in_port)
         # an output port may fan out to several channels; an input port takes exactly one

@@ -1,6 +1,7 @@
 """Run one graph as one torchrun job: devices, process groups, watchdog, metrics, controller."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -11,13 +12,14 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
+from channels.kinds import Kind
 from controller.control import Cadence, StepControl, install_stop_signals
 from controller.failure import Watchdog
 from controller.graph import Graph
 from controller.loop import Controller
 from controller.metrics import MetricsWriter
 from controller.metrics_plot import plot_metrics
-from controller.schedules import get_schedule
+from controller.schedules import Schedule, get_schedule
 from controller.timeline import merge, plot, process_start_time
 from controller.world import build_world, check_world_size, placement, store_client
 from controller.world import roles as rank_roles
@@ -44,7 +46,7 @@ class Outcome:
 
 
 def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[[], Path],
-            start: Callable[[Path], Start] = lambda _: Start(), schedule: str = "periodic",
+            start: Callable[[Path], Start] = lambda _: Start(), schedule: str | Schedule = "periodic",
             cadence: Cadence = Cadence(), timeout_s: float = 1800.0, console_keys: Sequence[str] | None = None,
             derive: Callable[[dict], dict] | None = None, on_ready: Callable | None = None,
             tensorboard: bool = False) -> Outcome:
@@ -53,6 +55,8 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
     only, which prepares the directory; every rank gets its answer."""
     entered = time.time()
     check_world_size(graph, int(os.environ.get("WORLD_SIZE", "1")))
+    schedule = get_schedule(schedule) if isinstance(schedule, str) else schedule
+    graph = with_schedule(graph, schedule)
     pin_threads()
     timeout = timedelta(seconds=timeout_s)
     device = init_distributed(detect_device(), timeout=timeout)
@@ -78,14 +82,14 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
         # the decider: the first rank of the last executor, whose streamed phase ends last
         decider = placement(graph)[graph.placed[-1].name][0][0]
         control = StepControl(store=store_client(timeout), watch_store=store_client(timeout), rank=rank, decider=decider,
-                              cadence=cadence, run_dir=output_dir)
+                              cadence=cadence, run_dir=output_dir, ahead=world.runs_ahead)
         writer = None
         if rank == 0:
             writer = MetricsWriter(executors=[e.name for e in graph.executors], steps=steps_run,
                                    path=output_dir / "metrics.jsonl", console_keys=console_keys,
                                    timeout=timeout, derive=derive,
                                    tensorboard=output_dir / "tensorboard" if tensorboard else None).start()
-        stopped = Controller(world=world, steps=steps_run, schedule=get_schedule(schedule), control=control,
+        stopped = Controller(world=world, steps=steps_run, schedule=schedule, control=control,
                              startup=startup).run()
         if stopped is not None:
             if stopped.saved_here:
@@ -108,6 +112,23 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
     watchdog.stop()
     dist.destroy_process_group()
     return outcome
+
+
+def with_schedule(graph: Graph, schedule: Schedule) -> Graph:
+    """The graph as `schedule` runs it: a WEIGHTS channel whose lag is unset takes the schedule's
+    (offpolicy: max_lag + 1); one set otherwise is refused (a lag of 2 or more outside the offpolicy
+    schedule would train samples of older weights as if they were on-policy)."""
+    channels = []
+    for ch in graph.channels:
+        if ch.kind is Kind.WEIGHTS and ch.lag is None:
+            ch = dataclasses.replace(ch, lag=schedule.weights_lag)
+        if ch.kind is Kind.WEIGHTS and ch.step_lag != schedule.weights_lag:
+            fix = (f"run --schedule offpolicy --set schedule.max_lag={ch.step_lag - 1}" if ch.step_lag > 1 else
+                   "leave the channel's lag unset: the schedule sets it")
+            raise ValueError(f"channel {ch.name!r}: WEIGHTS lag {ch.step_lag}, but the {schedule.name} schedule "
+                             f"pushes weights with lag {schedule.weights_lag}; {fix}")
+        channels.append(ch)
+    return Graph(graph.executors, channels)
 
 
 def _shared_start(make: Callable[[], Start], *, timeout: timedelta) -> Start:

@@ -17,10 +17,12 @@ PANELS = {
     "entropy (nats)": ("entropy",),
     "grad norm (before clipping)": ("grad_norm",),
     "step time split (s)": ("step_s", "gen_s", "train_s", "push_s", "eval_gen_s"),
+    "staleness (policy versions)": ("staleness_mean", "staleness_max"),  # the offpolicy schedule's
 }
 
 
-OFF_WHEN_ZERO = {"kl", "reward_kl"}  # 0 in every row: the KL is off (beta = 0), no panel to draw
+# 0 in every row: the KL is off (beta = 0), or the schedule is on-policy: no panel to draw
+OFF_WHEN_ZERO = {"kl", "reward_kl", "staleness_mean", "staleness_max"}
 
 
 def _panels(rows: list[dict]) -> dict[str, list[str]]:

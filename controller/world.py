@@ -5,6 +5,7 @@ Every rank runs this identically: groups are created by every rank, in graph ord
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -13,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from channels.channel import Receiver, Route, Sender
+from channels.channel import Channel, Receiver, Route, Sender
 from channels.kinds import Kind
-from channels.weights import WeightsReceiver, WeightsSender
+from channels.weights import WeightsReceiver, WeightsSender, restorable, saved_through
 from controller.devices import attempt
 from controller.graph import Graph
 from executors.base import ExecutorEnv
@@ -109,6 +110,7 @@ class World:
     envs: dict[str, ExecutorEnv]  # of the executors this rank runs
     store: dist.Store
     control_group: dist.ProcessGroup
+    resume: Path | None = None  # the checkpoint this attempt continues from (the channels' part of it too)
 
     @property
     def size(self) -> int:
@@ -129,12 +131,21 @@ class World:
         inbound, senders = {}, {}
         for ch, (sender, receiver) in zip(self.graph.channels, self._endpoints):
             if sender is not None and ch.src == executor:
+                if step == first_step and ch.kind is Kind.WEIGHTS:  # a resumed run's pushes in flight
+                    sender.restore(self.resume, first_step=first_step, last_step=last_step)
                 sender.open_step(step, deliverable=step + ch.step_lag <= last_step)
                 senders.setdefault(ch.out_port, []).append(sender)
             if receiver is not None and ch.dst == executor:
-                receiver.open_step(step - ch.step_lag, expected=step - ch.step_lag >= first_step)
+                receiver.open_step(step - ch.step_lag, expected=step - ch.step_lag >= self.first_sent(ch, first_step))
                 inbound[ch.in_port] = receiver
         return inbound, {port: Outlet(group) for port, group in senders.items()}
+
+    def first_sent(self, ch: Channel, first_step: int) -> int:
+        """The first step whose items this attempt's producer sends on `ch`: its first step, or for a
+        lagged push restored from the checkpoint (channels/weights.py) the lag steps before it."""
+        if ch.name not in self._restored:  # asked every step; the answer is the attempt's
+            self._restored[ch.name] = ch.kind is Kind.WEIGHTS and restorable(self.resume, ch, self._routes[ch.name])
+        return max(0, first_step - ch.step_lag) if self._restored[ch.name] else first_step
 
     def scheduled(self, executor: str) -> set[str]:
         """`executor`'s input ports whose items the run's schedule hands over (controller/schedules.py)."""
@@ -144,12 +155,68 @@ class World:
         """This rank's receivers of same-step channels (a lagged one's items belong to the next step)."""
         return [rx for ch, (_, rx) in zip(self.graph.channels, self._endpoints) if rx is not None and ch.step_lag == 0]
 
+    @property
+    def ahead(self) -> set[str]:
+        """The executors that run a step ahead of the trainer (offpolicy: the consumer of lagged
+        weights), and their guests."""
+        hosts = {ch.dst for ch in self.graph.channels if ch.kind is Kind.WEIGHTS and ch.step_lag > 1}
+        return {ex.name for host in hosts for ex in self.graph.on_ranks_of(host)}
+
+    @property
+    def runs_ahead(self) -> bool:
+        return self.host in self.ahead
+
+    def close_ahead(self, step: int) -> None:
+        """A rank running ahead stopped before `step`: end its outputs' streams of `step`, which the
+        consumers drain (`drain_ahead`) as if it had run."""
+        for ch, (sender, _) in zip(self.graph.channels, self._endpoints):
+            if sender is not None and ch.step_lag == 0:
+                sender.open_step(step)
+                sender.close_step()
+
+    def drain_ahead(self, step: int) -> None:
+        """A stop after the step before `step`: receive and drop what the ranks running ahead sent
+        for `step`, so their sends complete."""
+        ahead = self.ahead
+        for ch, (_, receiver) in zip(self.graph.channels, self._endpoints):
+            if receiver is not None and ch.step_lag == 0 and ch.src in ahead:
+                receiver.open_step(step)
+                receiver.drain()
+
+    def settle_weights(self, *, posted_through: int | None = None, first_step: int = 0, last_step: int = 0) -> None:
+        """The run's end: after a stop, the generator takes the lagged pushes the trainer posted (at
+        its barriers up to `posted_through`) that no step will; then the trainer's sends are complete."""
+        for ch, (sender, receiver) in zip(self.graph.channels, self._endpoints):
+            if ch.kind is not Kind.WEIGHTS or ch.step_lag == 1:
+                continue
+            if receiver is not None and posted_through is not None:
+                first = max(self.first_sent(ch, first_step), receiver.received_through + 1)
+                receiver.drain(range(first, min(posted_through, last_step - ch.step_lag) + 1))
+            if sender is not None:
+                sender.finish()
+
+    def samples_before_pushes(self) -> bool:
+        """A resumed run whose first step precedes every push that will land here (the checkpoint's
+        step + 1 < the lag), so its generator starts from the weights the run started from."""
+        for ch in self.graph.channels:
+            if ch.kind is Kind.WEIGHTS and ch.dst == self.host:
+                through = saved_through(self.resume, ch, self._routes[ch.name])
+                return through is not None and through + 1 < ch.step_lag
+        return False
+
+    def save_channels(self, path: Path) -> None:
+        """A checkpoint's part of this rank's channels: the lagged pushes in flight (offpolicy)."""
+        for ch, (sender, _) in zip(self.graph.channels, self._endpoints):
+            if sender is not None and ch.kind is Kind.WEIGHTS:
+                sender.save(path)
+
     def bind_channels(self) -> None:
-        self._endpoints = []
+        self._endpoints, self._routes, self._restored = [], {}, {}
         here = {ex.name for ex in self.local}
         for cid, ch in enumerate(self.graph.channels):
             route = Route(channel_id=cid + 1, src_units=self.units[ch.src], dst_units=self.units[ch.dst],
                           src_sharded=self.graph.executor(ch.src).shards_over_units)
+            self._routes[ch.name] = route
             send_cls, recv_cls = ENDPOINTS[ch.kind]
             common = dict(channel=ch, route=route, store=self.store, rank=self.rank, device=self.env.device)
             sender = send_cls(**common) if ch.src in here else None
@@ -183,6 +250,9 @@ def build_world(graph: Graph, *, device: torch.device, seed: int, output_dir: Pa
                                  unit_group=unit_group)
             for ex in graph.on_ranks_of(host)}
     world = World(graph=graph, units=units, rank=rank, host=host, envs=envs, store=store_client(timeout),
-                  control_group=control_group)
+                  control_group=control_group, resume=resume)
     world.bind_channels()
+    if world.runs_ahead and world.samples_before_pushes():
+        # offpolicy resumed within its first max_lag steps: they sample with the model's own weights
+        world.envs = {name: dataclasses.replace(env, resume=None) for name, env in envs.items()}
     return world

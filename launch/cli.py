@@ -33,9 +33,10 @@ def parser() -> argparse.ArgumentParser:
                    help="override a config field by dotted key, e.g. --set trainer.lr=1e-4 (repeatable)")
     p.add_argument("--steps", type=int, help="optimizer steps (= config steps)")
     p.add_argument("--seed", type=int, help="run seed (= config seed)")
-    p.add_argument("--schedule", choices=["periodic", "sync"],
+    p.add_argument("--schedule", choices=["periodic", "sync", "offpolicy"],
                    help="periodic: train groups as they finish, barrier at the batch end; "
-                        "sync: generate all, then train all (= config schedule)")
+                        "sync: generate all, then train all; offpolicy: the generator runs up to "
+                        "schedule.max_lag (default 1) steps ahead of the trainer (= config schedule.kind)")
     p.add_argument("--output-dir", type=Path, help="run directory (default runs/<timestamp>)")
     p.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
                    help="continue the run in --output-dir from its newest complete checkpoint, or from the "
@@ -126,6 +127,8 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     from recipes import defaults
 
     data = _load_file(args.config) if args.config else {}
+    if isinstance(data.get("schedule"), str):  # `schedule: sync` names the section's kind
+        data["schedule"] = {"kind": data["schedule"]}
     layers: list[tuple[str, dict]] = [(_file_source(args.config), json.loads(json.dumps(data)))] if args.config else []
     for spec in args.overrides:
         _apply_override(data, spec)
@@ -135,7 +138,11 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     for flag, key in (("steps", "steps"), ("seed", "seed"), ("schedule", "schedule"),
                       ("output_dir", "output_dir")):
         value = getattr(args, flag)
-        if value is not None:
+        if flag == "schedule" and value is not None:  # keeps a --set schedule.max_lag=k or a file's section
+            section = data.get("schedule")
+            data["schedule"] = {**(section if isinstance(section, dict) else {}), "kind": value}
+            layers.append(("--schedule", {"schedule": {"kind": value}}))
+        elif value is not None:
             data[key] = str(value) if isinstance(value, Path) else value
             layers.append((f"--{flag.replace('_', '-')}", {key: data[key]}))
     if args.resume not in (None, "latest") and "output_dir" not in data and _run_of(args.resume) is not None:

@@ -20,7 +20,7 @@ def describe(graph: Graph, cfg: RunConfig, recipe: Recipe, *, memory: str = "") 
                      f"group {graph.placed.index(ex)}: ranks {_span(ranks)}",
                      ", ".join(f"{k}={v}" for k, v in ex.describe().items())])
     channels = [[ch.name, ch.kind.value, f"{ch.src}.{ch.out_port} -> {ch.dst}.{ch.in_port}",
-                 ch.payload.__name__, "next step" if ch.step_lag else "same step"] for ch in graph.channels]
+                 ch.payload.__name__, _when(ch.step_lag)] for ch in graph.channels]
     # "where it lives": the executor's global ranks and the function that runs the phase
     present = [ph for ph in recipe.phases if ph.executor in units]  # e.g. evaluation's only when it is on
     phases = [[f"{i}. {ph.name}", ph.executor, _span([r for u in units[ph.executor] for r in u]), ph.what, ph.where]
@@ -47,3 +47,7 @@ def _short(value) -> str:
 
 def _span(ranks: list[int]) -> str:
     return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def _when(lag: int) -> str:
+    return {0: "same step", 1: "next step"}.get(lag, f"{lag} steps later")

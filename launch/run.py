@@ -45,7 +45,7 @@ def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = No
     derive = partial(recipe.derive, world_size=world_size_of(graph), run={}) if recipe.derive else None
     cadence = Cadence(every=cfg.checkpoint_every, minutes=cfg.checkpoint_minutes, keep=cfg.checkpoint_keep,
                       config=cfg.resolved())
-    outcome = run_job(graph, steps=cfg.steps, seed=cfg.seed, output_dir=output_dir, schedule=cfg.schedule,
+    outcome = run_job(graph, steps=cfg.steps, seed=cfg.seed, output_dir=output_dir, schedule=cfg.schedule.build(),
                       start=partial(start, cfg=cfg, resume=resume), cadence=cadence, timeout_s=cfg.timeout_s,
                       console_keys=recipe.console, on_ready=write_config, derive=derive,
                       tensorboard=cfg.logging.tensorboard)

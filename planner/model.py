@@ -151,6 +151,16 @@ class _Server:
             self.left = self.current[1]
 
 
+def _advance(busy: list[_Server], *, dt: float, speed: dict, t: float) -> list[tuple[_Server, object]]:
+    """Let the busy servers work for dt; -> (server, item name) of the items they finished (at t)."""
+    for s in busy:
+        s.left -= dt * speed[id(s)]
+    done = [(s, s.current[0]) for s in busy if s.left <= 1e-12 * max(1.0, t)]
+    for s, _ in done:
+        s.current = None
+    return done
+
+
 @dataclass(frozen=True)
 class Prediction:
     step_s: float  # generation start to the end of the push
@@ -190,13 +200,7 @@ def simulate(shape: StepShape, rates: Rates, *, schedule: str) -> Prediction:
         t += dt
         held += [index for due, index in in_flight if due <= t + 1e-12]
         in_flight = [(due, index) for due, index in in_flight if due > t + 1e-12]
-        for s in busy:
-            s.left -= dt * speed[id(s)]
-        for s in busy:
-            if s.left > 1e-12 * max(1.0, t):
-                continue
-            index, _ = s.current
-            s.current = None
+        for s, index in _advance(busy, dt=dt, speed=speed, t=t):
             if s is reward:
                 in_flight.append((t + rates.handoff_s, index))
             elif s in gens:  # by identity (eq=False)
@@ -214,3 +218,76 @@ def simulate(shape: StepShape, rates: Rates, *, schedule: str) -> Prediction:
     return Prediction(step_s=train_end + rates.train.barrier_s + rates.train.push_s, gen_s=gen_end,
                       train_end_s=train_end, first_train_s=first_train if first_train is not None else t,
                       tokens=shape.tokens)
+
+
+def simulate_offpolicy(shapes: list[StepShape], rates: Rates, *, max_lag: int) -> list[float]:
+    """Consecutive steps under the offpolicy schedule (controller/schedules.py): the generator takes
+    step s's prompts once it is done with step s-1, holds the push of barrier s-1-max_lag, and its
+    step s-1's sends are received (the reward takes them only once the trainer has taken every group
+    of step s-2: each channel's step ends when its consumer has all of it); the trainer takes step
+    s's groups (as they arrive, as periodic does) after barrier s-1. -> the time
+    from one barrier's end to the next, per step (the first: from the start). max_lag=0 is a run of
+    periodic steps."""
+    n, B = len(shapes), len(shapes[0].lengths)
+    gens = [_Server(counts=True) for _ in range(shapes[0].replicas)]
+    for s, shape in enumerate(shapes):
+        for r, server in enumerate(gens):
+            server.queue.extend(((s, index), rates.gen.cost(work))
+                                for index, work in shape.replay(range(r, B, shape.replicas)))
+    reward = _Server(counts=False)
+    units = [_Server(counts=True) for _ in range(shapes[0].dp)]
+    barrier_end: dict[int, float] = {}  # step -> when its optimizer step and push are done
+    trained, taken = collections.Counter(), collections.Counter()  # step -> groups trained, and started
+    all_taken: dict[int, float] = {}  # step -> when the trainer had started every group of it
+    in_flight: list[tuple[float, tuple[int, int]]] = []
+    t, servers = 0.0, gens + [reward] + units
+
+    def open_at(server: _Server) -> float | None:
+        """When the head item of `server` may start: None while its gate's barrier is not yet timed."""
+        if not server.queue:
+            return None
+        step = server.queue[0][0][0]
+        if server is reward:
+            return 0.0
+        if server not in gens:
+            return 0.0 if step < 1 else barrier_end.get(step - 1)
+        gates = [g for g in (barrier_end.get(step - 1 - max_lag, 0.0 if step - 1 - max_lag < 0 else None),
+                             all_taken.get(step - 2, 0.0 if step < 2 else None))]
+        return None if None in gates else max(gates)
+
+    while True:
+        for s in servers:
+            if s.current is None and (at := open_at(s)) is not None and at <= t + 1e-12:
+                s.start()
+                if s in units:
+                    taken[s.current[0][0]] += 1
+                    if taken[s.current[0][0]] == B:
+                        all_taken[s.current[0][0]] = t
+        busy = [s for s in servers if s.current is not None]
+        gates = [at for s in servers if s.current is None and (at := open_at(s)) is not None and at > t + 1e-12]
+        if not busy and not in_flight and not gates:
+            break
+        crowded = sum(s.counts for s in busy) > 1
+        speed = {id(s): rates.concurrency if crowded and s.counts else 1.0 for s in busy}
+        dt = min([s.left / speed[id(s)] for s in busy] + [due - t for due, _ in in_flight] + [at - t for at in gates])
+        t += dt
+        for due, key in [f for f in in_flight if f[0] <= t + 1e-12]:
+            step, index = key
+            units[index % shapes[step].dp].queue.append(
+                (key, rates.train.cost(shapes[step].group_tokens(index), len(shapes[step].lengths[index]))))
+        in_flight = [f for f in in_flight if f[0] > t + 1e-12]
+        for s, key in _advance(busy, dt=dt, speed=speed, t=t):
+            if s is reward:
+                in_flight.append((t + rates.handoff_s, key))
+            elif s in gens:
+                reward.queue.append((key, rates.reward_group_s))
+            else:
+                trained[key[0]] += 1
+                if trained[key[0]] == B:
+                    barrier_end[key[0]] = t + rates.train.barrier_s + rates.train.push_s
+        # a unit's queue keeps arrival order, but a step's groups wait for the barrier before it
+        for u in units:
+            u.queue = collections.deque(sorted(u.queue, key=lambda item: item[0][0]))
+    assert len(barrier_end) == n, "every step reaches its barrier"
+    ends = [barrier_end[s] for s in range(n)]
+    return [ends[0]] + [b - a for a, b in zip(ends, ends[1:])]

@@ -1,5 +1,6 @@
 """`launch.py --algo NAME --plan [--devices N]`: every split of N devices between the generator
-and the trainer, with the model's sync and periodic step time and TPSPD, and the split to use; then,
+and the trainer, with the model's sync and periodic step time and TPSPD, the offpolicy (max_lag=1)
+step time beside them (what staying on-policy costs), and the split to use; then,
 for that split, the generator's admission (groups decoded at once) that the model's periodic step
 is fastest with.
 
@@ -23,7 +24,7 @@ import yaml
 from tabulate import tabulate
 
 from executors.generator.engines import ENGINES
-from planner.model import GenRates, Rates, StepShape, TrainRates, simulate
+from planner.model import GenRates, Rates, StepShape, TrainRates, simulate, simulate_offpolicy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +35,7 @@ class Split:
     dp: int
     sync_s: float
     periodic_s: float
+    offpolicy_s: float  # schedule offpolicy, max_lag=1: what on-policy costs on this split
     tokens: float
 
     def tpspd(self, step_s: float, devices: int) -> float:
@@ -46,6 +48,14 @@ def predict(shapes: list[StepShape], rates: Rates, *, replicas: int, dp: int) ->
     sync = statistics.median(simulate(s, rates, schedule="sync").step_s for s in laid)
     periodic = statistics.median(simulate(s, rates, schedule="periodic").step_s for s in laid)
     return sync, periodic, statistics.mean(s.tokens for s in laid)
+
+
+def predict_offpolicy(shapes: list[StepShape], rates: Rates, *, max_lag: int, replicas: int, dp: int,
+                      steps: int = 8) -> float:
+    """Median step time of `steps` consecutive offpolicy steps (the given shapes cycled), the first
+    (filling the pipeline) left out."""
+    laid = [replace(shapes[i % len(shapes)], replicas=replicas, dp=dp) for i in range(steps)]
+    return statistics.median(simulate_offpolicy(laid, rates, max_lag=max_lag)[1:])
 
 
 def splits(shapes: list[StepShape], rates: Rates, *, devices: int, gen_tp: int = 1, train_tp: int = 1,
@@ -61,8 +71,9 @@ def splits(shapes: list[StepShape], rates: Rates, *, devices: int, gen_tp: int =
         if dp > len(shapes[0].lengths) or replicas > len(shapes[0].lengths):
             continue  # more units than groups: some would get none
         sync, periodic, tokens = predict(shapes, rates, replicas=replicas, dp=dp)
+        offpolicy = predict_offpolicy(shapes, rates, max_lag=1, replicas=replicas, dp=dp)
         out.append(Split(gen_devices=g, train_devices=t, replicas=replicas, dp=dp, sync_s=sync, periodic_s=periodic,
-                         tokens=tokens))
+                         offpolicy_s=offpolicy, tokens=tokens))
     return out
 
 
@@ -71,10 +82,11 @@ def table(rows: list[Split], *, devices: int) -> str:
         return "no split of the devices gives both the generator and the trainer a whole unit"
     best = best_split(rows, devices=devices)
     body = [[r.gen_devices, r.train_devices, r.replicas, r.dp, r.sync_s, r.periodic_s, r.sync_s / r.periodic_s,
-             r.tpspd(r.sync_s, devices), r.tpspd(r.periodic_s, devices), "<- use" if r is best else ""] for r in rows]
-    return tabulate(body, floatfmt=(".0f", ".0f", ".0f", ".0f", ".3g", ".3g", ".2f", ".4g", ".4g", ""), headers=[
+             r.tpspd(r.sync_s, devices), r.tpspd(r.periodic_s, devices), r.offpolicy_s, "<- use" if r is best else ""]
+            for r in rows]
+    return tabulate(body, floatfmt=(".0f", ".0f", ".0f", ".0f", ".3g", ".3g", ".2f", ".4g", ".4g", ".3g", ""), headers=[
         "generator devices", "trainer devices", "replicas", "trainer dp", "sync step s", "periodic step s",
-        "periodic speed-up", "TPSPD sync", "TPSPD periodic", ""])
+        "periodic speed-up", "TPSPD sync", "TPSPD periodic", "offpolicy k=1 step s", ""])
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,19 +6,17 @@ RunConfig.
 """
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from algorithms.base import AlgoConfig
 from algorithms.registry import get_algorithm
+from controller.schedules import ScheduleConfig
 from executors.critic.config import CriticConfig
 from executors.evaluation.config import EvalConfig
 from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, MultiTurnConfig
 from executors.generator.rollouts import ROLLOUTS
 from executors.reward.config import RewardConfig
 from executors.trainer.config import TrainerConfig
-
 
 class LoggingConfig(BaseModel):
     """What a run writes besides metrics.jsonl (README, Outputs)."""
@@ -28,13 +26,11 @@ class LoggingConfig(BaseModel):
                                "response, rewards, advantage, length); 0: never")
     tensorboard: bool = Field(False, description="also write TensorBoard event files to <output_dir>/tensorboard")
 
-
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     seed: int = 0
     steps: int = Field(200, ge=1, description="optimizer steps")
-    schedule: Literal["periodic", "sync"] = Field(
-        "periodic", description="periodic: train groups as they finish; sync: generate all, then train")
+    schedule: ScheduleConfig = ScheduleConfig()
     output_dir: str | None = Field(None, description="default runs/<timestamp>")
     checkpoint_every: int = Field(0, ge=0, description="save checkpoints/step_N every N steps; 0 = by time only")
     checkpoint_minutes: float = Field(30.0, ge=0, description="also save one when this many minutes passed "
@@ -106,7 +102,6 @@ class RunConfig(BaseModel):
         data["algorithm"] = self.algo_config.model_dump(mode="json") if self.algo_config else self.algorithm
         return data
 
-
 def non_defaults(cfg: RunConfig) -> list[tuple[str, object, str]]:
     """(dotted key, value, source) of every value a run took from somewhere else than the classes'
     defaults, for --dry-run and the start of a run."""
@@ -114,7 +109,6 @@ def non_defaults(cfg: RunConfig) -> list[tuple[str, object, str]]:
 
     return [(key, value, cfg.sources.get(key, "default")) for key, value in flatten(cfg.resolved()).items()
             if cfg.sources.get(key, "default") != "default"]
-
 
 def config_error(exc: ValidationError, source: str, *, prefix: str = "",
                  model: type[BaseModel] | None = None) -> str:
@@ -130,7 +124,6 @@ def config_error(exc: ValidationError, source: str, *, prefix: str = "",
             msg += _did_you_mean(model, err["loc"], prefix=prefix)
         lines.append(f"{field}: {msg}{got}")
     return f"invalid config ({source}): " + "; ".join(lines)
-
 
 def _did_you_mean(model: type[BaseModel], loc: tuple, *, prefix: str) -> str:
     """`; did you mean trainer.lr?` for the unknown key at `loc`, or "" when no known key is close."""

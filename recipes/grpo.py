@@ -58,6 +58,10 @@ def build(cfg: RunConfig) -> Graph:
     source = ADVANTAGE_SOURCES.get(algorithm.advantage_source)
     algo_cfg = cfg.algo_config.fit_generation(max_new_tokens=cfg.response_tokens)
     dynamic = algo_cfg.filters_groups  # DAPO: flat groups are dropped and the batch topped up
+    if dynamic and cfg.schedule.weights_lag > 1:
+        raise ValueError("schedule.kind=offpolicy with dynamic sampling (algorithm.dynamic_sampling=true) is not "
+                         "supported: the generator runs a step ahead of the reward whose verdicts its top-ups wait "
+                         "for; use schedule.max_lag=0 or set algorithm.dynamic_sampling=false")
     check_trainer(cfg, dynamic_sampling=dynamic)
     check_tp(cfg, critic="critic" in source.sections)  # config.json read once, for every executor's tp
     check_engine(cfg)
@@ -73,15 +77,17 @@ def build(cfg: RunConfig) -> Graph:
         *stage,
         trainer(cfg, algorithm=algorithm, algo_cfg=algo_cfg, token_advantages=source.per_token),
     ]
-    channels = [*to_scorers, *to_trainer, WEIGHTS]
+    channels = [*to_scorers, *to_trainer, weights_channel(cfg)]
     if dynamic:  # verdicts close a same-step cycle: the generator reads them only after each round
         channels.append(Channel("verdicts", "reward", "generator", Kind.BROADCAST, GroupVerdict, feedback=True))
     guests, eval_channels = evaluation(cfg, generator=gen, reward=rew)
     return Graph(executors + guests, channels + eval_channels)
 
 
-# lag 1: what the trainer pushes at step k's barrier, the generator receives at step k+1's start
-WEIGHTS = Channel("weights", "trainer", "generator", Kind.WEIGHTS, WeightsUpdate)
+def weights_channel(cfg: RunConfig) -> Channel:
+    """What the trainer pushes at step k's barrier, the generator receives at step k+1's start (lag 1),
+    or under the offpolicy schedule at step k+1+max_lag's."""
+    return Channel("weights", "trainer", "generator", Kind.WEIGHTS, WeightsUpdate, lag=cfg.schedule.weights_lag)
 
 
 def generator(cfg: RunConfig, *, dynamic_sampling: bool = False) -> Generator:
@@ -138,21 +144,25 @@ def evaluation(cfg: RunConfig, *, generator: Generator, reward: Reward) -> tuple
 
 
 def step_figures(records: dict, world_size: int, run: dict | None = None) -> dict:
-    """From the generator's and trainer's records: step_s runs from the start of generation to the
-    end of the push; idle fractions are 1 - busy / step_s; overlap_s is how long training ran while
+    """From the generator's and trainer's records: step_s runs from the start of generation (or the
+    end of the previous step's push, if later: the offpolicy schedule generates a step while the
+    trainer is still on an earlier one, so step_s is what each step adds to the run) to the end of
+    the push; idle fractions are 1 - busy / step_s; overlap_s is how long training ran while
     generation still did. `run` (a dict kept across steps): run_tpspd, the periodic-asynchrony
     paper's whole-run figure: tokens trained since this process's first step, over the time since
     that step began and the devices (ranks)."""
     gen, trn = GeneratorMetrics(**records["generator"]), TrainerMetrics(**records["trainer"])
-    step_s = trn.push_end_t - gen.gen_start_t
+    start_t = max(gen.gen_start_t, (run or {}).get("push_end_t", 0.0))
+    step_s = trn.push_end_t - start_t
     figures = {"step_s": step_s, "tpspd": trn.tokens / step_s / world_size,
                "gen_idle_frac": max(0.0, 1 - gen.gen_s / step_s), "train_idle_frac": max(0.0, 1 - trn.train_s / step_s)}
     if run is not None:
         run.setdefault("start_t", gen.gen_start_t)
         run["tokens"] = run.get("tokens", 0) + trn.tokens
         figures["run_tpspd"] = run["tokens"] / (trn.push_end_t - run["start_t"]) / world_size
+        run["push_end_t"] = trn.push_end_t
     if trn.first_train_t:
-        figures["first_group_s"] = trn.first_train_t - gen.gen_start_t
+        figures["first_group_s"] = max(0.0, trn.first_train_t - start_t)
         figures["overlap_s"] = max(0.0, gen.gen_end_t - trn.first_train_t)
     return figures
 

@@ -67,3 +67,32 @@ def rank_pid(torchrun_pid: int, rank: int) -> int:
             if f"RANK={rank}".encode() in env:
                 return int(child)
     raise AssertionError(f"rank {rank} is not a child of {torchrun_pid}")
+
+
+def sigterm_when_stalled(out: Path, marker: Path, *args: str, steps: int, torchrun: bool = True,
+                         stall_after: int = 16) -> tuple[int, str, float]:
+    """Start a job whose reward stalls (tests.rewards:length_parity_then_stall, in `args`) after
+    `stall_after` calls, writing `marker`; SIGTERM its launcher once it stalls. -> (exit code,
+    stderr, seconds from the signal to the exit)."""
+    import os
+    import signal
+
+    env = {**os.environ, "TIDAL_TEST_STALL_AFTER": str(stall_after), "TIDAL_TEST_STALL_FILE": str(marker)}
+    cmd = ["-m", "torch.distributed.run", "--nproc-per-node=3", f"--master-port={free_port()}"] if torchrun else []
+    proc = subprocess.Popen([sys.executable, *cmd, "launch.py", "--algo", "grpo", "--steps", str(steps),
+                             "--output-dir", str(out), *SMALL, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the reward never stalled"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=150)  # hang guard: a stalled step alone takes 1000 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err, time.monotonic() - t0
+

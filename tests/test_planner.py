@@ -235,3 +235,22 @@ def test_plan_calibrates_the_job_on_this_machine():
     for line in lines:
         sync_s, periodic_s = float(line.split()[4]), float(line.split()[5])
         assert 0.01 < periodic_s <= sync_s < 10
+
+
+@pytest.mark.parametrize("group_s", [0.05, 0.2])  # generation-bound, then training-bound
+def test_offpolicy_model_pipelines_steps(group_s):
+    """max_lag=0 repeats the periodic step; max_lag=1 lets the generator run on through the
+    trainer's tail and barrier, so a step costs the busier side alone: the generator's whole step,
+    or the trainer's groups back to back plus its barrier."""
+    from planner.model import simulate_offpolicy
+
+    shape = StepShape(prompt_lens=(8,) * 8, lengths=tuple((16,) * 4 for _ in range(8)), max_batch_prompts=2)
+    rates = Rates(gen=GenRates(forward_s=0.01, row_s=0.001), reward_group_s=0.001,
+                  train=TrainRates(group_s=group_s, token_s=0.001, barrier_s=0.05, push_s=0.02))
+    periodic = simulate(shape, rates, schedule="periodic")
+    assert simulate_offpolicy([shape] * 6, rates, max_lag=0) == pytest.approx([periodic.step_s] * 6)
+    lag1 = simulate_offpolicy([shape] * 6, rates, max_lag=1)
+    train = 8 * rates.train.cost(shape.group_tokens(0), 4) + rates.train.barrier_s + rates.train.push_s
+    assert lag1[0] == pytest.approx(periodic.step_s)  # the pipeline fills
+    assert lag1[1:] == pytest.approx([max(periodic.gen_s, train)] * 5)
+    assert max(periodic.gen_s, train) < periodic.step_s

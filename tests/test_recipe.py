@@ -38,7 +38,7 @@ def test_sync_collects_the_step_then_hands_over_in_index_order():
 
 
 def test_unknown_schedule_is_named():
-    with pytest.raises(ValueError, match="unknown schedule 'async'; known: periodic, sync"):
+    with pytest.raises(ValueError, match="unknown schedule .async.; known: periodic, sync, offpolicy"):
         get_schedule("async")
 
 

@@ -13,13 +13,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e import ROOT, SMALL, launch, max_abs_diff, metrics, rank_pid, start, wait_for_steps, weights
-from tests.spawn import free_port
+from tests.e2e import (ROOT, SMALL, launch, max_abs_diff, metrics, rank_pid, sigterm_when_stalled, start,
+                       wait_for_steps, weights)
 
 SIGNAL = ["--set", "reward.functions=[tests.rewards:length_parity]", "--set", "trainer.adam_eps=1e-3",
           "--set", "checkpoint_every=2"]
@@ -131,28 +130,10 @@ def test_sigterm_in_a_long_step_saves_at_once_and_resumes_equal(whole, tmp_path,
     the launcher drops that step within seconds, saves step 0 (no cadence had saved it) and exits
     143 naming the resume command; the resumed run equals the uninterrupted one bit for bit."""
     out, marker = tmp_path / "run", tmp_path / "stalled"
-    env = {**os.environ, "TIDAL_TEST_STALL_AFTER": "16", "TIDAL_TEST_STALL_FILE": str(marker)}  # B*G calls a step
-    cmd = (["-m", "torch.distributed.run", "--nproc-per-node=3", f"--master-port={free_port()}"]
-           if launcher == "torchrun" else [])
-    proc = subprocess.Popen([sys.executable, *cmd, "launch.py", "--algo", "grpo", "--steps", "4", "--output-dir", str(out),
-                             *SMALL, *SIGNAL, *STALL], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not marker.exists():
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "the reward never stalled"
-            time.sleep(0.1)
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=150)  # hang guard: the step alone would take 1000 s
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    took = time.monotonic() - t0
+    returncode, err, took = sigterm_when_stalled(out, marker, *SIGNAL, *STALL, steps=4, torchrun=launcher == "torchrun")
     print(f"\n{launcher}: SIGTERM to exit {took:.1f} s (the stalled step alone: 1000 s)")
     # torchrun's own agent ends in a traceback of its SignalException (exit 1); python launch.py hands on 143
-    assert proc.returncode == (128 + signal.SIGTERM if launcher == "python" else 1), err[-3000:]
+    assert returncode == (128 + signal.SIGTERM if launcher == "python" else 1), err[-3000:]
     assert took < 60, took  # within torchrun's default 30 s on a quiet machine; 60 s: a guard for a busy one
     line = next(line for line in err.splitlines() if line.startswith("tidal: stopped after step "))
     assert line.startswith(f"tidal: stopped after step 0 (checkpoint {out / 'checkpoints/step_000000'} saved"), line

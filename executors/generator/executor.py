@@ -91,12 +91,13 @@ class Generator(Executor):
         return str(self.env.resume) if self.env.resume else self.model_cfg.path
 
     def step(self, ctx: StepContext):
+        pushes = ctx.inbound[self.weights]
         with ctx.timeline.span("weights_recv"):
-            received = ctx.inbound[self.weights].receive_into(self.shards, self.specs)  # shard by shard
-        if self.policy_version is None:  # the run's start weights: the model's, or the checkpoint of step - 1
-            self.policy_version = ctx.step
-        elif received:  # a push is one barrier further (none received: the same weights again)
-            self.policy_version += 1
+            received = pushes.receive_into(self.shards, self.specs)  # shard by shard
+        if received:  # the weights step `pushes.step`'s barrier made (step k is trained by version k)
+            self.policy_version = pushes.step + 1
+        elif self.policy_version is None:  # the run's start weights: the model's, or the checkpoint of step - 1
+            self.policy_version = ctx.step if self.env.resume else 0
         if received:
             with ctx.timeline.span("weights_load"):
                 self.engine.load_weights(self.shards, self.specs)

@@ -84,7 +84,8 @@ class Trainer(Learner):
     def step(self, ctx: StepContext) -> StepState:
         """Mini-batch 0 trains as its groups arrive (ratio 1: the policy still holds the generation
         weights); later mini-batches and epochs wait for the barrier."""
-        self.models.snapshot_()  # the weights that generated this step's samples
+        # the step's starting weights: the sampler's on-policy, the proximal policy under offpolicy
+        self.models.snapshot_()
         state = StepState()
         for work in self._work(self._in_order(ctx.inbound[self.scored])):  # as the schedule hands them over
             # a stop drops the step: its groups need not be trained (not in lockstep, where every dp
