@@ -13,7 +13,6 @@ import pytest
 
 from channels.channel import Channel
 from channels.kinds import Kind
-from channels.payloads import WeightsUpdate
 from controller.graph import Graph
 from controller.job import with_schedule
 from controller.schedules import OffPolicy, Periodic, ScheduleConfig
@@ -165,10 +164,9 @@ def test_cli_keeps_max_lag_beside_the_schedule_flag():
 
 
 def test_a_weights_lag_is_the_schedules():
-    from recipes.config import RunConfig as Cfg
     from recipes.grpo import build
 
-    cfg = Cfg.model_validate({"schedule": {"kind": "offpolicy", "max_lag": 2}}).with_algorithm("grpo")
+    cfg = RunConfig.model_validate({"schedule": {"kind": "offpolicy", "max_lag": 2}}).with_algorithm("grpo")
     graph = build(cfg)
     assert [ch.step_lag for ch in graph.channels if ch.kind is Kind.WEIGHTS] == [3]
     assert with_schedule(graph, OffPolicy(2)) == graph
