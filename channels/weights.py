@@ -133,7 +133,7 @@ class WeightsSender(_Endpoint):
 
     def restore(self, resume: Path | None, *, first_step: int, last_step: int) -> None:
         """A resumed run: post the saved pushes again (each where the generator of step j + lag takes it)."""
-        if not restorable(resume, self.channel, self.route):
+        if saved_through(resume, self.channel, self.route) is None:
             if resume is not None and (resume / _IN_FLIGHT).is_dir() and self.rank == self.route.src_units[0][0]:
                 print(f"tidal: warning: {resume} kept the pushes of channel {self.channel.name!r} in flight for "
                       f"another layout; the generator's first {self.channel.step_lag} steps sample with the "
@@ -220,16 +220,10 @@ def _in_flight_meta(channel: Channel, route: Route, *, specs: dict | None) -> di
             "dst_units": [list(u) for u in route.dst_units], "src_sharded": route.src_sharded, "specs": specs}
 
 
-def restorable(resume: Path | None, channel: Channel, route: Route) -> bool:
-    """Did the checkpoint keep this lagged channel's pushes in flight, for this layout? Both ends ask:
-    yes, and the generator's first steps take them; no (a fresh run, lag 1, another layout), and the
-    generator starts from the checkpoint's weights."""
-    return saved_through(resume, channel, route) is not None
-
-
 def saved_through(resume: Path | None, channel: Channel, route: Route) -> int | None:
-    """The step of the newest push a checkpoint kept in flight for this channel and layout (the
-    checkpoint's own step), or None (see `restorable`)."""
+    """The step of the newest push a checkpoint kept in flight for this lagged channel and layout
+    (the checkpoint's own step). Both ends ask: a step, and the generator's first steps take the
+    saved pushes; None (a fresh run, lag 1, another layout), and it starts from the checkpoint's weights."""
     if resume is None or channel.step_lag == 1:
         return None
     meta = resume / _IN_FLIGHT / f"{channel.name}.json"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from channels.channel import Channel, Receiver, Route, Sender
 from channels.kinds import Kind
-from channels.weights import WeightsReceiver, WeightsSender, restorable, saved_through
+from channels.weights import WeightsReceiver, WeightsSender, saved_through
 from controller.devices import attempt
 from controller.graph import Graph
 from executors.base import ExecutorEnv
@@ -143,9 +143,7 @@ class World:
     def first_sent(self, ch: Channel, first_step: int) -> int:
         """The first step whose items this attempt's producer sends on `ch`: its first step, or for a
         lagged push restored from the checkpoint (channels/weights.py) the lag steps before it."""
-        if ch.name not in self._restored:  # asked every step; the answer is the attempt's
-            self._restored[ch.name] = ch.kind is Kind.WEIGHTS and restorable(self.resume, ch, self._routes[ch.name])
-        return max(0, first_step - ch.step_lag) if self._restored[ch.name] else first_step
+        return max(0, first_step - ch.step_lag) if self._saved_through.get(ch.name) is not None else first_step
 
     def scheduled(self, executor: str) -> set[str]:
         """`executor`'s input ports whose items the run's schedule hands over (controller/schedules.py)."""
@@ -198,11 +196,8 @@ class World:
     def samples_before_pushes(self) -> bool:
         """A resumed run whose first step precedes every push that will land here (the checkpoint's
         step + 1 < the lag), so its generator starts from the weights the run started from."""
-        for ch in self.graph.channels:
-            if ch.kind is Kind.WEIGHTS and ch.dst == self.host:
-                through = saved_through(self.resume, ch, self._routes[ch.name])
-                return through is not None and through + 1 < ch.step_lag
-        return False
+        return any(self._saved_through.get(ch.name) is not None and self._saved_through[ch.name] + 1 < ch.step_lag
+                   for ch in self.graph.channels if ch.kind is Kind.WEIGHTS and ch.dst == self.host)
 
     def save_channels(self, path: Path) -> None:
         """A checkpoint's part of this rank's channels: the lagged pushes in flight (offpolicy)."""
@@ -211,12 +206,14 @@ class World:
                 sender.save(path)
 
     def bind_channels(self) -> None:
-        self._endpoints, self._routes, self._restored = [], {}, {}
+        self._endpoints = []
+        self._saved_through: dict[str, int | None] = {}  # lagged WEIGHTS: what the checkpoint kept in flight
         here = {ex.name for ex in self.local}
         for cid, ch in enumerate(self.graph.channels):
             route = Route(channel_id=cid + 1, src_units=self.units[ch.src], dst_units=self.units[ch.dst],
                           src_sharded=self.graph.executor(ch.src).shards_over_units)
-            self._routes[ch.name] = route
+            if ch.kind is Kind.WEIGHTS:
+                self._saved_through[ch.name] = saved_through(self.resume, ch, route)
             send_cls, recv_cls = ENDPOINTS[ch.kind]
             common = dict(channel=ch, route=route, store=self.store, rank=self.rank, device=self.env.device)
             sender = send_cls(**common) if ch.src in here else None
