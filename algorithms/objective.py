@@ -103,7 +103,8 @@ class Objective:
         return score_moments(score if score.dim() == 1 else model_token_advantages(group))
 
     def batch_stats(self, moments: dict[int, torch.Tensor]) -> Stats | None:
-        return batch_mean_scale(moments, eps=self.cfg.eps) if self.scores_on_arrival else None
+        # no moments: no group ended in the step (partial rollouts), so there is nothing to normalise
+        return batch_mean_scale(moments, eps=self.cfg.eps) if self.scores_on_arrival and moments else None
 
     def advantages(self, score: torch.Tensor, stats: Stats | None) -> torch.Tensor:
         """The exact advantages once the batch's statistics are known (None: the scores are)."""

@@ -33,6 +33,18 @@ class RolloutGroup:
     # through (0: the initial weights); the trainer at step s holds version s, so s - version is the
     # group's staleness (0 in the on-policy schedules, checked every step)
     policy_version: int = field(default=0, kw_only=True)
+    # partial rollouts (executors/generator/partial.py): G x [R_i] int32, the version that sampled each
+    # token of a group resumed across steps; None: every token is `policy_version`'s
+    versions: list[torch.Tensor] | None = field(default=None, kw_only=True)
+
+    def staleness(self, step: int) -> tuple[int, int, int]:
+        """(sum over the model's tokens, their number, the largest) of how many versions behind the
+        weights of `step` (the trainer's) each was sampled."""
+        tokens = sum(map(self.model_tokens, range(len(self.responses))))
+        if self.versions is None:
+            return (step - self.policy_version) * tokens, tokens, step - self.policy_version
+        behind = torch.cat([step - v.long() for v in self.versions]) if self.versions else torch.zeros(0)
+        return int(behind.sum()), tokens, int(behind.max()) if behind.numel() else 0
 
     def turns(self, i: int) -> list[tuple[str, torch.Tensor]]:
         """Response i as (role, token ids) runs: "assistant" where the model sampled, "tool" where the

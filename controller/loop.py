@@ -158,7 +158,7 @@ class Controller:
         """Every rank writes its executor's part; the last one to finish commits the directory."""
         run_dir, store = self.world.env.output_dir, self.world.store
         for executor in self.world.local:
-            executor.save_checkpoint(ckpt.tmp_dir(run_dir, step))
+            executor.save_checkpoint(ckpt.tmp_dir(run_dir, step), step=step)
         self.world.save_channels(ckpt.tmp_dir(run_dir, step))
         if store.add(f"ckpt/{step}", 1) == self.world.size:
             cadence = self.control.cadence

@@ -251,5 +251,5 @@ def build_world(graph: Graph, *, device: torch.device, seed: int, output_dir: Pa
     world.bind_channels()
     if world.runs_ahead and world.samples_before_pushes():
         # offpolicy resumed within its first max_lag steps: they sample with the model's own weights
-        world.envs = {name: dataclasses.replace(env, resume=None) for name, env in envs.items()}
+        world.envs = {name: dataclasses.replace(env, model_start=True) for name, env in envs.items()}
     return world

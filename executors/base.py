@@ -40,6 +40,9 @@ class ExecutorEnv:
     seed: int
     output_dir: Path
     resume: Path | None = None  # a checkpoint directory to continue from (its parts, as each executor saved them)
+    # a resumed generator that samples its first steps with the model's weights, not the checkpoint's
+    # (offpolicy resumed within its first max_lag steps, as the whole run did); its other state resumes
+    model_start: bool = False
     # a gloo group over this rank's unit, when the unit has several ranks: for small agreements (e.g.
     # "stop decoding now") that must not interleave with the unit's own collectives on device
     unit_group: dist.ProcessGroup | None = None
@@ -159,9 +162,10 @@ class Executor(ABC):
         reported by the leader rank); by default the state `step` returned is that record."""
         return state
 
-    def save_checkpoint(self, path: Path) -> None:
+    def save_checkpoint(self, path: Path, *, step: int) -> None:
         """Write whatever this executor needs to resume into `path` (a directory every rank of the
-        job shares; it may not exist yet); `init` finds it again as `env.resume`. Default: nothing."""
+        job shares; it may not exist yet); `init` finds it again as `env.resume`. `step`: the step it is
+        the checkpoint of (a rank running ahead, offpolicy, may be past it). Default: nothing."""
 
     def finalize(self, output_dir: Path) -> None:
         """Called once after the last step."""

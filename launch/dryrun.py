@@ -28,7 +28,7 @@ def describe(graph: Graph, cfg: RunConfig, recipe: Recipe, *, memory: str = "") 
     n = world_size_of(graph)
     return "\n\n".join([
         f"algo {cfg.algo}, schedule {cfg.schedule}, world size {n} "
-        f"(torchrun --nproc-per-node {n} launch.py --algo {cfg.algo} ...)",
+        f"(torchrun --nproc-per-node {n} launch.py --algo {cfg.algo} ...)" + _partial(cfg),
         tabulate(rows, headers=["executor", "class", "global ranks", "units", "process group", "parallel"],
                  disable_numparse=True),
         tabulate(channels, headers=["channel", "kind", "route", "payload", "delivered"]),
@@ -38,6 +38,19 @@ def describe(graph: Graph, cfg: RunConfig, recipe: Recipe, *, memory: str = "") 
         + tabulate([[k, _short(v), src] for k, v, src in non_defaults(cfg)], headers=["key", "value", "from"],
                    disable_numparse=True),
     ] + ([memory] if memory else []))
+
+
+def _partial(cfg: RunConfig) -> str:
+    """Partial rollouts: how far a sample may span, and so how stale its tokens may be."""
+    n = cfg.generator.partial_rollout_tokens
+    if n is None:
+        return ""
+    from executors.generator.partial import max_cuts  # light: torch and the data rows only
+
+    cuts = max_cuts(max_new_tokens=cfg.generator.max_new_tokens, budget=n)
+    lag = cfg.schedule.weights_lag - 1
+    return (f"\npartial rollouts: at most {n} tokens a sample per step, so a group spans up to {cuts + 1} steps; "
+            f"a trained token is at most {cuts + lag} policy versions old ({cuts} cuts + max_lag {lag})")
 
 
 def _short(value) -> str:

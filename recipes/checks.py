@@ -23,6 +23,28 @@ def check_trainer(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
                          "(kept prompt indices are not contiguous, so a mini-batch could be empty)")
 
 
+def check_partial(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
+    """Partial rollouts (generator.partial_rollout_tokens) against what they cannot work with."""
+    n, g = cfg.generator.partial_rollout_tokens, cfg.generator
+    if n is None:
+        return
+    field = f"generator.partial_rollout_tokens={n}"
+    if n >= g.max_new_tokens:
+        raise ValueError(f"{field} is not below generator.max_new_tokens={g.max_new_tokens}: no sample would ever be "
+                         f"cut; set it lower (e.g. {max(1, g.max_new_tokens // 4)}) or leave it unset")
+    if cfg.rollout != "single_turn":
+        raise ValueError(f"{field} with rollout={cfg.rollout}: a cut episode would have to keep its environment's "
+                         f"state across steps and checkpoints, which environments do not offer; partial rollouts "
+                         f"are single-turn")
+    if dynamic_sampling:
+        raise ValueError(f"{field} with dynamic sampling (algorithm.dynamic_sampling=true): its top-ups fill a step "
+                         f"with the groups that step finished, and partial rollouts move groups to later steps")
+    for name, section in (("trainer", cfg.trainer), ("critic", cfg.critic)):
+        if section.mini_batches > 1:
+            raise ValueError(f"{field} with {name}.mini_batches={section.mini_batches}: the groups a step trains are "
+                             f"the ones that ended in it (their number varies), so a mini-batch could be empty")
+
+
 def check_critic(cfg: RunConfig) -> None:
     c = cfg.critic
     if c.mini_batches * c.dp > cfg.data.prompts_per_step:

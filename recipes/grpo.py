@@ -32,7 +32,7 @@ from executors.trainer.executor import Trainer
 from executors.trainer.stats import TrainerMetrics
 from recipes.advantages import ADVANTAGE_SOURCES
 from recipes.base import Phase, Recipe
-from recipes.checks import check_engine, check_eval, check_rollout, check_tp, check_trainer
+from recipes.checks import check_engine, check_eval, check_partial, check_rollout, check_tp, check_trainer
 from recipes.config import RunConfig
 
 PHASES = (
@@ -63,6 +63,7 @@ def build(cfg: RunConfig) -> Graph:
                          "supported: the generator runs a step ahead of the reward whose verdicts its top-ups wait "
                          "for; use schedule.max_lag=0 or set algorithm.dynamic_sampling=false")
     check_trainer(cfg, dynamic_sampling=dynamic)
+    check_partial(cfg, dynamic_sampling=dynamic)
     check_tp(cfg, critic="critic" in source.sections)  # config.json read once, for every executor's tp
     check_engine(cfg)
     check_rollout(cfg)

@@ -39,7 +39,7 @@ def _checks(tp: int) -> dict:
     from channels.payloads import chunk
     from controller.devices import detect_device, init_distributed
     from executors.generator.config import VllmConfig
-    from executors.generator.engine import PromptRequest, SamplingParams
+    from executors.generator.engine import PromptRequest, Resume, SamplingParams
     from executors.generator.vllm_engine import VllmEngine, engine_model_dir, receive_buffers
     from executors.hf import load_model, load_tokenizer
 
@@ -95,6 +95,20 @@ def _checks(tp: int) -> dict:
                                for sample in turns.seen.values() for cap, (ids, ended) in zip(Capped.caps, sample))
         out["turns_seen"] = {len(sample) for sample in turns.seen.values()}
 
+        # partial rollouts: 3 tokens per sample in a call; the cut groups resumed in the next one
+        cut = [g for g in engine.generate(reqs, params, step=7, budget=3) if g.cut]
+        out["n_cut"], out["cut_lengths"] = len(cut), {r.numel() for g in cut
+                                                      for r, f in zip(g.response_ids, g.finished_G) if not f}
+        resumed = [PromptRequest(index=g.index, prompt_ids=g.prompt_ids_P,
+                                 resume=Resume(step=7, index=g.index, response_ids=g.response_ids, logprobs=g.logprobs,
+                                               finished_G=g.finished_G)) for g in cut]
+        after = {g.index: g for g in engine.generate(resumed, params, step=8, budget=100)}
+        out["resume_done"] = sorted(after) == sorted(g.index for g in cut) and not any(g.cut for g in after.values())
+        out["resume_kept"] = all(torch.equal(b[:a.numel()], a) and torch.equal(lb[:a.numel()], la)
+                                 for g in cut for a, b, la, lb in zip(g.response_ids, after[g.index].response_ids,
+                                                                      g.logprobs, after[g.index].logprobs))
+        out["resume_lp_err"] = _max_err(model, list(after.values()), 1.0)  # the same weights score every token
+
         # a push: new weights (as if trained), this rank's tp shards only, read back through the engine
         with torch.no_grad():
             gen = torch.Generator().manual_seed(7)
@@ -144,6 +158,16 @@ def test_each_turn_stops_at_its_cap(checks):
     tp, results = checks
     for r in results[:tp]:
         assert r["turn_caps"] and r["turns_seen"] == {3}
+
+
+def test_partial_rollouts_resume_cut_groups(checks):
+    """A group cut at a call's token budget comes back with its unfinished samples at the budget;
+    resumed (a new request of its prompt and tokens so far), it keeps those tokens and log-probs."""
+    tp, results = checks
+    for r in results[:tp]:
+        assert r["n_cut"] > 0 and r["cut_lengths"] == {3}
+        assert r["resume_done"] and r["resume_kept"]
+        assert r["resume_lp_err"] < 1e-4, r["resume_lp_err"]
 
 
 def test_per_sample_seeds(checks):

@@ -15,6 +15,7 @@ step's start values, so clip(V, V_old +- c) = V. Its weights never leave its ran
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +86,10 @@ class CriticMetrics:
 
     @classmethod
     def of(cls, seen: ValueSums, steps: list[tuple[ValueSums, float, float]], *, train_s: float) -> "CriticMetrics":
+        if not steps:  # no group ended in the step (partial rollouts)
+            return cls(**dict.fromkeys(("value_loss", "value_clipfrac", "explained_variance", "values_mean",
+                                        "returns_mean", "reward_kl", "value_grad_norm", "value_lr"), math.nan),
+                       value_train_s=train_s)
         n = max(seen.tokens, 1.0)
         var_r = seen.returns_sq / n - (seen.returns / n) ** 2
         var_e = seen.error_sq / n - (seen.error / n) ** 2
@@ -204,10 +209,12 @@ class Critic(Learner):
     def barrier(self, ctx: StepContext, state: CriticState) -> CriticMetrics:
         t0 = time.perf_counter()
         with ctx.timeline.span("barrier"):
-            steps = [self._optimizer_step(state.sums)]
-            steps += self._later_passes(state)
-            self.optim.end_of_batch()
             seen = state.seen.all_reduce(group=self.models.dp_group)
+            steps = []
+            if seen.tokens:  # partial rollouts: a step in which no group ended trains nothing
+                steps = [self._optimizer_step(state.sums)]
+                steps += self._later_passes(state)
+            self.optim.end_of_batch()
         return CriticMetrics.of(seen, steps, train_s=state.train_s + time.perf_counter() - t0)
 
     def _optimizer_step(self, sums: ValueSums) -> tuple[ValueSums, float, float]:
@@ -239,7 +246,7 @@ class Critic(Learner):
         return steps
 
     # ---- outputs ------------------------------------------------------------------------------
-    def save_checkpoint(self, path: Path) -> None:
+    def save_checkpoint(self, path: Path, *, step: int) -> None:
         """critic/: the value model as an HF directory and, in critic/optimizer/, its optimizer (each
         rank its shard) and lr schedule. The reference is the initial policy: nothing to save."""
         self.models.save(path / "critic", leader=self.env.is_leader)

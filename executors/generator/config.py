@@ -74,6 +74,10 @@ class GeneratorConfig(BaseModel):
     admission: Literal["chunked", "continuous"] = Field(
         "continuous", description="native engine: chunked: the next max_batch_prompts prompts start when all are "
         "done; continuous: a finished group's slot takes the next prompt at once. Same samples either way")
+    partial_rollout_tokens: int | None = Field(
+        None, ge=1, description="partial rollouts: a sample writes at most this many tokens per step; a group not "
+        "done by then is kept and resumed in the next step (with that step's weights) until all its samples end. "
+        "Tokens then span up to ceil(max_new_tokens / N) policy versions (metrics: staleness). None: off")
     engine: str = Field("native", description="native: batched HF decoding, always there; vllm: vLLM (see "
                         "README, engines by device); executors/generator/engines.py registers them")
     vllm: VllmConfig = Field(default_factory=VllmConfig)

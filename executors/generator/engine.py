@@ -54,9 +54,26 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Resume:
+    """A group cut at an earlier call's token budget (partial rollouts), to be continued: its samples
+    keep their seeds (those of `step`, `index`) and their tokens so far, and go on from there."""
+    step: int  # the step that seeded its samples
+    index: int  # its prompt index in that step
+    response_ids: list[torch.Tensor]  # G x [R_i]: an unfinished sample's every token so far
+    logprobs: list[torch.Tensor]
+    finished_G: torch.Tensor  # samples that already ended (EOS): they write nothing more
+
+    @property
+    def t(self) -> int:
+        """Tokens decoded so far: an unfinished sample's length (the group's samples decode together)."""
+        return max(r.numel() for r in self.response_ids)
+
+
+@dataclass(frozen=True, kw_only=True)
 class PromptRequest:
-    index: int  # prompt index within the step; part of every sample's seed
+    index: int  # prompt index within the call; part of every sample's seed (unless resumed)
     prompt_ids: list[int] | torch.Tensor
+    resume: Resume | None = None  # continue a cut group instead of starting the prompt afresh
 
 
 @dataclass(kw_only=True)
@@ -67,6 +84,9 @@ class GroupCompletion:
     logprobs: list[torch.Tensor]  # float32 log_softmax(logits / T) at the sampled tokens, before top-p
     finished_G: torch.Tensor  # bool, True where the sample hit EOS (with turns: its episode ended)
     loss_masks: list[torch.Tensor] | None = None  # with turns: G x [R_i] bool, True on sampled tokens
+    # the call's token budget ran out before every sample ended: a partial group, continued by a
+    # later call (PromptRequest.resume) rather than trained
+    cut: bool = False
 
 
 class Turns(Protocol):
@@ -194,23 +214,29 @@ class NativeEngine:
 
     def generate(
         self, requests: list[PromptRequest], params: SamplingParams, *, step: int, stop: Callable[[], bool] = lambda: False,
-        turns: Turns | None = None,
+        turns: Turns | None = None, budget: int | None = None,
     ) -> Iterator[GroupCompletion]:
         """Stream the G-sample group of every request, each as soon as it is complete. `stop()` is
         asked before every decode iteration: True ends the stream there (the groups in flight are
         dropped: a stop request abandons the step, common/stop.py). `turns`: a multi-turn rollout's
-        observations, appended to a sample's cache as it ends a turn (its KV is kept, never recomputed)."""
+        observations, appended to a sample's cache as it ends a turn (its KV is kept, never recomputed).
+        `budget`: tokens each sample may write in this call (partial rollouts); a group whose samples
+        have not all ended by then comes back `cut`, to be resumed by a later call. A resumed group's
+        KV is computed again from its tokens (prefill): the weights have changed since they were
+        written, and the trainer scores every token with the weights of its step."""
         indices = [r.index for r in requests]
         if len(set(indices)) != len(indices):
             raise ValueError(f"duplicate prompt indices in one generate call: {sorted(indices)}")
+        assert budget is None or (budget >= 1 and turns is None), "partial rollouts are single-turn"
         prompts = [torch.as_tensor(r.prompt_ids, dtype=torch.long).reshape(-1).cpu() for r in requests]
         if any(p.numel() == 0 for p in prompts):
             raise ValueError("empty prompt")
-        return self._stream(indices, prompts, params, step, stop, turns)  # validated now, not at the first next()
+        waiting = [(r.index, p, r.resume) for r, p in zip(requests, prompts)]
+        return self._stream(waiting, params, step, stop, turns, budget)  # validated now, not at the first next()
 
-    def _stream(self, indices, prompts, params, step, stop, turns) -> Iterator[GroupCompletion]:
-        waiting = collections.deque(zip(indices, prompts))
-        batch = _Batch(self, params, step, turns)
+    def _stream(self, waiting, params, step, stop, turns, budget) -> Iterator[GroupCompletion]:
+        waiting = collections.deque(waiting)
+        batch = _Batch(self, params, step, turns, budget)
         while (waiting or batch.groups) and not stop():
             free = self.max_batch_prompts - len(batch.groups)
             # continuous: a finished group's slot takes the next prompt at once; chunked: the next
@@ -236,6 +262,7 @@ class _Rows:
     logp_BT: torch.Tensor
     sampled_BT: torch.Tensor  # bool, True where the model sampled the token (not an observation)
     turn_start_B: torch.Tensor  # with turns: where the row's current turn began in its response
+    stop_B: torch.Tensor  # t at which the row's call budget ends (max_new_tokens without one)
 
     def _tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
@@ -255,43 +282,103 @@ class _Batch:
     column; rows admitted later are left-padded (mask 0) to the batch's length, and columns no live
     row attends to are dropped as groups leave."""
 
-    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, turns: Turns | None = None):
+    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, turns: Turns | None = None,
+                 budget: int | None = None):
         self.engine, self.params, self.step, self.turns = engine, params, step, turns
         # a response holds every turn and observation under turns; one turn's tokens otherwise
         self.T = params.max_new_tokens if turns is None else turns.max_total_tokens
+        self.budget = budget
         self.groups: list[tuple[int, torch.Tensor]] = []  # (prompt index, prompt ids) per live group
         self.rows: _Rows | None = None
         self.cache = self.mask_BS = None
 
-    @torch.inference_mode()
-    def admit(self, prompts: list[tuple[int, torch.Tensor]]) -> None:
-        """Prefill the new prompts together, once each, and give each of its G samples a copy of its
-        cache rows; they join the batch with their first logits."""
+    def admit(self, prompts: list[tuple[int, torch.Tensor, Resume | None]]) -> None:
+        """New prompts join the batch: fresh ones prefilled once each (their G samples share a copy of
+        the cache), resumed ones one row per sample (each sample has its own tokens so far)."""
+        fresh = [(i, p) for i, p, resume in prompts if resume is None]
+        resumed = [(i, p, resume) for i, p, resume in prompts if resume is not None]
+        if fresh:
+            self._join(*self._prefill_fresh(fresh), groups=fresh)
+        if resumed:
+            self._join(*self._prefill_resumed(resumed), groups=[(i, p) for i, p, _ in resumed])
+
+    def _stop_at(self, t: int) -> int:
+        return self.params.max_new_tokens if self.budget is None else min(t + self.budget, self.params.max_new_tokens)
+
+    def _prefill(self, ids: list[torch.Tensor]):
+        """Prefill the sequences left-padded together: (cache, mask, position ids, last logits)."""
         from transformers import DynamicCache
 
-        G, T, dev, eng = self.params.n, self.T, self.engine.device, self.engine
-        P = max(len(p) for _, p in prompts)
-        ids_CP = torch.full((len(prompts), P), eng.pad_token_id, dtype=torch.long)
-        mask_CP = torch.zeros(len(prompts), P, dtype=torch.long)
-        for c, (_, p) in enumerate(prompts):  # left padding: every prompt ends at column P-1
+        eng, dev = self.engine, self.engine.device
+        P = max(len(p) for p in ids)
+        ids_CP = torch.full((len(ids), P), eng.pad_token_id, dtype=torch.long)
+        mask_CP = torch.zeros(len(ids), P, dtype=torch.long)
+        for c, p in enumerate(ids):  # left padding: every sequence ends at column P-1
             ids_CP[c, P - len(p):] = p
             mask_CP[c, P - len(p):] = 1
         pos_CP = (mask_CP.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=eng.model.config)
         out = eng.model(input_ids=ids_CP.to(dev), attention_mask=mask_CP.to(dev), position_ids=pos_CP.to(dev),
                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache, mask_CP.to(dev), out.logits[:, -1].float()
+
+    def _new_rows(self, R: int, **given) -> _Rows:
+        eng, T = self.engine, self.T
+        empty = dict(t_B=torch.zeros(R, dtype=torch.long), len_B=torch.zeros(R, dtype=torch.long),
+                     eos_B=torch.zeros(R, dtype=torch.bool), tokens_BT=torch.full((R, T), eng.pad_token_id, dtype=torch.long),
+                     logp_BT=torch.zeros(R, T), sampled_BT=torch.zeros(R, T, dtype=torch.bool),
+                     turn_start_B=torch.zeros(R, dtype=torch.long), stop_B=torch.full((R,), self._stop_at(0)))
+        return _Rows(**{**empty, **given})
+
+    @torch.inference_mode()
+    def _prefill_fresh(self, prompts: list[tuple[int, torch.Tensor]]):
+        """Prefill the new prompts together, once each, and give each of its G samples a copy of its
+        cache rows; they join the batch with their first logits."""
+        G, dev = self.params.n, self.engine.device
+        cache, mask_CP, logits_CV = self._prefill([p for _, p in prompts])
         cache.batch_repeat_interleave(G)
-        R = len(prompts) * G
-        rows = _Rows(
-            logits_BV=out.logits[:, -1].float().repeat_interleave(G, dim=0),
+        rows = self._new_rows(
+            len(prompts) * G, logits_BV=logits_CV.repeat_interleave(G, dim=0),
             pos_B=torch.tensor([len(p) for _, p in prompts], device=dev).repeat_interleave(G),
             seeds_B=torch.tensor([sample_seed(run_seed=self.params.seed, step=self.step, prompt_index=i, sample_index=j)
-                                  for i, _ in prompts for j in range(G)], device=dev),
-            t_B=torch.zeros(R, dtype=torch.long), len_B=torch.zeros(R, dtype=torch.long),
-            eos_B=torch.zeros(R, dtype=torch.bool), tokens_BT=torch.full((R, T), eng.pad_token_id, dtype=torch.long),
-            logp_BT=torch.zeros(R, T), sampled_BT=torch.zeros(R, T, dtype=torch.bool),
-            turn_start_B=torch.zeros(R, dtype=torch.long))
-        mask_BS = mask_CP.to(dev).repeat_interleave(G, dim=0)
+                                  for i, _ in prompts for j in range(G)], device=dev))
+        return cache, mask_CP.repeat_interleave(G, dim=0), rows
+
+    @torch.inference_mode()
+    def _prefill_resumed(self, prompts: list[tuple[int, torch.Tensor, Resume]]):
+        """Prefill the resumed groups' prompts once each (their G samples share a copy, as fresh ones
+        do), then every unfinished sample's tokens so far, ragged, in one forward (right-aligned, mask
+        0 before them). An ended sample writes nothing more: it feeds one pad, its row only keeps the
+        group together."""
+        G, eng, dev = self.params.n, self.engine, self.engine.device
+        cache, mask_CP, _ = self._prefill([p for _, p, _ in prompts])
+        cache.batch_repeat_interleave(G)
+        samples = [(p, res, j) for _, p, res in prompts for j in range(G)]
+        chunks = [[eng.pad_token_id] if bool(res.finished_G[j]) else res.response_ids[j].tolist() for _, res, j in samples]
+        W = max(len(c) for c in chunks)
+        ids_BW = torch.full((len(chunks), W), eng.pad_token_id, dtype=torch.long)
+        mask_BW = torch.zeros(len(chunks), W, dtype=torch.long)
+        pos_BW = torch.tensor([len(p) for p, _, _ in samples])[:, None].repeat(1, W)
+        for b, c in enumerate(chunks):
+            ids_BW[b, W - len(c):], mask_BW[b, W - len(c):] = torch.tensor(c), 1
+            pos_BW[b, W - len(c):] += torch.arange(len(c))
+        mask_BS = torch.cat([mask_CP.repeat_interleave(G, dim=0), mask_BW.to(dev)], dim=1)
+        out = eng.model(input_ids=ids_BW.to(dev), attention_mask=mask_BS, position_ids=pos_BW.to(dev),
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+        t0 = torch.tensor([res.t for _, res, _ in samples])
+        rows = self._new_rows(len(samples), logits_BV=out.logits[:, -1].float(), pos_B=(pos_BW[:, -1] + 1).to(dev),
+                              seeds_B=torch.tensor([sample_seed(run_seed=self.params.seed, step=res.step,
+                                                                prompt_index=res.index, sample_index=j)
+                                                    for _, res, j in samples], device=dev),
+                              t_B=t0, stop_B=torch.tensor([self._stop_at(int(t)) for t in t0]))
+        for b, (_, res, j) in enumerate(samples):
+            n = res.response_ids[j].numel()
+            rows.tokens_BT[b, :n], rows.logp_BT[b, :n] = res.response_ids[j], res.logprobs[j]
+            rows.len_B[b], rows.eos_B[b] = n, bool(res.finished_G[j])
+        return cache, mask_BS, rows
+
+    def _join(self, cache, mask_BS: torch.Tensor, rows: _Rows, *, groups: list[tuple[int, torch.Tensor]]) -> None:
+        """New rows and their cache join the batch behind the live ones, left-padded to one length."""
         if not self.groups:
             self.cache, self.mask_BS, self.rows = cache, mask_BS, rows
         else:
@@ -301,7 +388,7 @@ class _Batch:
                 mine.values = torch.cat([_left_pad(mine.values, S, dim=2), _left_pad(theirs.values, S, dim=2)])
             self.mask_BS = torch.cat([_left_pad(self.mask_BS, S, dim=1), _left_pad(mask_BS, S, dim=1)])
             self.rows = self.rows.cat(rows)
-        self.groups += prompts
+        self.groups += groups
 
     def advance(self) -> Iterator[GroupCompletion]:
         """Decode one token for every live sample, then hand out the groups that just finished
@@ -313,7 +400,9 @@ class _Batch:
                                   logprobs=[rows.logp_BT[j, :n].clone() for j, n in enumerate(lengths)],
                                   finished_G=rows.eos_B.clone(),
                                   loss_masks=None if self.turns is None else
-                                  [rows.sampled_BT[j, :n].clone() for j, n in enumerate(lengths)])
+                                  [rows.sampled_BT[j, :n].clone() for j, n in enumerate(lengths)],
+                                  cut=self.budget is not None and
+                                  bool((~rows.eos_B & (rows.t_B < self.params.max_new_tokens)).any()))
 
     @torch.inference_mode()
     def _decode_one(self) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
@@ -331,7 +420,7 @@ class _Batch:
         r.len_B[writing] += 1
         r.eos_B[writing] |= tok_B[writing] == eng.eos_token_id
         r.t_B += 1
-        done_B = r.eos_B | (r.t_B == p.max_new_tokens)
+        done_B = r.eos_B | (r.t_B >= r.stop_B)  # stop_B: max_new_tokens, or the call's budget
         finished = self._leave(done_B)
         if self.rows is None:
             return finished

@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 
 class Engine(Protocol):
     def generate(self, requests: list[PromptRequest], params: SamplingParams, *, step: int,
-                 stop: Callable[[], bool] = ..., turns: Turns | None = None) -> Iterator[GroupCompletion]:
-        """Each request's G-sample group as soon as it is done; `stop()` True abandons the rest."""
+                 stop: Callable[[], bool] = ..., turns: Turns | None = None,
+                 budget: int | None = None) -> Iterator[GroupCompletion]:
+        """Each request's G-sample group as soon as it is done; `stop()` True abandons the rest;
+        `budget`: tokens per sample in this call, past which a group comes back cut (partial rollouts)."""
 
     def load_weights(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> None:
         """The WEIGHTS channel's push has landed in `shards`: make the engine sample with it."""

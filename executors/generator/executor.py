@@ -5,13 +5,17 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
+import torch
+import torch.distributed as dist
+
 from channels.payloads import GroupVerdict, RolloutGroup, WeightsUpdate
 from executors.base import Executor, ExecutorEnv, Input, Output, StepContext, unit_aborted
 from executors.data import PromptRow, PromptSet, load_prompts
 from executors.embedded.task import embedded_prompts
 from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, MultiTurnConfig
-from executors.generator.engine import SamplingParams
+from executors.generator.engine import GroupCompletion, SamplingParams
 from executors.generator.engines import ENGINES
+from executors.generator.partial import PartialRollouts
 from executors.generator.rollouts import ROLLOUTS
 
 
@@ -28,6 +32,10 @@ class GeneratorMetrics:
     turns_mean: float  # model turns per sample (1 in a single-turn rollout)
     env_s: float  # time in the environment's calls (multi-turn), summed over samples
     env_errors: int  # samples an environment failed in (multi_turn.on_error=zero: scored 0)
+    # partial rollouts (generator.partial_rollout_tokens): groups cut at the step's token budget and
+    # left for the next step, and groups cut before that this step resumed (finished or cut again)
+    partial_groups: int
+    resumed_groups: int
 
 
 class Generator(Executor):
@@ -79,16 +87,33 @@ class Generator(Executor):
         self.params = SamplingParams(n=self.cfg.samples_per_prompt, max_new_tokens=self.cfg.max_new_tokens,
                                      seed=env.seed, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                                      top_k=self.cfg.top_k)
+        self.partial = None
+        if self.cfg.partial_rollout_tokens is not None:
+            self.partial = PartialRollouts(budget=self.cfg.partial_rollout_tokens, unit=env.unit_index,
+                                           units=self.units, prompts_per_step=self.data_cfg.prompts_per_step)
+            if env.resume is not None:
+                self.partial.load(env.resume / "generator", prompt_of=self._prompt_of)
 
     def embedded_row(self, row: dict) -> PromptRow:
         """An embedded-task prompt as this generator's rollout poses it (also an evaluation's way to it)."""
         row = self.rollout.embedded(row)
         return PromptRow(prompt=row["prompt"], extras={k: v for k, v in row.items() if k != "prompt"})
 
+    def _prompt_of(self, step: int, index: int):
+        ((_, row, ids),) = self.prompts.prompts(step, [index], batch_size=self.data_cfg.prompts_per_step,
+                                                 seed=self.env.seed, max_topups=0)
+        return row, ids
+
+    @property
+    def resumes_weights(self) -> bool:
+        """The first step samples with a resumed run's checkpoint, not the model's weights (offpolicy
+        resumed within its first max_lag steps samples with the model's, as the whole run did)."""
+        return self.env.resume is not None and not self.env.model_start
+
     @property
     def weights_path(self) -> str | None:
         """The weights of the first step: the model's, or a resumed run's checkpoint (an HF directory)."""
-        return str(self.env.resume) if self.env.resume else self.model_cfg.path
+        return str(self.env.resume) if self.resumes_weights else self.model_cfg.path
 
     def step(self, ctx: StepContext):
         pushes = ctx.inbound[self.weights]
@@ -97,7 +122,7 @@ class Generator(Executor):
         if received:  # the weights step `pushes.step`'s barrier made (step k is trained by version k)
             self.policy_version = pushes.step + 1
         elif self.policy_version is None:  # the run's start weights: the model's, or the checkpoint of step - 1
-            self.policy_version = ctx.step if self.env.resume else 0
+            self.policy_version = ctx.step if self.resumes_weights else 0
         if received:
             with ctx.timeline.span("weights_load"):
                 self.engine.load_weights(self.shards, self.specs)
@@ -126,11 +151,33 @@ class Generator(Executor):
         if errors and self.env.rank == self.env.units[self.env.unit_index][0]:  # once per replica
             print(f"tidal: warning: {len(errors)} samples ended by an environment error at step {ctx.step} "
                   f"(scored 0, multi_turn.on_error=zero); the first: {errors[0]}", flush=True)
+        cut, resumed = self._partial_counts(ctx.step)
         return GeneratorMetrics(gen_s=gen_s, gen_tokens_per_s=tokens / max(gen_s, 1e-9), gen_start_t=start_t,
                                 gen_end_t=time.time(), prompts_generated=next_index, sampling_rounds=rounds + 1,
                                 turns_mean=(sum(e["turns"] for e in self.episodes) / len(self.episodes)
                                             if self.episodes else 1.0),
-                                env_s=sum(e["env_s"] for e in self.episodes), env_errors=len(errors))
+                                env_s=sum(e["env_s"] for e in self.episodes), env_errors=len(errors),
+                                partial_groups=cut, resumed_groups=resumed)
+
+    def _partial_counts(self, step: int) -> tuple[int, int]:
+        """Partial rollouts: end the step (its cut groups wait for the next), and count the groups
+        cut and resumed by every replica (each keeps its own): one small all-reduce over the
+        generator's ranks, made only where partial rollouts are on and there are several replicas."""
+        if self.partial is None:
+            return 0, 0
+        self.partial.end(step)
+        counts = [len(self.partial.carried), self.partial.resumed]
+        if self.units > 1:
+            first = self.env.rank == self.env.units[self.env.unit_index][0]
+            counts_2 = torch.tensor(counts if first else [0, 0], device=self.env.device)
+            dist.all_reduce(counts_2, group=self.env.group)
+            counts = counts_2.tolist()
+        return counts[0], counts[1]
+
+    def save_checkpoint(self, path, *, step: int) -> None:
+        """Partial rollouts: the groups cut by step `step` (each replica's first rank writes its own)."""
+        if self.partial is not None and self.env.rank == self.env.units[self.env.unit_index][0]:
+            self.partial.save(path / "generator", step=step)
 
     def finalize(self, output_dir) -> None:
         self.engine.close()
@@ -146,12 +193,25 @@ class Generator(Executor):
         B = self.data_cfg.prompts_per_step
         mine = self.prompts.prompts(ctx.step, [i for i in indices if i % self.units == self.env.unit_index],
                                     batch_size=B, seed=self.env.seed, max_topups=B * self.max_rounds)
+        resumes = {}
+        if self.partial is not None:  # the groups cut in the step before go first
+            resumed, resumes = self.partial.begin(ctx.step)
+            mine = resumed + mine
         out, tokens = ctx.outbound[self.rollouts], 0
-        for group in self.sample(mine, self.params, step=ctx.step):
-            tokens += sum(group.model_tokens(i) for i in range(len(group.responses)))
+        rows = {i: row for i, row, _ in mine}
+        for group in self.rollout.run(self.engine, mine, self.params, step=ctx.step, stop=self._stop_now,
+                                      resumes=resumes, budget=self.cfg.partial_rollout_tokens):
+            if isinstance(group, GroupCompletion):  # cut at the step's budget: the next step resumes it
+                tokens += self.partial.written(group.index, group.response_ids)
+                self.partial.cut(group, row=rows[group.index], step=ctx.step, version=self.policy_version)
+                continue
+            tokens += (self.partial.written(group.index, group.responses) if self.partial is not None else
+                       sum(group.model_tokens(i) for i in range(len(group.responses))))
             self.episodes += group.episodes or []
             ctx.timeline.mark("generated", index=group.index)
             group.policy_version = self.policy_version
+            if self.partial is not None:
+                group.versions = self.partial.versions(group.index, group.responses, self.policy_version)
             out.send(group)
         return tokens
 

@@ -27,7 +27,7 @@ from executors.data import PromptRow
 from executors.embedded.task import hide_digit
 from executors.environments.base import EnvStep, ModelTurn, env_class
 from executors.generator.config import MultiTurnConfig
-from executors.generator.engine import PromptRequest, SamplingParams
+from executors.generator.engine import GroupCompletion, PromptRequest, Resume, SamplingParams
 
 Prompts = list[tuple[int, PromptRow, list[int]]]  # (index in the step, data row, token ids)
 
@@ -43,9 +43,12 @@ class Rollout(Protocol):
     def embedded(self, row: dict) -> dict:
         """An embedded-task row as this rollout poses it (the multi-turn task hides its digit)."""
 
-    def run(self, engine, prompts: Prompts, params: SamplingParams, *, step: int,
-            stop: Callable[[], bool]) -> Iterator[RolloutGroup]:
-        """Each prompt's group, the moment its G samples are done."""
+    def run(self, engine, prompts: Prompts, params: SamplingParams, *, step: int, stop: Callable[[], bool],
+            resumes: dict[int, Resume] | None = None, budget: int | None = None
+            ) -> Iterator[RolloutGroup | GroupCompletion]:
+        """Each prompt's group, the moment its G samples are done. Partial rollouts (single-turn):
+        `budget` tokens per sample; a group cut there comes back as the engine's GroupCompletion
+        (cut=True) for the generator to keep; `resumes` continue the groups cut before (by index)."""
 
 
 class EnvError(ValueError):
@@ -66,11 +69,11 @@ class SingleTurn:
     def embedded(self, row: dict) -> dict:
         return row
 
-    def run(self, engine, prompts, params, *, step, stop):
-        rows = {i: row for i, row, _ in prompts}
-        requests = [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in prompts]
-        for done in engine.generate(requests, params, step=step, stop=stop):
-            yield _group(step, rows[done.index], done)
+    def run(self, engine, prompts, params, *, step, stop, resumes=None, budget=None):
+        rows, resumes = {i: row for i, row, _ in prompts}, resumes or {}
+        requests = [PromptRequest(index=i, prompt_ids=ids, resume=resumes.get(i)) for i, _, ids in prompts]
+        for done in engine.generate(requests, params, step=step, stop=stop, budget=budget):
+            yield done if done.cut else _group(step, rows[done.index], done)
 
 
 def _group(step: int, row: PromptRow, done, **multi_turn) -> RolloutGroup:
@@ -116,7 +119,9 @@ class MultiTurn:
     def embedded(self, row: dict) -> dict:
         return hide_digit(row)  # the embedded multi-turn task: its digit is behind a tool
 
-    def run(self, engine, prompts, params, *, step, stop):
+    def run(self, engine, prompts, params, *, step, stop, resumes=None, budget=None):
+        # an environment's state cannot be kept across steps (nor checkpointed): config.py refuses it
+        assert not resumes and budget is None, "partial rollouts are single-turn"
         episodes, requests, rows = {}, [], {}
         for index, row, ids in prompts:
             where = f"step {step}, prompt {index}" + (f" (data row {row.line})" if row.line else "")

@@ -122,51 +122,66 @@ class VllmEngine:
     # -- generation -------------------------------------------------------------------------------
 
     def generate(self, requests: list[PromptRequest], params: SamplingParams, *, step: int,
-                 stop: Callable[[], bool] = lambda: False, turns: Turns | None = None) -> Iterator[GroupCompletion]:
+                 stop: Callable[[], bool] = lambda: False, turns: Turns | None = None,
+                 budget: int | None = None) -> Iterator[GroupCompletion]:
         """Stream the G-sample group of every request, each as soon as its G samples are done.
         `stop()` is asked before every engine step: True aborts the requests in flight and ends the
         stream (a stop request abandons the step, common/stop.py). `turns`: a multi-turn rollout's
         observations; a sample's next turn is a new request of its whole sequence, whose KV prefix
-        caching finds (the sequence's ids as sampled: nothing is re-tokenised)."""
+        caching finds (the sequence's ids as sampled: nothing is re-tokenised). `budget`: tokens a
+        sample may write in this call (partial rollouts): a group not done by then comes back `cut`;
+        a resumed sample is a new request of its prompt and tokens so far, seeded anew from its seed
+        and its length (vLLM's sampler state does not outlive a request)."""
         indices = [r.index for r in requests]
         if len(set(indices)) != len(indices):
             raise ValueError(f"duplicate prompt indices in one generate call: {sorted(indices)}")
         if params.top_p < 1.0 or params.top_k > 0:
             raise ValueError("the vLLM engine samples with top_p = 1 and top_k = 0 only (see "
                              "executors/generator/vllm_engine.py)")
+        assert budget is None or (budget >= 1 and turns is None), "partial rollouts are single-turn"
         owner: dict[str, tuple[int, int]] = {}
-        prompts = {}
+        prompts, done, live = {}, defaultdict(dict), defaultdict(_Sample)
         for r in requests:
             ids = [int(t) for t in torch.as_tensor(r.prompt_ids).reshape(-1)]
             if not ids:
                 raise ValueError("empty prompt")
             prompts[r.index] = ids
+            origin = (r.resume.step, r.resume.index) if r.resume is not None else (step, r.index)
             for j in range(params.n):
-                cap = params.max_new_tokens if turns is None else \
+                key, so_far = (r.index, j), 0
+                if r.resume is not None:
+                    sample = live[key]
+                    sample.add(r.resume.response_ids[j], r.resume.logprobs[j], sampled=True)
+                    so_far = sample.length
+                    if bool(r.resume.finished_G[j]):
+                        sample.finished = True
+                        done[r.index][j] = live.pop(key)
+                        continue
+                cap = params.max_new_tokens - so_far if turns is None else \
                     min(turns.max_tokens(index=r.index, sample=j), turns.max_total_tokens)
-                self._add(owner, (r.index, j), ids, params, step=step, turn=0, max_tokens=cap)
-        return self._stream(owner, prompts, params, step, stop, turns)
+                seed = sample_seed(run_seed=params.seed, step=origin[0], prompt_index=origin[1], sample_index=j)
+                self._add(owner, key, ids + [int(t) for t in r.resume.response_ids[j]] if so_far else ids, params,
+                          seed=seed + so_far, tag=f"s{step}-p{r.index}-j{j}-t0",
+                          max_tokens=cap if budget is None else min(cap, budget))
+        return self._stream(owner, prompts, params, step, stop, turns, budget, done, live)
 
-    def _add(self, owner, sample: tuple[int, int], ids: list[int], params: SamplingParams, *, step: int, turn: int,
+    def _add(self, owner, sample: tuple[int, int], ids: list[int], params: SamplingParams, *, seed: int, tag: str,
              max_tokens: int) -> None:
-        """One request: sample j of prompt `index`, its `turn`-th turn after `ids`, with its own seed."""
+        """One request: sample j of prompt `index`, continuing after `ids`, with its own seed."""
         import vllm
 
-        index, j = sample
-        seed = sample_seed(run_seed=params.seed, step=step, prompt_index=index, sample_index=j)
         sp = vllm.SamplingParams(
             n=1, temperature=params.temperature, top_p=1.0, top_k=-1, max_tokens=max_tokens,
-            seed=(seed + turn) % 2**63, logprobs=0, stop_token_ids=[self.eos_token_id], detokenize=False,
+            seed=seed % 2**63, logprobs=0, stop_token_ids=[self.eos_token_id], detokenize=False,
             ignore_eos=False)
-        rid = f"s{step}-p{index}-j{j}-t{turn}-{self._next_id}"
+        rid = f"{tag}-{self._next_id}"
         self._next_id += 1
         owner[rid] = sample
         self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, sp)
 
-    def _stream(self, owner, prompts, params, step, stop, turns) -> Iterator[GroupCompletion]:
+    def _stream(self, owner, prompts, params, step, stop, turns, budget, done: dict[int, dict[int, "_Sample"]],
+                live: dict[tuple[int, int], "_Sample"]) -> Iterator[GroupCompletion]:
         engine, G = self.llm.llm_engine, params.n
-        done: dict[int, dict[int, _Sample]] = defaultdict(dict)
-        live: dict[tuple[int, int], _Sample] = defaultdict(_Sample)
         while engine.has_unfinished_requests():
             if stop():
                 engine.abort_request(list(owner))  # the engine is left empty for whatever comes next
@@ -188,11 +203,15 @@ class VllmEngine:
                 if obs is not None and sample.length + len(obs) < turns.max_total_tokens:
                     sample.add(torch.tensor(obs, dtype=torch.long), torch.zeros(len(obs)), sampled=False)
                     room = turns.max_total_tokens - sample.length
-                    self._add(owner, key, prompts[index] + sample.ids().tolist(), params, step=step,
-                              turn=sample.turns, max_tokens=min(turns.max_tokens(index=index, sample=j), room))
+                    seed = sample_seed(run_seed=params.seed, step=step, prompt_index=index, sample_index=j)
+                    self._add(owner, key, prompts[index] + sample.ids().tolist(), params, seed=seed + sample.turns,
+                              tag=f"s{step}-p{index}-j{j}-t{sample.turns}",
+                              max_tokens=min(turns.max_tokens(index=index, sample=j), room))
                     continue
                 # single-turn: finished at EOS; multi-turn: the environment ended the episode (not cut)
                 sample.finished = ended if turns is None else not cut and obs is None
+                # the call's budget ran out first: the group comes back cut, to be resumed
+                sample.cut = budget is not None and not ended and sample.length < params.max_new_tokens
                 done[index][j] = live.pop(key)
                 if len(done[index]) == G:
                     rows = [done[index].pop(k) for k in range(G)]
@@ -200,7 +219,8 @@ class VllmEngine:
                     yield GroupCompletion(index=index, prompt_ids_P=torch.tensor(prompts[index], dtype=torch.long),
                                           response_ids=[r.ids() for r in rows], logprobs=[r.logp() for r in rows],
                                           finished_G=torch.tensor([r.finished for r in rows]),
-                                          loss_masks=None if turns is None else [r.mask() for r in rows])
+                                          loss_masks=None if turns is None else [r.mask() for r in rows],
+                                          cut=any(r.cut for r in rows))
 
     # -- weights ----------------------------------------------------------------------------------
 
@@ -239,7 +259,7 @@ class _Sample:
 
     def __init__(self):
         self.parts: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
-        self.length, self.turns, self.finished = 0, 0, False
+        self.length, self.turns, self.finished, self.cut = 0, 0, False, False
 
     def add(self, ids: torch.Tensor, logp: torch.Tensor, *, sampled: bool) -> None:
         self.parts.append((ids, logp, sampled))

@@ -103,7 +103,7 @@ class Trainer(Learner):
             state.first_train_t = state.first_train_t or time.time()
             state.record += GroupRecord.of(group, shared_prompt=self.models.shares_prompt(group))
             state.digests[group.index] = group_digest(group)
-            state.versions[group.index] = (group.policy_version, sum(map(group.model_tokens, range(len(group.responses)))))
+            state.versions[group.index] = group.staleness(ctx.step)
             if group.first_error is not None:
                 state.errors[group.index] = group.first_error
             if self.passes > 1:
@@ -199,10 +199,12 @@ class Trainer(Learner):
         t0 = time.perf_counter()
         with ctx.timeline.span("barrier"):
             record, digests, errors, versions, mu_scale = self._gather(state)
-            steps = [self.optim.step(state.sums, passes=self.objective.first_passes,
-                                     combine=self.objective.combine(mu_scale))]
-            steps += self._later_passes(state, mu_scale)
-            self.optim.end_of_batch()
+            steps = []
+            if record.groups:  # partial rollouts: a step in which no group ended trains nothing
+                steps = [self.optim.step(state.sums, passes=self.objective.first_passes,
+                                         combine=self.objective.combine(mu_scale))]
+                steps += self._later_passes(state, mu_scale)
+            self.optim.end_of_batch()  # the lr schedule follows the run's steps
         if state.logged:
             self._log_samples(state, mu_scale)
         train_s = state.train_s + time.perf_counter() - t0
@@ -210,7 +212,7 @@ class Trainer(Learner):
         with ctx.timeline.span("push"):
             ctx.outbound[self.weights].push(self.models.shards(), self.models.specs)
             ctx.outbound[self.weights].flush()
-        return TrainerMetrics.of(record, steps, digests, errors=errors, staleness=_staleness(ctx.step, versions),
+        return TrainerMetrics.of(record, steps, digests, errors=errors, staleness=_staleness(versions),
                                  train_s=train_s, push_s=time.perf_counter() - t0,
                                  first_train_t=state.first_train_t, push_end_t=time.time())
 
@@ -250,7 +252,7 @@ class Trainer(Learner):
         return steps
 
     # ---- outputs ------------------------------------------------------------------------------
-    def save_checkpoint(self, path: Path) -> None:
+    def save_checkpoint(self, path: Path, *, step: int) -> None:
         """The policy as an HF directory (what the generator and a user load) and, in trainer/, the
         optimizer (each rank its shard) and the lr schedule. The reference is the initial model and
         the old policy a copy made at each step's start: neither needs saving."""
@@ -261,11 +263,10 @@ class Trainer(Learner):
         self.models.save(output_dir / "final", leader=self.env.is_leader)
 
 
-def _staleness(step: int, versions: dict[int, tuple[int, int]]) -> tuple[float, int]:
-    """(mean over the model's tokens, max) of how many versions behind step's weights the groups were sampled."""
-    tokens = sum(n for _, n in versions.values())
-    mean = sum((step - v) * n for v, n in versions.values()) / max(1, tokens)
-    return mean, max((step - v for v, _ in versions.values()), default=0)
+def _staleness(versions: dict[int, tuple[int, int, int]]) -> tuple[float, int]:
+    """(mean over the model's tokens, max) of how many versions behind the step's weights they were sampled."""
+    tokens = sum(n for _, n, _ in versions.values())
+    return sum(s for s, _, _ in versions.values()) / max(1, tokens), max((m for *_, m in versions.values()), default=0)
 
 
 def _advantages(adv: torch.Tensor, *, like: torch.Tensor) -> dict:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -23,7 +23,8 @@ class StepState:
     # per group and step, since they may need reference forwards (a KL in the reward)
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     moments: dict[int, torch.Tensor] = field(default_factory=dict)  # batch scope: score moments per group
-    versions: dict[int, tuple[int, int]] = field(default_factory=dict)  # group index -> (policy version, model tokens)
+    # group index -> (staleness summed over its model tokens, their number, the largest): RolloutGroup.staleness
+    versions: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     held: list[ScoredGroup] = field(default_factory=list)  # for later mini-batches and epochs
     logged: list[ScoredGroup] = field(default_factory=list)  # for samples.jsonl, on a logging step
     train_s: float = 0.0
@@ -76,6 +77,11 @@ class TrainerMetrics:
            staleness: tuple[float, int], **timing) -> "TrainerMetrics":
         """From the step's dp-reduced record and its optimizer steps (barrier.OptimizerStep); `errors`:
         the first reward error of each group that had one, over all dp ranks; `staleness`: (mean, max)."""
+        if not steps:  # no group ended in the step (partial rollouts): nothing to average
+            empty = dict.fromkeys((f.name for f in fields(cls) if f.type == "float"), math.nan)
+            return cls(**{**empty, **timing}, staleness_max=0, groups=0, samples=0, reward_failures=0,
+                       reward_first_error=None, tokens=0, optimizer_steps=0,
+                       rollout_digest=hashlib.sha256(b"").hexdigest()[:16])
         n, denom = record.samples, sum(s.denom for s in steps)
         tokens, dropped = sum(s.entropy_tokens for s in steps), sum(s.dropped_tokens for s in steps)
         mean = record.reward_sum / n

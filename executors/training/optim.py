@@ -121,9 +121,14 @@ class Optimizer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.opt)}, checkpoint_id=path,
-                 process_group=group)
+        # before the first optimizer step (partial rollouts: steps that trained nothing) there is no
+        # state, and get_optimizer_state_dict would make one by a zero-lr step (AdamW's step count
+        # then 1): the run would no longer equal one that was not checkpointed
+        if self.opt.state:
+            dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.opt)}, checkpoint_id=path,
+                     process_group=group)
         if leader:
+            path.mkdir(parents=True, exist_ok=True)
             (path / "schedule.json").write_text(json.dumps(self.sched.state_dict()))
 
     def load(self, path: Path, *, group) -> None:
@@ -132,10 +137,11 @@ class Optimizer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-        # the template in this run's layout: dcp reads each shard's slice of the saved tensors into it
-        state = {"optimizer": get_optimizer_state_dict(self.model, self.opt)}
-        dcp.load(state, checkpoint_id=path, process_group=group)
-        set_optimizer_state_dict(self.model, self.opt, state["optimizer"])
+        if (path / ".metadata").is_file():  # else saved before the first optimizer step: nothing to load
+            # the template in this run's layout: dcp reads each shard's slice of the saved tensors into it
+            state = {"optimizer": get_optimizer_state_dict(self.model, self.opt)}
+            dcp.load(state, checkpoint_id=path, process_group=group)
+            set_optimizer_state_dict(self.model, self.opt, state["optimizer"])
         self.sched.load_state_dict(json.loads((path / "schedule.json").read_text()))
 
     # ---- per-rank checkpoints (zero=True: megatron's plain tp-sharded tensors and ZeRO's share of the

@@ -1,0 +1,88 @@
+"""Partial rollouts on a long tail: step time and time per trained group, with and without
+`generator.partial_rollout_tokens`, under periodic and offpolicy k=1, on the same job in one run.
+
+The job needs a long tail, which the embedded model does not have (its samples all run to
+max_new_tokens): the bench first trains it for `--tail-steps` steps to write short answers
+(reward `short`: 1 - characters / 30), which leaves most samples at a few tokens and a few
+running to max_new_tokens=64, the shape of a reasoning model's lengths. Then each configuration
+runs `--steps` steps from that model, `--repeats` times (alternating); the first 4 steps are skipped
+(warm-up, and with partial rollouts the steps before the pipeline of cut groups fills). A step
+trains a varying number of groups with partial rollouts, so the fair figure is seconds per
+trained group (the steps' time over the groups they trained), beside the median step.
+
+    .venv/bin/python bench/partial.py [--repeats 3] [--steps 14] [--tail-steps 30]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.jobs import run_job  # noqa: E402
+
+JOB = ["generator.max_new_tokens=64", "reward.functions=[bench.partial:short]"]
+CONFIGS = {
+    "periodic": ((), ()),
+    "periodic, N=16": ((), ("generator.partial_rollout_tokens=16",)),
+    "periodic, N=32": ((), ("generator.partial_rollout_tokens=32",)),
+    "offpolicy k=1": (("--schedule", "offpolicy"), ()),
+    "offpolicy k=1, N=16": (("--schedule", "offpolicy"), ("generator.partial_rollout_tokens=16",)),
+}
+SKIP = 4
+
+
+def short(prompt: str, response: str, sample: dict) -> float:
+    """Short answers score: the reward that gives the bench's model its long tail."""
+    return max(0.0, 1.0 - len(response) / 30)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--tail-steps", type=int, default=30)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="tidal-bench-partial-") as tmp:
+        tmp = Path(tmp)
+        run_job(tmp / "tail", steps=args.tail_steps, overrides=JOB)
+        model = [f"model.path={tmp / 'tail/final'}"]
+        runs = {name: [] for name in CONFIGS}
+        for _ in range(args.repeats):
+            for name, (flags, sets) in CONFIGS.items():
+                runs[name].append(run_job(tmp / "run", steps=args.steps, overrides=[*JOB, *model, *sets],
+                                          args=flags)[SKIP:])
+    base = per_group(runs["periodic"])
+    table = []
+    for name, repeats in runs.items():
+        steps = [r for rows in repeats for r in rows]
+        med_step = statistics.median(r["step_s"] for r in steps)
+        g = per_group(repeats)
+        table.append([name, f"{med_step:.2f}", f"{g:.3f}", " ".join(f"{group_s(rows):.3f}" for rows in repeats),
+                      f"{base / g:.2f}x", f"{statistics.mean(r['groups'] for r in steps):.1f}",
+                      f"{statistics.mean(r['response_len_mean'] for r in steps if r['groups']):.1f}",
+                      f"{statistics.mean(r['staleness_mean'] for r in steps if r['groups']):.2f}",
+                      max(r["staleness_max"] for r in steps)])
+    print(f"\nlong-tail job (the embedded model after {args.tail_steps} steps of short answers, max_new_tokens=64, "
+          f"B=8, G=16): {args.repeats} runs x {args.steps - SKIP} steps per configuration (the first {SKIP} skipped)")
+    print(tabulate(table, headers=["configuration", "median step s", "s / trained group", "runs",
+                                   "vs periodic", "groups / step", "response len", "staleness mean",
+                                   "staleness max"]))
+
+
+def group_s(rows: list[dict]) -> float:
+    """The steps' seconds over the groups they trained."""
+    return sum(r["step_s"] for r in rows) / max(1, sum(r["groups"] for r in rows))
+
+
+def per_group(repeats: list[list[dict]]) -> float:
+    return statistics.median(group_s(rows) for rows in repeats)
+
+
+if __name__ == "__main__":
+    main()
