@@ -10,7 +10,12 @@ runs `--steps` steps from that model, `--repeats` times (alternating); the first
 trains a varying number of groups with partial rollouts, so the fair figure is seconds per
 trained group (the steps' time over the groups they trained), beside the median step.
 
+The engine alone (`--part engine --model DIR --data FILE`): `--prompts` prompts x 4 samples x
+128 tokens generated whole, then in pieces of 32 (each cut group resumed by the next call, its KV
+computed again), with the weights unchanged: the time of each and whether the tokens are the same.
+
     .venv/bin/python bench/partial.py [--repeats 3] [--steps 14] [--tail-steps 30]
+    .venv/bin/python bench/partial.py --part engine --model /path/to/hf --data prompts.jsonl [--prompts 4]
 """
 from __future__ import annotations
 
@@ -47,7 +52,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--tail-steps", type=int, default=30)
+    p.add_argument("--part", choices=["job", "engine"], default="job")
+    p.add_argument("--model", help="--part engine: an HF model directory")
+    p.add_argument("--data", help="--part engine: a JSONL file with a `prompt` column (chat template applied)")
+    p.add_argument("--prompts", type=int, default=4)
     args = p.parse_args()
+    if args.part == "engine":
+        return engine(args)
     with tempfile.TemporaryDirectory(prefix="tidal-bench-partial-") as tmp:
         tmp = Path(tmp)
         run_job(tmp / "tail", steps=args.tail_steps, overrides=JOB)
@@ -73,6 +84,42 @@ def main() -> None:
     print(tabulate(table, headers=["configuration", "median step s", "s / trained group", "runs",
                                    "vs periodic", "groups / step", "response len", "staleness mean",
                                    "staleness max"]))
+
+
+def engine(args) -> None:
+    import json
+    import time
+
+    import torch
+
+    from executors.generator.engine import NativeEngine, PromptRequest, Resume, SamplingParams
+    from executors.hf import load_model, load_tokenizer
+
+    torch.set_num_threads(2)
+    tok, model = load_tokenizer(args.model), load_model(args.model, seed=0)
+    rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()[:args.prompts]]
+    requests = [PromptRequest(index=i, prompt_ids=list(tok.apply_chat_template(
+        [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]))
+        for i, r in enumerate(rows)]
+    params = SamplingParams(n=4, max_new_tokens=128, seed=0)
+    eng = NativeEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_batch_prompts=2)
+    t0 = time.perf_counter()
+    whole = {g.index: g for g in eng.generate(requests, params, step=0)}
+    whole_s, t0 = time.perf_counter() - t0, time.perf_counter()
+    pieces, calls = {}, 0
+    while requests:
+        cut = []
+        for g in eng.generate(requests, params, step=0, budget=32):
+            (cut.append(g) if g.cut else pieces.__setitem__(g.index, g))
+        requests = [PromptRequest(index=g.index, prompt_ids=g.prompt_ids_P, resume=Resume(
+            step=0, index=g.index, response_ids=g.response_ids, logprobs=g.logprobs, finished_G=g.finished_G))
+            for g in cut]
+        calls += 1
+    pieces_s = time.perf_counter() - t0
+    same = all(torch.equal(a, b) for i in whole for a, b in zip(whole[i].response_ids, pieces[i].response_ids))
+    print(tabulate([["whole", f"{whole_s:.1f}", "1.00x", 1, ""],
+                    ["pieces of 32", f"{pieces_s:.1f}", f"{pieces_s / whole_s:.2f}x", calls, same]],
+                   headers=["generation", "s", "vs whole", "calls", "same tokens"]))
 
 
 def group_s(rows: list[dict]) -> float:

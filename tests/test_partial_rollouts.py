@@ -142,7 +142,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("partial")
     jobs = {
         "sync": ([*PART, "--schedule", "sync"], 3),
-        "periodic": ([*PART, *EVERY2], 3),
+        "periodic": ([*PART, *EVERY2, "--set", "logging.samples_every=1"], 3),
         "replicas2": ([*PART, "--set", "generator.replicas=2"], 4),
         "dp2": ([*PART, "--set", "trainer.dp=2"], 4),
         "off1": ([*PART, *OFF1, *EVERY2], 3),
@@ -167,6 +167,20 @@ def test_every_prompt_is_trained_once_when_its_group_ends(runs):
         assert 0 <= r["staleness_max"] <= 2  # periodic: a token is behind only by the cuts of its group
         assert (r["reward_mean"] is None) == (r["groups"] == 0) and (r["optimizer_steps"] == 0) == (r["groups"] == 0)
     assert max(r["staleness_max"] for r in rows) >= 1
+
+
+def test_samples_say_which_versions_wrote_them(runs):
+    """A group resumed c times has index c * B + its first index, and its samples' first tokens were
+    written c versions back (each sample writes in its group's first step); their newest at most by
+    the step's (a sample that ended early wrote nothing after)."""
+    import json
+
+    lines = [json.loads(line) for line in (runs["periodic"] / "samples.jsonl").read_text().splitlines()]
+    assert any(r["prompt_index"] >= B for r in lines)
+    for r in lines:
+        oldest, newest = r["policy_versions"]
+        assert oldest == r["step"] - r["prompt_index"] // B and oldest <= newest <= r["step"], r
+    assert any(r["policy_versions"] == [r["step"] - 2, r["step"]] for r in lines)
 
 
 def test_sync_and_periodic_cut_and_train_the_same(runs):

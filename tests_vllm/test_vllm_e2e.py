@@ -109,3 +109,21 @@ def test_multi_turn_rollouts_with_vllm(tmp_path):
     # the look is one token: the environment's cap reaches vLLM's request (max_tokens)
     assert all(line["turns"][0]["role"] == "assistant" and line["turns"][0]["tokens"] == 1 for line in lines)
     assert any(t["role"] == "tool" for line in lines for t in line["turns"])
+
+
+def test_partial_rollouts_resume_equals_the_whole_run(tmp_path):
+    """vLLM resumes a cut group as a new request of its prompt and tokens so far; a checkpoint keeps
+    the groups in flight, and the resumed run equals the whole one."""
+    args = ("--set", "generator.max_new_tokens=8", "--set", "generator.partial_rollout_tokens=3",
+            "--set", "checkpoint_every=2")
+    whole = tmp_path / "whole"
+    proc = launch(whole, *VLLM, *args, steps=4, nproc=3, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = metrics(whole)
+    assert rows[1]["partial_groups"] > 0 and max(r["staleness_max"] for r in rows) >= 1
+    resumed = tmp_path / "resumed"
+    proc = launch(resumed, *VLLM, *args, "--resume", str(whole / "checkpoints/step_000001"), steps=4, nproc=3,
+                  timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["rollout_digest"] for r in metrics(resumed)] == [r["rollout_digest"] for r in rows[2:]]
+    assert (resumed / "final/model.safetensors").read_bytes() == (whole / "final/model.safetensors").read_bytes()

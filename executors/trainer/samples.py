@@ -17,7 +17,8 @@ from common.files import append_jsonl
 
 def sample_rows(group: ScoredGroup, advantages_G: torch.Tensor, texts: list[str], tokenizer=None) -> list[dict]:
     """One line per sample; a multi-turn sample's also has `turns` (who wrote what: role, text, tokens),
-    `model_tokens` (the trained ones) and `env_error` (its environment's failure, or null)."""
+    `model_tokens` (the trained ones) and `env_error` (its environment's failure, or null); with
+    partial rollouts, `policy_versions`: [the oldest, the newest] version that wrote its tokens."""
     rows = []
     for j, (ids, text) in enumerate(zip(group.responses, texts)):
         row = {
@@ -30,6 +31,8 @@ def sample_rows(group: ScoredGroup, advantages_G: torch.Tensor, texts: list[str]
                              "tokens": int(part.numel())} for role, part in group.turns(j)]
             row["model_tokens"] = group.model_tokens(j)
             row["env_error"] = group.episodes[j]["error"]
+        if group.versions is not None and group.versions[j].numel():
+            row["policy_versions"] = [int(group.versions[j].min()), int(group.versions[j].max())]
         rows.append(row)
     return rows
 
