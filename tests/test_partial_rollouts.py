@@ -37,12 +37,11 @@ def requests(tok):
             for i, p in enumerate(embedded_prompts(8, seed=3))]
 
 
-def _in_pieces(engine, requests, budget, *, between=lambda call: None):
+def _in_pieces(engine, requests, budget):
     """Generate with a token budget per call, resuming every cut group in the next call (new
     indices, as the generator gives them) until all are done: {original index: completion}."""
     done, calls, origin = {}, 0, {r.index: r.index for r in requests}
     while requests:
-        between(calls)
         cut = []
         for g in engine.generate(requests, PARAMS, step=5, budget=budget):
             if g.cut:
@@ -83,19 +82,13 @@ def test_resume_after_a_weight_change_keeps_earlier_tokens(ending, requests):
     model, engine = ending
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     try:
-        first = {}
-
-        def perturb(call):
-            if call == 1:
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(0.05 * torch.randn_like(p))
-
         eng = engine(max_batch_prompts=8)
         cut = [g for g in eng.generate(requests, PARAMS, step=5, budget=4) if g.cut]
         assert cut
         first = {g.index: g for g in cut}
-        perturb(1)
+        with torch.no_grad():  # a push: the weights change between the cut and the resume
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
         resumed = [PromptRequest(index=g.index, prompt_ids=g.prompt_ids_P,
                                  resume=Resume(step=5, index=g.index, response_ids=g.response_ids,
                                                logprobs=g.logprobs, finished_G=g.finished_G)) for g in cut]

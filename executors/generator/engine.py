@@ -293,8 +293,8 @@ class _Batch:
         self.cache = self.mask_BS = None
 
     def admit(self, prompts: list[tuple[int, torch.Tensor, Resume | None]]) -> None:
-        """New prompts join the batch: fresh ones prefilled once each (their G samples share a copy of
-        the cache), resumed ones one row per sample (each sample has its own tokens so far)."""
+        """New prompts join the batch, each prefilled once (its G samples share a copy of the cache);
+        a resumed group's samples then feed their own tokens so far."""
         fresh = [(i, p) for i, p, resume in prompts if resume is None]
         resumed = [(i, p, resume) for i, p, resume in prompts if resume is not None]
         if fresh:
@@ -306,7 +306,7 @@ class _Batch:
         return self.params.max_new_tokens if self.budget is None else min(t + self.budget, self.params.max_new_tokens)
 
     def _prefill(self, ids: list[torch.Tensor]):
-        """Prefill the sequences left-padded together: (cache, mask, position ids, last logits)."""
+        """Prefill the sequences left-padded together: (cache, mask, last logits)."""
         from transformers import DynamicCache
 
         eng, dev = self.engine, self.engine.device
@@ -354,14 +354,9 @@ class _Batch:
         cache, mask_CP, _ = self._prefill([p for _, p, _ in prompts])
         cache.batch_repeat_interleave(G)
         samples = [(p, res, j) for _, p, res in prompts for j in range(G)]
-        chunks = [[eng.pad_token_id] if bool(res.finished_G[j]) else res.response_ids[j].tolist() for _, res, j in samples]
-        W = max(len(c) for c in chunks)
-        ids_BW = torch.full((len(chunks), W), eng.pad_token_id, dtype=torch.long)
-        mask_BW = torch.zeros(len(chunks), W, dtype=torch.long)
-        pos_BW = torch.tensor([len(p) for p, _, _ in samples])[:, None].repeat(1, W)
-        for b, c in enumerate(chunks):
-            ids_BW[b, W - len(c):], mask_BW[b, W - len(c):] = torch.tensor(c), 1
-            pos_BW[b, W - len(c):] += torch.arange(len(c))
+        chunks = [[] if bool(res.finished_G[j]) else res.response_ids[j].tolist() for _, res, j in samples]
+        ids_BW, mask_BW, pos_BW = _right_aligned(chunks, torch.tensor([len(p) for p, _, _ in samples]),
+                                                 pad=eng.pad_token_id)
         mask_BS = torch.cat([mask_CP.repeat_interleave(G, dim=0), mask_BW.to(dev)], dim=1)
         out = eng.model(input_ids=ids_BW.to(dev), attention_mask=mask_BS, position_ids=pos_BW.to(dev),
                         past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -467,15 +462,8 @@ class _Batch:
             return finished
         if finished:
             chunks = [chunks[b] for b in self._kept.tolist()]
-        W = max(1, max(len(c) for c in chunks))
-        ids_BW = torch.full((len(chunks), W), eng.pad_token_id, dtype=torch.long)
-        mask_BW = torch.zeros(len(chunks), W, dtype=torch.long)
-        pos_BW = self.rows.pos_B.cpu()[:, None].repeat(1, W)
-        for b, c in enumerate(chunks):
-            c = c or [eng.pad_token_id]  # a row whose episode is over feeds a pad, as in _decode_one
-            ids_BW[b, W - len(c):] = torch.tensor(c)
-            mask_BW[b, W - len(c):] = 1
-            pos_BW[b, W - len(c):] += torch.arange(len(c))
+        # a row whose episode is over feeds a pad, as in _decode_one
+        ids_BW, mask_BW, pos_BW = _right_aligned(chunks, self.rows.pos_B.cpu(), pad=eng.pad_token_id)
         self._feed(ids_BW.to(eng.device), mask_BW.to(eng.device), pos_BW.to(eng.device))
         return finished
 
@@ -514,6 +502,20 @@ class _Batch:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
             self.mask_BS = self.mask_BS[:, first:]
+
+
+def _right_aligned(chunks: list[list[int]], pos_B: torch.Tensor, *, pad: int):
+    """Ragged token chunks as W new columns, each row's right-aligned (mask 0 before it) at positions
+    from pos_B on; an empty chunk feeds one pad (its row writes nothing: it only keeps its place)."""
+    chunks = [c or [pad] for c in chunks]
+    W = max(len(c) for c in chunks)
+    ids_BW = torch.full((len(chunks), W), pad, dtype=torch.long)
+    mask_BW = torch.zeros(len(chunks), W, dtype=torch.long)
+    pos_BW = pos_B[:, None].repeat(1, W)
+    for b, c in enumerate(chunks):
+        ids_BW[b, W - len(c):], mask_BW[b, W - len(c):] = torch.tensor(c), 1
+        pos_BW[b, W - len(c):] += torch.arange(len(c))
+    return ids_BW, mask_BW, pos_BW
 
 
 def _left_pad(x: torch.Tensor, length: int, *, dim: int) -> torch.Tensor:

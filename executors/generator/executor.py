@@ -89,8 +89,8 @@ class Generator(Executor):
                                      top_k=self.cfg.top_k)
         self.partial = None
         if self.cfg.partial_rollout_tokens is not None:
-            self.partial = PartialRollouts(budget=self.cfg.partial_rollout_tokens, unit=env.unit_index,
-                                           units=self.units, prompts_per_step=self.data_cfg.prompts_per_step)
+            self.partial = PartialRollouts(unit=env.unit_index, units=self.units,
+                                           prompts_per_step=self.data_cfg.prompts_per_step)
             if env.resume is not None:
                 self.partial.load(env.resume / "generator", prompt_of=self._prompt_of)
 

@@ -43,8 +43,8 @@ def max_cuts(*, max_new_tokens: int, budget: int) -> int:
 class PartialRollouts:
     """One replica's cut groups, step by step."""
 
-    def __init__(self, *, budget: int, prompts_per_step: int, unit: int, units: int):
-        self.budget, self.B, self.unit, self.units = budget, prompts_per_step, unit, units
+    def __init__(self, *, prompts_per_step: int, unit: int, units: int):
+        self.B, self.unit, self.units = prompts_per_step, unit, units
         self.carried: list[Carried] = []  # in (start step, index) order
         self._after: dict[int, list[Carried]] = {}  # the carry after each recent step, for its checkpoint
         self._resumed: dict[int, Carried] = {}  # this step's: {index in the step: carried group}
@@ -103,7 +103,7 @@ class PartialRollouts:
         groups = [{"step": c.resume.step, "index": c.resume.index, "response_ids": c.resume.response_ids,
                    "logprobs": c.resume.logprobs, "finished": c.resume.finished_G, "versions": c.versions}
                   for c in self._after[step]]
-        torch.save({"budget": self.budget, "groups": groups}, path / f"partial_rollouts.unit{self.unit}.pt")
+        torch.save({"groups": groups}, path / f"partial_rollouts.unit{self.unit}.pt")
 
     def load(self, path: Path, *, prompt_of) -> None:
         """The cut groups of a checkpoint (every replica's file) that this replica resumes;
