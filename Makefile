@@ -17,7 +17,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 TRL_VENV := .venv-trl
 TRL_PY := $(TRL_VENV)/bin/python
 
-.PHONY: install install-vllm test test-vllm demo bench bench-trl clean
+.PHONY: install install-vllm test test-vllm test-gpu demo bench bench-trl clean
 
 $(STAMP): pyproject.toml constraints/base.txt constraints/torch-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ test: install
 
 test-vllm: install-vllm
 	$(VLLM_PY) -m pytest -q tests_vllm
+
+# the GPU suite: skipped without a device; on a GPU/NPU machine install its torch first (see above):
+# `make TORCH_SPEC= test-gpu`. TIDAL_GPU_SUITE_DEVICE=cpu runs the suite's code on the CPU.
+test-gpu: install
+	$(PY) -m pytest -q -rs tests_gpu
 
 demo: install
 	$(PY) launch.py --algo grpo --output-dir runs/demo --overwrite

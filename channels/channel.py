@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from channels import p2p
 from channels.codec import decode, encode
 from channels.kinds import Kind
 
@@ -121,7 +122,7 @@ class Sender:
         message = json.dumps({"src": self.rank, "header": header, "nbytes": body.numel()})
         for dst in self.route.destinations(self.channel.kind, item):
             if body.numel():
-                work = dist.isend(body, dst, tag=self.route.channel_id)
+                work = p2p.isend(body, dst, tag=self.route.channel_id, owned=True)
                 self._pending.append((work, body))
             # posted after the isend, so the receiver's recv always finds it
             self.store.queue_push(_queue_key(self.route, dst, self.step), message)
@@ -173,7 +174,7 @@ class Receiver:
                 continue
             body = torch.empty(message["nbytes"], dtype=torch.uint8, device=self.device)
             if body.numel():
-                dist.recv(body, src, tag=self.route.channel_id)
+                p2p.recv(body, src, tag=self.route.channel_id)
             yield decode(self.channel.payload, message["header"], body.cpu())
 
     def _pop(self, key: str, open_sources: set[int]) -> bytes:

@@ -17,6 +17,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from channels import p2p
 from channels.push_plan import Box, Bucket, Piece, PushPlan, Stream
 
 
@@ -33,13 +34,19 @@ class WeightPush:
     """
 
     def __init__(self, plan: PushPlan, *, rank: int, device: torch.device | str = "cpu",
-                 group: dist.ProcessGroup | None = None, tag: int = 0):
+                 group: dist.ProcessGroup | None = None, tag: int = 0, side: str = "both"):
         """`tag`: keeps these messages apart from other p2p traffic between the same ranks (gloo
-        matches by tag; nccl has none and relies on the same posting order on both sides)."""
+        matches by tag; nccl has none and relies on the same posting order on both sides).
+        `side`: "send" (the trainer's pieces), "receive" (a generator's, relays included) or "both";
+        a rank that hosts both executors (placement=colocated) runs one of each."""
+        assert side in ("send", "receive", "both"), side
         self.plan, self.rank, self.device, self.group, self.tag = plan, rank, torch.device(device), group, tag
-        self.outgoing = [s for s in plan.sent_by(rank) if s.origin == rank]  # packed here
-        self.incoming = sorted(plan.received_by(rank), key=lambda s: (s.origin, s.sender))
-        self.forwards = {s.origin: [f for f in plan.sent_by(rank) if f.origin == s.origin]
+        sends, receives = side != "receive", side != "send"
+        # a stream whose receiver is its head leaves the trainer; the others are relay legs between
+        # replicas (a rank may be both a trainer's and a replica's when they share it)
+        self.outgoing = [s for s in plan.sent_by(rank) if s.origin == rank and s.receiver == s.head] if sends else []
+        self.incoming = sorted(plan.received_by(rank), key=lambda s: (s.origin, s.sender)) if receives else []
+        self.forwards = {s.origin: [f for f in plan.sent_by(rank) if f.origin == s.origin and f.receiver != f.head]
                          for s in self.incoming}
         self._buffers: dict[tuple, torch.Tensor] = {}  # (stream, slot) -> bytes
 
@@ -91,7 +98,7 @@ class WeightPush:
         trainer rank): [(receiver, bytes)] in the order `run` posts them on the other end (per link:
         the direct buckets, then the rounds). The lagged push of the offpolicy schedule: the weights
         change before the generator takes them, steps later."""
-        assert not self.incoming, f"rank {self.rank} receives in this push: pack() is for senders"
+        assert not self.incoming, f"rank {self.rank} receives in this push: pack() is for side='send'"
         messages = []
         for s in self.outgoing:
             for bucket in [b for b in s.buckets if b.dst_direct] + [b for b in s.buckets if not b.dst_direct]:
@@ -127,7 +134,7 @@ class WeightPush:
                 self._received(tensors, s, bucket, buf, work, key=_key(s, r % 2), pending=pending)
 
     def _irecv(self, s: Stream, buf: torch.Tensor):
-        return buf, dist.irecv(buf, s.sender, group=self.group, tag=self.tag)
+        return buf, p2p.irecv(buf, s.sender, group=self.group, tag=self.tag)
 
     def _dst_buffer(self, tensors, bucket: Bucket) -> torch.Tensor:
         return _contiguous_view(self._dst_view(tensors, self.plan.pieces[bucket.entries[0][0]]))
@@ -138,20 +145,20 @@ class WeightPush:
         if bucket.src_direct:
             p = pieces[bucket.entries[0][0]]
             view = _contiguous_view(tensors[p.name][_view(p.src_slice)])
-            pending["direct"].append(dist.isend(view, s.receiver, group=self.group, tag=self.tag))
+            pending["direct"].append(p2p.isend(view, s.receiver, group=self.group, tag=self.tag))
             return
         buf = self._buffer(s, slot)
         _wait(pending.pop(_key(s, slot), []))  # this buffer's send of two buckets ago
         for i, offset in bucket.entries:
             p = pieces[i]
             _typed(buf, offset, p).copy_(tensors[p.name][_view(p.src_slice)])
-        pending[_key(s, slot)].append(dist.isend(buf[:bucket.nbytes], s.receiver, group=self.group, tag=self.tag))
+        pending[_key(s, slot)].append(p2p.isend(buf[:bucket.nbytes], s.receiver, group=self.group, tag=self.tag))
 
     def _received(self, tensors, s: Stream, bucket: Bucket, buf, work, *, key, pending) -> None:
         """Wait for one bucket; forward it down the relay chain first, then unpack it."""
         work.wait()
         for f in self.forwards[s.origin]:  # relay first: the next replica waits on it
-            pending[key].append(dist.isend(buf, f.receiver, group=self.group, tag=self.tag))
+            pending[key].append(p2p.isend(buf, f.receiver, group=self.group, tag=self.tag))
         if not bucket.dst_direct:
             for i, offset in bucket.entries:
                 p = self.plan.pieces[i]

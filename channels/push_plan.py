@@ -199,8 +199,9 @@ def build_plan(*, specs: Mapping[str, ParamSpec], trainer: TrainerLayout, genera
     halves are contiguous on the generator side only.) Smaller pieces share buckets so they cost
     one message. None: bucket everything.
     """
-    if set(trainer.ranks) & set(generator.ranks):
-        raise ValueError(f"trainer ranks {trainer.ranks} and generator ranks {generator.ranks} overlap")
+    # shared ranks (placement=colocated): a piece whose destination rank also holds it is taken there,
+    # a local copy (channels/p2p.py), not sent from another rank
+    shared = set(trainer.ranks) & set(generator.ranks)
     if bucket_bytes < 1024:
         raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least 1024)")
     fed = min(generator.replicas, trainer.copies) if relay else generator.replicas  # by the trainer
@@ -224,11 +225,12 @@ def build_plan(*, specs: Mapping[str, ParamSpec], trainer: TrainerLayout, genera
                     if both is None:
                         continue
                     for sub in _cut(both, max_numel):
-                        src = min(ranks, key=lambda r: (load[r], order[r]))
+                        dst = generator.rank(k, t)
+                        src = dst if dst in shared and dst in ranks else min(ranks, key=lambda r: (load[r], order[r]))
                         src_slice, dst_slice = _shift(sub, tbox), _shift(sub, gbox)
                         big = (zero_copy_min_bytes is not None
                                and math.prod(b - a for a, b in sub) * dtype.itemsize >= zero_copy_min_bytes)
-                        piece = Piece(name, src, generator.rank(k, t), src_slice, dst_slice, dtype,
+                        piece = Piece(name, src, dst, src_slice, dst_slice, dtype,
                                       src_direct=big and dtype == spec.dtype and _contiguous(src_slice, tbox),
                                       dst_direct=big and _contiguous(dst_slice, gbox))
                         load[src] += piece.nbytes

@@ -24,6 +24,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from channels import p2p
 from channels.channel import Channel, Route
 from channels.payloads import ParamSpec
 from channels.push import WeightPush
@@ -46,6 +47,8 @@ def _specs_key(route: Route) -> str:
 
 
 class _Endpoint:
+    side = "both"
+
     def __init__(self, *, channel: Channel, route: Route, store, rank: int, device: torch.device):
         self.channel, self.route, self.store, self.rank, self.device = channel, route, store, rank, device
         self._push: WeightPush | None = None
@@ -54,7 +57,13 @@ class _Endpoint:
         if self._push is None:
             trainer, generator = _layouts(self.route)
             plan = build_plan(specs=specs, trainer=trainer, generator=generator)
-            self._push = WeightPush(plan, rank=self.rank, device=self.device, tag=self.route.channel_id)
+            self._push = WeightPush(plan, rank=self.rank, device=self.device, tag=self.route.channel_id,
+                                    side=self.side)
+
+    @property
+    def colocated(self) -> bool:
+        """The trainer and the generator share ranks (placement=colocated)."""
+        return bool(set(r for u in self.route.src_units for r in u) & set(self.route.all_dst_ranks))
 
     def _run(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> None:
         self._plan(specs)
@@ -71,6 +80,8 @@ class _Endpoint:
 
 
 class WeightsSender(_Endpoint):
+    side = "send"
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         # lag > 1: the last `lag` pushes, {step: [(receiver, bytes)]} (those a checkpoint after the
@@ -95,9 +106,11 @@ class WeightsSender(_Endpoint):
             self._specs = _describe(specs)
             if self.deliverable and self.rank == self.route.src_units[0][0]:
                 self.store.set(_specs_key(self.route), json.dumps(self._specs))
-        if lag == 1:
+        if lag == 1 and not self.colocated:
             self._run(shards, specs)
             return
+        # posted, not waited for: lagged, or co-located (this rank's generator, or another rank's,
+        # receives at the start of the next step, and until then these ranks are all here)
         self._plan(specs)
         # packed even when nobody will take it in this run: a checkpoint of this step keeps it
         self._recent = {j: m for j, m in self._recent.items() if j > self.step - lag}
@@ -106,7 +119,7 @@ class WeightsSender(_Endpoint):
             self._post(self.step)
 
     def _post(self, step: int) -> None:
-        works = [dist.isend(buf, receiver, tag=self.route.channel_id) for receiver, buf in self._recent[step]]
+        works = [p2p.isend(buf, receiver, tag=self.route.channel_id, owned=True) for receiver, buf in self._recent[step]]
         self._in_flight.append((step, works))
 
     def finish(self) -> None:
@@ -151,6 +164,8 @@ class WeightsSender(_Endpoint):
 
 
 class WeightsReceiver(_Endpoint):
+    side = "receive"
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._into = None  # (shards, specs) of the last receive: where a drain lands

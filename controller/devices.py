@@ -41,7 +41,13 @@ def device_count() -> int:
 
 
 def pin_threads() -> int:
-    """Share this machine's cores between the ranks of this node, so they do not fight."""
+    """Share this machine's cores between the ranks of this node, so they do not fight. TIDAL_THREADS
+    sets the count instead: a CPU kernel's float sums follow its threads, so two runs compare bit for
+    bit (e.g. one process co-located against three split) only with the same threads per rank."""
+    if os.environ.get("TIDAL_THREADS"):
+        n = int(os.environ["TIDAL_THREADS"])
+        torch.set_num_threads(n)
+        return n
     cores = len(os.sched_getaffinity(0))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     n = max(1, cores // local_ranks)
@@ -69,12 +75,13 @@ def _job_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"pg/{attempt()}", store)
 
 
-def init_distributed(spec: DeviceSpec, *, timeout: timedelta) -> torch.device:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if spec.type == "cpu":
+def init_distributed(spec: DeviceSpec, *, timeout: timedelta, index: int | None) -> torch.device:
+    """`index`: this rank's accelerator, from the placement (controller/world.py device_index); None:
+    a rank whose executors compute on the CPU only (it joins only gloo groups)."""
+    if spec.type == "cpu" or index is None:
         device = torch.device("cpu")
     else:
-        device = torch.device(spec.type, local_rank)
+        device = torch.device(spec.type, index)
         getattr(torch, spec.type).set_device(device)
     dist.init_process_group(backend=spec.pg_backend, timeout=timeout, store=_job_store(timeout),
                             rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ["WORLD_SIZE"]))

@@ -28,7 +28,7 @@ class Graph:
 
     def on_ranks_of(self, host: str) -> tuple[Executor, ...]:
         """The executors a rank of `host` runs, in order: the host, then its guests."""
-        return tuple(e for e in self.executors if e.name == host or (e.host is not None and e.host.name == host))
+        return tuple(e for e in self.executors if e.root.name == host)
 
 
 def _validate(graph: Graph) -> None:
@@ -39,9 +39,12 @@ def _validate(graph: Graph) -> None:
         by_name[ex.name] = ex
     known = ", ".join(by_name)
     for ex in graph.executors:
-        if ex.host is not None and (by_name.get(ex.host.name) is not ex.host or ex.host.host is not None):
+        if ex.host is not None and by_name.get(ex.host.name) is not ex.host:
             raise ValueError(f"executor {ex.name!r}: its host {ex.host.name!r} is not an executor of this graph "
-                             f"with ranks of its own (known: {known})")
+                             f"(known: {known})")
+        if ex.host is not None and ex.ranks != ex.root.ranks:
+            raise ValueError(f"executor {ex.name!r}: {ex.units} unit(s) x {ex.ranks_per_unit} rank(s) cannot run on "
+                             f"the {ex.root.ranks} rank(s) of {ex.root.name!r}, whose guest it is")
     seen_channels, used_ports = set(), set()
     for ch in graph.channels:
         if ch.name in seen_channels:

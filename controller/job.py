@@ -21,7 +21,7 @@ from controller.metrics import MetricsWriter
 from controller.metrics_plot import plot_metrics
 from controller.schedules import Schedule, get_schedule
 from controller.timeline import merge, plot, process_start_time
-from controller.world import build_world, check_world_size, placement, store_client
+from controller.world import build_world, check_world_size, device_index, placement, store_client
 from controller.world import roles as rank_roles
 from controller.devices import detect_device, init_distributed, pin_threads
 
@@ -59,7 +59,8 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
     graph = with_schedule(graph, schedule)
     pin_threads()
     timeout = timedelta(seconds=timeout_s)
-    device = init_distributed(detect_device(), timeout=timeout)
+    index = device_index(graph, rank=int(os.environ.get("RANK", "0")), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    device = init_distributed(detect_device(), timeout=timeout, index=index)
     rank = dist.get_rank()
     # rank 0 decides (e.g. a timestamp) and every rank reads it, so all agree on one directory; the
     # key outlives an elastic restart, so a restarted job continues in the same directory

@@ -60,15 +60,48 @@ class Outlet:
 
 
 def placement(graph: Graph) -> dict[str, tuple[tuple[int, ...], ...]]:
-    """Executor name -> global ranks per unit; contiguous ranges in graph order; a guest gets its host's."""
-    out, next_rank = {}, 0
+    """Executor name -> global ranks per unit; contiguous ranges in graph order; a guest runs on its
+    root's ranks, cut into units of its own size."""
+    first, next_rank = {}, 0
     for ex in graph.placed:
-        units = []
-        for _ in range(ex.units):
-            units.append(tuple(range(next_rank, next_rank + ex.ranks_per_unit)))
-            next_rank += ex.ranks_per_unit
-        out[ex.name] = tuple(units)
-    return {ex.name: out[ex.host.name if ex.host else ex.name] for ex in graph.executors}
+        first[ex.name] = next_rank
+        next_rank += ex.world_size
+    return {ex.name: tuple(tuple(range(first[ex.root.name] + u * ex.ranks_per_unit,
+                                       first[ex.root.name] + (u + 1) * ex.ranks_per_unit)) for u in range(ex.units))
+            for ex in graph.executors}
+
+
+def device_ranks(graph: Graph) -> set[int]:
+    """The global ranks that hold an accelerator: those of a placed executor that, or whose guests,
+    need one (rule rewards do not)."""
+    units = placement(graph)
+    return {r for ex in graph.executors if ex.needs_device for unit in units[ex.root.name] for r in unit}
+
+
+def rank_plan(graph: Graph, *, nproc_per_node: int | None = None) -> list[tuple[int, str, int | None, str]]:
+    """Per global rank: (rank, the executors it runs, its accelerator's index on its node or None,
+    the backend of its executor group): what `--dry-run` shows and init_distributed follows.
+    nproc_per_node: ranks per node (default: the whole world on one node)."""
+    units, holders = placement(graph), device_ranks(graph)
+    n = world_size_of(graph)
+    per_node = nproc_per_node or n
+    rows = []
+    for rank in range(n):
+        here = [ex.name for ex in graph.executors if any(rank in u for u in units[ex.root.name])]
+        group = next(ex for ex in graph.placed if any(rank in u for u in units[ex.name]))
+        group_ranks = {r for u in units[group.name] for r in u}
+        rows.append((rank, ", ".join(here), device_index(graph, rank=rank, local_rank=rank % per_node),
+                     "device" if group_ranks <= holders else "gloo"))
+    return rows
+
+
+def device_index(graph: Graph, *, rank: int, local_rank: int) -> int | None:
+    """Which of this node's accelerators `rank` takes: the device ranks of a node take indices 0, 1, ...
+    in rank order (torchrun numbers a node's ranks contiguously); None: a rank without one."""
+    holders = device_ranks(graph)
+    if rank not in holders:
+        return None
+    return sum(1 for r in range(rank - local_rank, rank) if r in holders)
 
 
 def roles(graph: Graph) -> dict[int, str]:
@@ -185,7 +218,11 @@ class World:
         """The run's end: after a stop, the generator takes the lagged pushes the trainer posted (at
         its barriers up to `posted_through`) that no step will; then the trainer's sends are complete."""
         for ch, (sender, receiver) in zip(self.graph.channels, self._endpoints):
-            if ch.kind is not Kind.WEIGHTS or ch.step_lag == 1:
+            if ch.kind is not Kind.WEIGHTS:
+                continue
+            if ch.step_lag == 1:  # every push posted was due at a step that ran (co-located: posted, not waited)
+                if sender is not None:
+                    sender.finish()
                 continue
             if receiver is not None and posted_through is not None:
                 first = max(self.first_sent(ch, first_step), receiver.received_through + 1)
@@ -209,13 +246,17 @@ class World:
         self._endpoints = []
         self._saved_through: dict[str, int | None] = {}  # lagged WEIGHTS: what the checkpoint kept in flight
         here = {ex.name for ex in self.local}
+        holders = device_ranks(self.graph)
         for cid, ch in enumerate(self.graph.channels):
             route = Route(channel_id=cid + 1, src_units=self.units[ch.src], dst_units=self.units[ch.dst],
                           src_sharded=self.graph.executor(ch.src).shards_over_units)
             if ch.kind is Kind.WEIGHTS:
                 self._saved_through[ch.name] = saved_through(self.resume, ch, route)
             send_cls, recv_cls = ENDPOINTS[ch.kind]
-            common = dict(channel=ch, route=route, store=self.store, rank=self.rank, device=self.env.device)
+            # bodies travel on the device only between ranks that both hold one (else over gloo)
+            ends = {r for unit in route.src_units + route.dst_units for r in unit}
+            device = self.env.device if ends <= holders else torch.device("cpu")
+            common = dict(channel=ch, route=route, store=self.store, rank=self.rank, device=device)
             sender = send_cls(**common) if ch.src in here else None
             receiver = recv_cls(**common) if ch.dst in here else None
             self._endpoints.append((sender, receiver))
@@ -226,26 +267,33 @@ def build_world(graph: Graph, *, device: torch.device, seed: int, output_dir: Pa
     rank, world_size = dist.get_rank(), dist.get_world_size()
     check_world_size(graph, world_size)
     units = placement(graph)
+    holders = device_ranks(graph)
     host, local_group = None, None
     for ex in graph.placed:  # same order on every rank
         ranks = [r for unit in units[ex.name] for r in unit]
-        group = dist.new_group(ranks, timeout=timeout)
+        # ranks without an accelerator cannot join a device communicator
+        group = dist.new_group(ranks, timeout=timeout, backend=None if set(ranks) <= holders else "gloo")
         if rank in ranks:
             host, local_group = ex.name, group
     control_group = dist.new_group(backend="gloo", timeout=timeout)
-    unit_group = None
-    for ex in graph.placed:  # same order on every rank
+    unit_groups = {}  # a unit's ranks -> its gloo group (guests in a layout of their own have their own units)
+    for ex in graph.executors:  # same order on every rank
         for unit in units[ex.name] if ex.ranks_per_unit > 1 else ():
-            group = dist.new_group(list(unit), backend="gloo", timeout=timeout)
-            if rank in unit:
-                unit_group = group
+            if unit not in unit_groups:
+                unit_groups[unit] = dist.new_group(list(unit), backend="gloo", timeout=timeout)
     assert host is not None, f"rank {rank} not placed"
-    ex_units = units[host]
-    # a guest shares its host's ranks and groups: it runs between the host's steps, never beside them
-    envs = {ex.name: ExecutorEnv(name=ex.name, ranks=tuple(r for u in ex_units for r in u), units=ex_units, rank=rank,
-                                 group=local_group, device=device, seed=seed, output_dir=output_dir, resume=resume,
-                                 unit_group=unit_group)
-            for ex in graph.on_ranks_of(host)}
+    local = graph.on_ranks_of(host)
+    time_shared = sum(ex.needs_device for ex in local) > 1  # placement=colocated: generator and trainer here
+
+    def env(ex) -> ExecutorEnv:
+        # a guest shares its host's ranks and group: it runs between the host's steps, never beside them
+        mine = units[ex.name]
+        unit = next(u for u in mine if rank in u)
+        return ExecutorEnv(name=ex.name, ranks=tuple(r for u in mine for r in u), units=mine, rank=rank,
+                           group=local_group, device=device, seed=seed, output_dir=output_dir, resume=resume,
+                           unit_group=unit_groups.get(unit), time_shared=time_shared)
+
+    envs = {ex.name: env(ex) for ex in local}
     world = World(graph=graph, units=units, rank=rank, host=host, envs=envs, store=store_client(timeout),
                   control_group=control_group, resume=resume)
     world.bind_channels()

@@ -12,7 +12,12 @@ A port marked optional is connected only in some graphs; `needs` says when this 
 
 A *guest* executor (`host=` another executor) holds no ranks of its own: it runs on its
 host's ranks, after the host's step (whose outputs are closed by then), with ports and a metrics
-record of its own. Evaluation is one: a phase of the step, not a branch in the generator or reward.
+record of its own, in a layout of its own over those ranks (by default the host's). Evaluation is
+one: a phase of the step, not a branch in the generator or reward. `placement=colocated` makes every
+executor a guest of the generator (controller/colocate.py): one set of ranks, time-shared.
+
+An executor that computes on no accelerator (rule rewards, a CPU environment) says so
+(`needs_device = False`): its ranks hold no device and join only gloo groups.
 """
 from __future__ import annotations
 
@@ -46,6 +51,9 @@ class ExecutorEnv:
     # a gloo group over this rank's unit, when the unit has several ranks: for small agreements (e.g.
     # "stop decoding now") that must not interleave with the unit's own collectives on device
     unit_group: dist.ProcessGroup | None = None
+    # several executors time-share this rank's device (placement=colocated): each gives its memory
+    # back after its phase (offload) and takes it again before the next (onload)
+    time_shared: bool = False
 
     @property
     def unit_index(self) -> int:
@@ -114,10 +122,16 @@ class Executor(ABC):
     # True when the units hold disjoint shards of one model (FSDP) rather than full replicas; the
     # WEIGHTS channel then plans each piece from the one unit that holds it
     shards_over_units: bool = False
+    # False: computes on the CPU only (its ranks hold no accelerator and join only gloo groups)
+    needs_device: bool = True
 
-    def __init__(self, *, name: str, units: int = 1, ranks_per_unit: int = 1, host: Executor | None = None):
+    def __init__(self, *, name: str, units: int | None = None, ranks_per_unit: int | None = None,
+                 host: Executor | None = None):
         """host: the executor whose ranks this one runs on, after its step (a guest: no ranks of its own;
-        it may use the host's objects once both are initialised, e.g. the generator's engine)."""
+        it may use the host's objects once both are initialised, e.g. the generator's engine).
+        units, ranks_per_unit: the layout (a guest's over its host's ranks; by default the host's)."""
+        units = units if units is not None else host.units if host else 1
+        ranks_per_unit = ranks_per_unit if ranks_per_unit is not None else host.ranks_per_unit if host else 1
         if units < 1 or ranks_per_unit < 1:
             raise ValueError(f"executor {name!r}: units and ranks_per_unit must be >= 1, "
                              f"got {units} and {ranks_per_unit}")
@@ -130,7 +144,17 @@ class Executor(ABC):
     @property
     def world_size(self) -> int:
         """Ranks this executor adds to the world (a guest adds none)."""
-        return 0 if self.host else self.units * self.ranks_per_unit
+        return 0 if self.host else self.ranks
+
+    @property
+    def ranks(self) -> int:
+        """Ranks this executor runs on (a guest: its host's, in its own layout)."""
+        return self.units * self.ranks_per_unit
+
+    @property
+    def root(self) -> Executor:
+        """The executor that holds the ranks this one runs on (itself, unless a guest)."""
+        return self.host.root if self.host else self
 
     @classmethod
     def ports(cls, kind: type[Port]) -> dict[str, Port]:

@@ -156,6 +156,9 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     pretrained = defaults.pretrained_defaults(data, sections=sections)
     defaults.apply(data, pretrained)
     layers.insert(0, (defaults.PRETRAINED_SOURCE, {k: v for k, v in pretrained.items()}))
+    implied = defaults.placement_defaults(data)
+    defaults.apply(data, implied)
+    layers.insert(0, (defaults.PLACEMENT_SOURCE, dict(implied)))
     source = str(args.config) if args.config else "command line"
     try:
         cfg = RunConfig.model_validate(data).with_algorithm(args.algo)
@@ -182,6 +185,28 @@ def _plan(args: argparse.Namespace, cfg: RunConfig) -> int:
            *[arg for spec in args.overrides for arg in ("--set", spec)]]
     print(plan_here(job, devices=devices, gen_tp=cfg.generator.tp, train_tp=cfg.trainer.tp))
     return 0
+
+
+def check_world(cfg: RunConfig, recipe, graph, *, world_size: int) -> None:
+    """A world size the placement does not fit: one line giving the --nproc-per-node of each placement
+    (or why the other placement does not take this config)."""
+    from controller.world import world_size_of
+
+    need = world_size_of(graph)
+    if world_size == need:
+        return
+    parts = " + ".join(f"{ex.name} {ex.world_size}" for ex in graph.placed)
+    options = [f"placement={cfg.placement} needs --nproc-per-node {need} ({parts})"]
+    other = "split" if cfg.placement == "colocated" else "colocated"
+    update = {"placement": other}
+    if other == "colocated" and cfg.schedule.kind != "sync":
+        update["schedule"] = cfg.schedule.model_copy(update={"kind": "sync"})
+    try:
+        n = world_size_of(recipe.build(cfg.model_copy(update=update)))
+        options.append(f"placement={other}{' --schedule sync' if 'schedule' in update else ''} needs {n}")
+    except ValueError as exc:
+        options.append(f"placement={other} does not take this config ({exc})")
+    raise ValueError(f"world size is {world_size}, but {'; '.join(options)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         if under_launcher():
             from launch.run import run
 
+            check_world(cfg, recipe, graph, world_size=int(os.environ.get("WORLD_SIZE", "1")))
             return run(cfg, recipe, graph, resume=args.resume, overwrite=args.overwrite)
     except ValueError as exc:
         rank = os.environ.get("RANK", "0")

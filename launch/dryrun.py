@@ -4,7 +4,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from controller.graph import Graph
-from controller.world import placement, world_size_of
+from controller.world import placement, rank_plan, world_size_of
 from recipes.base import Recipe
 from recipes.config import RunConfig, non_defaults
 
@@ -26,11 +26,16 @@ def describe(graph: Graph, cfg: RunConfig, recipe: Recipe, *, memory: str = "") 
     phases = [[f"{i}. {ph.name}", ph.executor, _span([r for u in units[ph.executor] for r in u]), ph.what, ph.where]
               for i, ph in enumerate(present, start=1)]
     n = world_size_of(graph)
+    devices = [[rank, executors, "none (CPU only)" if index is None else f"accelerator {index}",
+                "nccl/hccl + gloo" if backend == "device" else "gloo"]
+               for rank, executors, index, backend in rank_plan(graph)]
     return "\n\n".join([
-        f"algo {cfg.algo}, schedule {cfg.schedule}, world size {n} "
+        f"algo {cfg.algo}, schedule {cfg.schedule}, placement {cfg.placement}, world size {n} "
         f"(torchrun --nproc-per-node {n} launch.py --algo {cfg.algo} ...)" + _partial(cfg),
         tabulate(rows, headers=["executor", "class", "global ranks", "units", "process group", "parallel"],
                  disable_numparse=True),
+        "on a GPU/NPU node (on a CPU machine every rank computes on the CPU):\n"
+        + tabulate(devices, headers=["rank", "runs", "device", "group backend"], disable_numparse=True),
         tabulate(channels, headers=["channel", "kind", "route", "payload", "delivered"]),
         f"each step ({cfg.schedule} schedule, recipe {recipe.name}):\n"
         + tabulate(phases, headers=["phase", "executor", "ranks", "what", "code"], disable_numparse=True),

@@ -231,6 +231,18 @@ def loading_peak(cfg: RunConfig, parts: dict[str, float], *, executor: str = "ge
     return parts.get("process", 0.0) + parts["weights"] + sum(f.stat().st_size for f in files)
 
 
+def _colocated_row(every: list[dict[str, float]], *, device: str) -> list[str]:
+    """placement=colocated: one rank holds every executor's parts. On a device the KV cache and
+    AdamW's state take turns (the engine releases its cache to train; the state is in host memory
+    while generating), so its peak holds the larger of the two; on CPU all of it is host memory."""
+    total = sum(v for parts in every for v in parts.values())
+    if device == "cpu":
+        return ["co-located rank", "every row above, one process", _size(total + PROCESS_BYTES)]
+    kv = sum(parts.get("KV cache", 0) for parts in every)
+    adam = sum(parts.get("AdamW state", 0) for parts in every)
+    return ["co-located rank", "every row above; the KV cache and AdamW state take turns", _size(total - min(kv, adam))]
+
+
 def describe_memory(cfg: RunConfig, m: Shape | None, *, executors: tuple[str, ...] = ("generator", "trainer"),
                     device: str | None = None) -> str:
     """The table of --dry-run for the graph's `executors` (those of them that hold a model). device:
@@ -242,12 +254,13 @@ def describe_memory(cfg: RunConfig, m: Shape | None, *, executors: tuple[str, ..
         from controller.devices import detect_device
 
         device = detect_device().type
-    rows = []
+    rows, every = [], []
     for name in (e for e in executors if e in PARTS):
         parts = PARTS[name](cfg, m)
         if parts is None:
             rows.append([name, "no estimate (its config.json lacks a Llama-style decoder's sizes)", "?"])
             continue
+        every.append(parts.copy())
         if device == "cpu":  # host memory is the rank's whole RSS; a device's holds no interpreter
             parts["process"] = PROCESS_BYTES
         shown = ", ".join(f"{k} {_size(v)}" for k, v in parts.items() if v)
@@ -259,6 +272,8 @@ def describe_memory(cfg: RunConfig, m: Shape | None, *, executors: tuple[str, ..
         if name == "generator" and note:
             total += f" + {note}"
         rows.append([name, shown, total])
+    if cfg.placement == "colocated" and every:
+        rows.append(_colocated_row(every, device=device))
     count = f"{m.params / 1e9:.2f}B" if m.params >= 1e9 else f"{m.params / 1e6:.1f}M"
     where = ("process: python with torch and transformers, as measured on CPU" if device == "cpu" else
              f"plus each rank's {device} runtime context, not counted")

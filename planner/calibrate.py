@@ -150,3 +150,15 @@ def fit_concurrency(rates: Rates, periodic_dir: Path, *, skip: int = 1) -> float
         return abs(statistics.median(simulate(shapes[s], r, schedule="periodic").step_s for s in steps) - measured)
 
     return min((c / 100 for c in range(100, 19, -1)), key=error)  # ties: the least slow-down
+
+
+def swap_seconds(colocated_dir: Path, *, skip: int = 1) -> float:
+    """The median per step of a co-located run's memory moves (its offload and onload spans)."""
+    per_step: dict[int, float] = collections.defaultdict(float)
+    for path in sorted((colocated_dir / "timeline").glob("rank*.jsonl"))[:1]:  # every rank moves alike
+        for e in _lines(path):
+            if e["kind"] in ("offload", "onload") and e["step"] >= skip:
+                per_step[e["step"]] += e["t1"] - e["t0"]
+    if not per_step:
+        raise ValueError(f"{colocated_dir}: no offload/onload spans (not a placement=colocated run?)")
+    return statistics.median(per_step.values())

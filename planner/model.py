@@ -58,6 +58,9 @@ class Rates:
     reward_group_s: float = 0.0
     handoff_s: float = 0.0  # a scored group's way to the trainer (channel latency, a pure delay)
     concurrency: float = 1.0  # fraction of solo speed each of several busy executors keeps
+    # placement=colocated: the memory moves of one step (the engine's release and wake, the optimizer
+    # state out and back: the timeline's offload and onload spans)
+    swap_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ units; all-reduce and push costs are taken as measured (they grow with dp in a r
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -58,6 +59,36 @@ def predict_offpolicy(shapes: list[StepShape], rates: Rates, *, max_lag: int, re
     return statistics.median(simulate_offpolicy(laid, rates, max_lag=max_lag)[1:])
 
 
+@dataclass(frozen=True, kw_only=True)
+class Colocated:
+    """placement=colocated on all the devices: generation, the memory swap, then training, in turn."""
+    devices: int
+    replicas: int
+    dp: int
+    step_s: float
+    tokens: float
+
+    def tpspd(self, devices: int) -> float:
+        return self.tokens / self.step_s / devices
+
+
+def colocated(shapes: list[StepShape], rates: Rates, *, devices: int, gen_tp: int = 1,
+              train_tp: int = 1) -> Colocated | None:
+    """Every device holds a generator replica's and a trainer unit's share: the sync step with
+    replicas = devices / gen_tp and dp = devices / train_tp, plus the swap. The push is taken at its
+    split cost (a co-located one is partly a local copy: an upper bound). None: the devices do not
+    divide into whole units."""
+    if devices % gen_tp or devices % train_tp:
+        return None
+    replicas, dp = devices // gen_tp, devices // train_tp
+    if dp > len(shapes[0].lengths) or replicas > len(shapes[0].lengths):
+        return None
+    laid = [replace(s, replicas=replicas, dp=dp) for s in shapes]
+    step = statistics.median(simulate(s, rates, schedule="sync").step_s for s in laid) + rates.swap_s
+    return Colocated(devices=devices, replicas=replicas, dp=dp, step_s=step,
+                     tokens=statistics.mean(s.tokens for s in laid))
+
+
 def splits(shapes: list[StepShape], rates: Rates, *, devices: int, gen_tp: int = 1, train_tp: int = 1,
            other_devices: int = 0) -> list[Split]:
     """Every split of `devices` (less other_devices, e.g. reward ranks on their own devices) into whole
@@ -77,16 +108,30 @@ def splits(shapes: list[StepShape], rates: Rates, *, devices: int, gen_tp: int =
     return out
 
 
-def table(rows: list[Split], *, devices: int) -> str:
-    if not rows:
+def table(rows: list[Split], *, devices: int, together: Colocated | None = None) -> str:
+    """Every split, then the co-located placement (sync only: its periodic and offpolicy columns are
+    empty); the best TPSPD (split: periodic; co-located: sync) marked."""
+    if not rows and together is None:
         return "no split of the devices gives both the generator and the trainer a whole unit"
-    best = best_split(rows, devices=devices)
+    best = best_placement(rows, together, devices=devices)
     body = [[r.gen_devices, r.train_devices, r.replicas, r.dp, r.sync_s, r.periodic_s, r.sync_s / r.periodic_s,
              r.tpspd(r.sync_s, devices), r.tpspd(r.periodic_s, devices), r.offpolicy_s, "<- use" if r is best else ""]
             for r in rows]
+    if together is not None:
+        c = together
+        body.append([f"{c.devices} (co-located)", c.devices, c.replicas, c.dp, c.step_s, "", "", c.tpspd(devices),
+                     "", "", "<- use" if c is best else ""])
     return tabulate(body, floatfmt=(".0f", ".0f", ".0f", ".0f", ".3g", ".3g", ".2f", ".4g", ".4g", ".3g", ""), headers=[
         "generator devices", "trainer devices", "replicas", "trainer dp", "sync step s", "periodic step s",
         "periodic speed-up", "TPSPD sync", "TPSPD periodic", "offpolicy k=1 step s", ""])
+
+
+def best_placement(rows: list[Split], together: Colocated | None, *, devices: int) -> Split | Colocated:
+    """The split with the best periodic TPSPD, or the co-located placement where its sync TPSPD is higher."""
+    best = best_split(rows, devices=devices) if rows else None
+    if together is not None and (best is None or together.tpspd(devices) > best.tpspd(best.periodic_s, devices)):
+        return together
+    return best
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,7 +175,7 @@ def slots_table(shapes: list[StepShape], rates: Rates, split: Split, *, samples:
 
 
 def load_rates(path: Path) -> tuple[Rates, list[StepShape], dict]:
-    """A rates file: rates (gen, train, reward_group_s, handoff_s, concurrency), step (prompts,
+    """A rates file: rates (gen, train, reward_group_s, handoff_s, concurrency, swap_s), step (prompts,
     samples, prompt_len, lengths: one list of response lengths cycled over the samples,
     max_batch_prompts, admission) and layout (devices, gen_tp, train_tp, other_devices, engine: native or vllm)."""
     if not Path(path).is_file():
@@ -139,7 +184,7 @@ def load_rates(path: Path) -> tuple[Rates, list[StepShape], dict]:
     try:
         r, s = data["rates"], data["step"]
         rates = Rates(gen=GenRates(**r["gen"]), train=TrainRates(**r["train"]),
-                      **{k: r[k] for k in ("reward_group_s", "handoff_s", "concurrency") if k in r})
+                      **{k: r[k] for k in ("reward_group_s", "handoff_s", "concurrency", "swap_s") if k in r})
         lengths, G = list(s["lengths"]), s["samples"]
         per_prompt = tuple(tuple(lengths[(i * G + j) % len(lengths)] for j in range(G)) for i in range(s["prompts"]))
         shape = StepShape(prompt_lens=(s["prompt_len"],) * s["prompts"], lengths=per_prompt,
@@ -150,30 +195,41 @@ def load_rates(path: Path) -> tuple[Rates, list[StepShape], dict]:
     return rates, [shape], data.get("layout", {})
 
 
-def calibration_runs(argv: list[str], out: Path, *, steps: int = 5) -> tuple[Path, Path]:
-    """Run the configured job twice on this machine (sync: the rates; periodic: how much the
-    executors slow each other when they overlap), `steps` steps each; the first warms up."""
+def calibration_runs(argv: list[str], out: Path, *, steps: int = 5,
+                     colocated: tuple[str, ...] = ()) -> tuple[Path, ...]:
+    """Run the configured job on this machine (sync: the rates; periodic: how much the executors slow
+    each other when they overlap), `steps` steps each, the first warming up; with `colocated` (the
+    --set layout it needs) a third, co-located, for the swap's cost."""
+    runs = [("sync", ()), ("periodic", ())] + ([("colocated", ("--set", "placement=colocated", *colocated))]
+                                               if colocated else [])
     dirs = []
-    for schedule in ("sync", "periodic"):
-        d = out / schedule
+    for name, extra in runs:
+        d = out / name
         cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "launch.py"), *argv, "--steps", str(steps),
-               "--schedule", schedule, "--output-dir", str(d), "--overwrite", "--set", "logging.samples_every=1",
-               "--set", "checkpoint_every=0", "--set", "checkpoint_minutes=0"]
-        print(f"tidal plan: calibration run ({schedule}, {steps} steps)", file=sys.stderr, flush=True)
+               "--schedule", "sync" if name == "colocated" else name, "--output-dir", str(d), "--overwrite",
+               "--set", "logging.samples_every=1", "--set", "checkpoint_every=0", "--set", "checkpoint_minutes=0", *extra]
+        print(f"tidal plan: calibration run ({name}, {steps} steps)", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
-            raise ValueError(f"calibration run ({schedule}) failed:\n{proc.stderr[-2000:]}")
+            raise ValueError(f"calibration run ({name}) failed:\n{proc.stderr[-2000:]}")
         dirs.append(d)
-    return dirs[0], dirs[1]
+    return tuple(dirs)
+
+
+def colocated_layout(*, gen_tp: int, train_tp: int) -> tuple[str, ...]:
+    """The smallest co-located layout of these tp sizes: lcm(gen_tp, train_tp) ranks."""
+    ranks = math.lcm(gen_tp, train_tp)
+    return ("--set", f"generator.replicas={ranks // gen_tp}", "--set", f"trainer.dp={ranks // train_tp}")
 
 
 def plan_here(argv: list[str], *, devices: int, gen_tp: int, train_tp: int) -> str:
-    from planner.calibrate import calibrate, fit_concurrency, shapes_of
+    from planner.calibrate import calibrate, fit_concurrency, shapes_of, swap_seconds
 
     with tempfile.TemporaryDirectory(prefix="tidal-plan-") as tmp:
-        sync_dir, periodic_dir = calibration_runs(argv, Path(tmp))
+        sync_dir, periodic_dir, colocated_dir = calibration_runs(
+            argv, Path(tmp), colocated=colocated_layout(gen_tp=gen_tp, train_tp=train_tp))
         rates = calibrate(sync_dir)
-        rates = replace(rates, concurrency=fit_concurrency(rates, periodic_dir))
+        rates = replace(rates, concurrency=fit_concurrency(rates, periodic_dir), swap_s=swap_seconds(colocated_dir))
         shapes = [s for step, s in sorted(shapes_of(sync_dir).items()) if step >= 1]
         gen = json.loads((sync_dir / "config.json").read_text())["generator"]
     # per-term rates are not all identifiable from one job's shape; what the model makes of it is
@@ -182,9 +238,11 @@ def plan_here(argv: list[str], *, devices: int, gen_tp: int, train_tp: int) -> s
             f"{statistics.median(p.gen_s for p in steps):.3g} s, training "
             f"{statistics.median(p.train_end_s - p.first_train_s for p in steps):.3g} s, barrier+push "
             f"{rates.train.barrier_s + rates.train.push_s:.3g} s per step; executors keep "
-            f"{rates.concurrency:.2f} of their speed while overlapping")
+            f"{rates.concurrency:.2f} of their speed while overlapping; co-located, the memory moves take "
+            f"{rates.swap_s:.3g} s per step")
     rows = splits(shapes, rates, devices=devices, gen_tp=gen_tp, train_tp=train_tp)
-    text = head + "\n" + table(rows, devices=devices)
+    together = colocated(shapes, rates, devices=devices, gen_tp=gen_tp, train_tp=train_tp)
+    text = head + "\n" + table(rows, devices=devices, together=together)
     if rows:
         text += "\n\n" + slots_table(shapes, rates, best_split(rows, devices=devices),
                                       samples=gen["samples_per_prompt"], engine=gen.get("engine", "native"))
@@ -196,10 +254,11 @@ def plan_from_file(path: Path, *, devices: int | None) -> str:
     n = devices or layout.get("devices")
     if not n:
         raise ValueError(f"--plan --rates {path}: give --devices N (the file names no layout.devices)")
-    rows = splits(shapes, rates, devices=n, gen_tp=layout.get("gen_tp", 1), train_tp=layout.get("train_tp", 1),
-                  other_devices=layout.get("other_devices", 0))
+    tps = dict(gen_tp=layout.get("gen_tp", 1), train_tp=layout.get("train_tp", 1))
+    rows = splits(shapes, rates, devices=n, other_devices=layout.get("other_devices", 0), **tps)
+    text = table(rows, devices=n, together=colocated(shapes, rates, devices=n, **tps))
     if not rows:
-        return table(rows, devices=n)
-    return table(rows, devices=n) + "\n\n" + slots_table(shapes, rates, best_split(rows, devices=n),
+        return text
+    return text + "\n\n" + slots_table(shapes, rates, best_split(rows, devices=n),
                                                           samples=len(shapes[0].lengths[0]),
                                                           engine=layout.get("engine", "native"))

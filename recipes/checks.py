@@ -71,6 +71,32 @@ def check_tp(cfg: RunConfig, *, critic: bool = False) -> None:
             raise ValueError(f"{field}={tp} does not fit the model: {exc}") from None
 
 
+def check_placement(cfg: RunConfig, *, critic: bool) -> None:
+    """placement=colocated (controller/colocate.py): one set of ranks for every executor, taking turns."""
+    if cfg.placement != "colocated":
+        return
+    g, ranks = cfg.generator, cfg.generator.replicas * cfg.generator.tp
+    if cfg.schedule.kind != "sync":
+        raise ValueError(f"placement=colocated with schedule {cfg.schedule.kind}: co-located executors take turns on "
+                         f"each device, so training cannot run while generation goes on; use --schedule sync "
+                         f"(periodic and offpolicy overlap the two on separate ranks: placement=split)")
+    learners = [("trainer", cfg.trainer)] + ([("critic", cfg.critic)] if critic else [])
+    for name, learner in learners:
+        if learner.dp * learner.tp != ranks:
+            raise ValueError(f"placement=colocated: {name}.dp x {name}.tp = {learner.dp} x {learner.tp} must equal "
+                             f"generator.replicas x generator.tp = {g.replicas} x {g.tp}: co-located executors "
+                             f"share every rank")
+    if cfg.reward.model is not None:
+        raise ValueError("placement=colocated with reward.model is not supported: the reward model's own ranks "
+                         "(reward.model.replicas) would need their own turn on the device; use placement=split")
+    from controller.devices import detect_device  # where this job's ranks will run
+
+    why = ENGINES.get(g.engine).no_release(detect_device().type)
+    if why:
+        raise ValueError(f"placement=colocated with generator.engine={g.engine}: {why}; use generator.engine=native "
+                         f"or placement=split")
+
+
 def check_engine(cfg: RunConfig) -> None:
     """The engine's limits, before any rank starts (executors/generator/engines.py)."""
     ENGINES.get(cfg.generator.engine).check(cfg.generator, cfg.model.path)

@@ -6,6 +6,8 @@ RunConfig.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from algorithms.base import AlgoConfig
@@ -40,6 +42,10 @@ class RunConfig(BaseModel):
     stop_timeout_s: int = Field(300, ge=1, description="python launch.py: how long a stop (SIGTERM, Ctrl-C) may "
                                 "take, checkpoint included, before the launcher kills the ranks (torchrun's "
                                 "--shutdown-timeout; under torchrun pass that flag)")
+    placement: Literal["split", "colocated"] = Field(
+        "split", description="split: every executor on ranks of its own, running side by side; colocated: "
+        "the generator, reward and trainer (and critic) share every rank, taking turns on its device "
+        "(schedule sync only; controller/colocate.py)")
     rollout: str = Field("single_turn", description="single_turn: one completion per sample; multi_turn: turns "
                          "with an environment between them (the multi_turn section); executors/generator/rollouts.py")
     multi_turn: MultiTurnConfig = MultiTurnConfig()

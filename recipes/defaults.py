@@ -165,3 +165,13 @@ def sources(resolved: dict, layers: list[tuple[str, dict]]) -> dict[str, str]:
                 source = name
         out[key] = source
     return out
+
+
+PLACEMENT_SOURCE = "placement=colocated"
+
+
+def placement_defaults(data: dict) -> dict[str, object]:
+    """placement=colocated runs the sync schedule where the user chose none (controller/colocate.py)."""
+    if data.get("placement") == "colocated" and not _is_set(data, "schedule.kind"):
+        return {"schedule.kind": "sync"}
+    return {}

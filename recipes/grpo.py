@@ -20,6 +20,7 @@ from channels.channel import Channel
 from channels.kinds import Kind
 from channels.payloads import GroupVerdict, RolloutGroup, ScoredGroup, WeightsUpdate
 from channels.weights import WeightsSender
+from controller.colocate import colocate
 from controller.graph import Graph
 from executors.data import PromptSet
 from executors.evaluation.executor import EvalSampler, EvalScorer
@@ -32,7 +33,8 @@ from executors.trainer.executor import Trainer
 from executors.trainer.stats import TrainerMetrics
 from recipes.advantages import ADVANTAGE_SOURCES
 from recipes.base import Phase, Recipe
-from recipes.checks import check_engine, check_eval, check_partial, check_rollout, check_tp, check_trainer
+from recipes.checks import (check_engine, check_eval, check_partial, check_placement, check_rollout, check_tp,
+                            check_trainer)
 from recipes.config import RunConfig
 
 PHASES = (
@@ -64,6 +66,7 @@ def build(cfg: RunConfig) -> Graph:
                          "for; use schedule.max_lag=0 or set algorithm.dynamic_sampling=false")
     check_trainer(cfg, dynamic_sampling=dynamic)
     check_partial(cfg, dynamic_sampling=dynamic)
+    check_placement(cfg, critic="critic" in source.sections)
     check_tp(cfg, critic="critic" in source.sections)  # config.json read once, for every executor's tp
     check_engine(cfg)
     check_rollout(cfg)
@@ -82,7 +85,10 @@ def build(cfg: RunConfig) -> Graph:
     if dynamic:  # verdicts close a same-step cycle: the generator reads them only after each round
         channels.append(Channel("verdicts", "reward", "generator", Kind.BROADCAST, GroupVerdict, feedback=True))
     guests, eval_channels = evaluation(cfg, generator=gen, reward=rew)
-    return Graph(executors + guests, channels + eval_channels)
+    executors += guests
+    if cfg.placement == "colocated":
+        executors = colocate(executors)
+    return Graph(executors, channels + eval_channels)
 
 
 def weights_channel(cfg: RunConfig) -> Channel:
@@ -98,7 +104,10 @@ def generator(cfg: RunConfig, *, dynamic_sampling: bool = False) -> Generator:
 
 
 def reward(cfg: RunConfig, *, keep=None) -> Reward:
-    return Reward(config=cfg.reward, functions=cfg.reward_functions, tokenizer_path=cfg.model.path, keep=keep)
+    config = cfg.reward
+    if cfg.placement == "colocated":  # on every rank of the generator: one replica per rank
+        config = config.model_copy(update={"replicas": cfg.generator.replicas * cfg.generator.tp})
+    return Reward(config=config, functions=cfg.reward_functions, tokenizer_path=cfg.model.path, keep=keep)
 
 
 def reward_stage(cfg: RunConfig, *, keep=None) -> tuple[list, list[Channel], str]:

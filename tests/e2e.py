@@ -20,12 +20,16 @@ REQUIRED = {"step", "reward_mean", "reward_std", "response_len_mean", "loss", "k
 
 
 def launch(out: Path, *args: str, nproc: int = 3, steps: int = 3, timeout: float = 240,
-           algo: str = "grpo", defaults: bool = False) -> subprocess.CompletedProcess:
-    """defaults: the embedded job as `make demo` runs it, without the small batch of SMALL."""
+           algo: str = "grpo", defaults: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+    """defaults: the embedded job as `make demo` runs it, without the small batch of SMALL. env: added
+    to this process's environment (e.g. TIDAL_THREADS=1: the same float sums in every layout)."""
+    import os
+
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
            "launch.py", "--algo", algo, "--steps", str(steps), "--output-dir", str(out), *([] if defaults else SMALL),
            *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
 
 
 def metrics(out: Path) -> list[dict]:

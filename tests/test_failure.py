@@ -42,7 +42,8 @@ def test_wrong_world_size_fails_fast_naming_both_numbers(tmp_path):
     # issue target: < 10 s on an idle machine (measured in the note); the bound here catches hangs
     # without flaking when CI shares its 2 cores
     assert took < 30, took
-    assert "world size is 2 but the placement needs 3 ranks (generator 1 + reward 1 + trainer 1)" in proc.stderr
+    assert ("world size is 2, but placement=split needs --nproc-per-node 3 (generator 1 + reward 1 + trainer 1); "
+            "placement=colocated --schedule sync needs 1") in proc.stderr
 
 
 def test_first_failure_stands():

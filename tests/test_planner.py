@@ -13,7 +13,7 @@ import pytest
 from launch.cli import main as cli_main
 from planner.calibrate import calibrate, fit_concurrency
 from planner.model import GenFeatures, GenRates, Rates, StepShape, TrainRates, replay_engine, simulate
-from planner.plan import load_rates, slot_choices, slots_table, splits, table
+from planner.plan import colocated, load_rates, slot_choices, slots_table, splits, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,6 +173,21 @@ def test_splits_table_recommends_the_fastest_periodic_split():
     assert len(best) == 1 and best[0].split()[:2] == ["2", "2"]
 
 
+@pytest.mark.parametrize("swap_s, use", [(0.25, "co-located"), (1.0, "split")])
+def test_colocated_row_wins_until_its_swap_costs_more_than_the_overlap_saves(swap_s, use):
+    """The same 4 devices co-located: generation on 4 replicas (1 s), training on 4 units (1 s), in
+    turn, plus the swap; the best split (2/2, periodic) takes 2.5 s. A 0.25 s swap (2.25 s) beats it,
+    a 1 s swap (3 s) does not."""
+    shape = StepShape(prompt_lens=(1,) * 8, lengths=((2,),) * 8, max_batch_prompts=1)
+    rates = Rates(gen=GenRates(forward_s=0.25), train=TrainRates(group_s=0.5), swap_s=swap_s)
+    together = colocated([shape], rates, devices=4)
+    assert (together.replicas, together.dp, together.step_s) == (4, 4, pytest.approx(2.0 + swap_s))
+    best = [line for line in table(splits([shape], rates, devices=4), devices=4, together=together).splitlines()
+            if "<- use" in line]
+    assert len(best) == 1 and ("(co-located)" in best[0]) == (use == "co-located")
+    assert colocated([shape], rates, devices=3, gen_tp=2) is None  # 3 devices hold no whole tp-2 replicas
+
+
 @pytest.mark.parametrize("rows_cost, want", [(False, 4), (True, 1)])
 def test_admission_recommendation_follows_what_a_row_costs(rows_cost, want):
     """4 prompts x 4 samples, every sample at the 10-token cap. If a forward costs the same for any
@@ -216,14 +231,17 @@ def test_plan_flags_are_checked(capsys):
 
 
 def test_plan_calibrates_the_job_on_this_machine():
-    """`--plan` as a user runs it: two 5-step calibration runs of the embedded job, then the table."""
+    """`--plan` as a user runs it: three 5-step calibration runs of the embedded job (sync, periodic,
+    co-located), then the table: every split and the co-located placement."""
     proc = subprocess.run([sys.executable, "launch.py", "--algo", "grpo", "--plan", "--devices", "3"], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "calibrated on this machine" in proc.stdout
     splits_text, admission = proc.stdout.split("\n\ngenerator admission for ")
     lines = [line for line in splits_text.splitlines() if line.strip()[:1].isdigit()]
-    assert [line.split()[:2] for line in lines] == [["1", "2"], ["2", "1"]]
+    assert [line.split()[:2] for line in lines] == [["1", "2"], ["2", "1"], ["3", "(co-located)"]]
+    assert float(lines[-1].split()[5]) > 0  # its sync step s (swap included)
+    lines = lines[:-1]
     # for the marked split, the embedded job's B=8 prompts over its replicas: 1, 2 (as run), 4 and,
     # on one replica, 8 groups at once; one marked
     head, *table_lines = admission.splitlines()
@@ -231,7 +249,7 @@ def test_plan_calibrates_the_job_on_this_machine():
     rows = [line.split() for line in table_lines if line.strip()[:1].isdigit()]
     want = ["1", "2", "4", "8"] if head.startswith("1 generator") else ["1", "2", "4"]
     assert [r[0] for r in rows] == want and sum(r[-1] == "use" for r in rows) == 1
-    assert sum("<- use" in line for line in lines) == 1
+    assert sum("<- use" in line for line in splits_text.splitlines()) == 1
     for line in lines:
         sync_s, periodic_s = float(line.split()[4]), float(line.split()[5])
         assert 0.01 < periodic_s <= sync_s < 10

@@ -3,6 +3,7 @@ log-probs against a teacher-forced forward, per-sample seeds, streaming, and pus
 back through the engine at tp=1 and tp=2."""
 from __future__ import annotations
 
+import os
 import pytest
 import torch
 
@@ -44,7 +45,7 @@ def _checks(tp: int) -> dict:
     from executors.hf import load_model, load_tokenizer
 
     torch.set_num_threads(1)
-    init_distributed(detect_device(), timeout=timedelta(seconds=300))
+    init_distributed(detect_device(), timeout=timedelta(seconds=300), index=int(os.environ.get("LOCAL_RANK", "0")))
     rank = dist.get_rank()
     gen_ranks = tuple(range(tp))
     dist.new_group(list(gen_ranks))  # the framework's groups come first, as in a real job
@@ -205,7 +206,7 @@ def _streaming() -> dict:
     from executors.hf import load_tokenizer
 
     torch.set_num_threads(1)
-    init_distributed(detect_device(), timeout=timedelta(seconds=300))
+    init_distributed(detect_device(), timeout=timedelta(seconds=300), index=int(os.environ.get("LOCAL_RANK", "0")))
     tok = load_tokenizer(None)
     with engine_model_dir(None, seed=0, tokenizer=tok) as model_dir:
         engine = VllmEngine(model_dir=model_dir, ranks=(0,), tp=1, tp_rank=0, dtype="float32",

@@ -134,6 +134,7 @@ class Critic(Learner):
 
     # ---- the streamed phase -----------------------------------------------------------------
     def step(self, ctx: StepContext) -> CriticState:
+        self.onload(ctx)
         state = CriticState()
         for work in self._work(self._in_order(ctx.inbound[self.scored])):  # as the schedule hands them over
             t0 = time.perf_counter()
@@ -215,7 +216,9 @@ class Critic(Learner):
                 steps = [self._optimizer_step(state.sums)]
                 steps += self._later_passes(state)
             self.optim.end_of_batch()
-        return CriticMetrics.of(seen, steps, train_s=state.train_s + time.perf_counter() - t0)
+        train_s = state.train_s + time.perf_counter() - t0
+        self.offload(ctx)
+        return CriticMetrics.of(seen, steps, train_s=train_s)
 
     def _optimizer_step(self, sums: ValueSums) -> tuple[ValueSums, float, float]:
         sums = sums.all_reduce(group=self.models.dp_group)

@@ -64,6 +64,7 @@ class EvalSampler(Executor):
     """Samples the held-out prompts on its host generator's ranks (index i: replica i % replicas)."""
 
     held_out = Output(RolloutGroup)
+    needs_device = False  # it samples with its host's engine, on the host's device
 
     def __init__(self, *, name: str = "eval_sampler", host: Executor, config: EvalConfig, data: DataConfig,
                  max_new_tokens: int):
@@ -95,9 +96,11 @@ class EvalSampler(Executor):
         t0 = time.perf_counter()
         replicas, mine = len(self.env.units), self.env.unit_index
         prompts = [(i, *self.prompts.at(i)) for i in range(len(self.prompts)) if i % replicas == mine]
+        self.host.wake(ctx)  # co-located: the generator released the device after its step
         with ctx.timeline.span("eval"):
             for group in self.host.sample(prompts, self.params, step=ctx.step):
                 ctx.outbound[self.held_out].send(group)
+        self.host.release(ctx)
         return EvalSamplerMetrics(gen_s=time.perf_counter() - t0)
 
 
@@ -105,6 +108,7 @@ class EvalScorer(Executor):
     """Scores the held-out groups on its host reward's ranks; the leader reports the whole set."""
 
     held_out = Input(RolloutGroup)
+    needs_device = False  # its host's rule functions, on the CPU
 
     def __init__(self, *, name: str = "eval", host: Executor, config: EvalConfig):
         super().__init__(name=name, host=host)

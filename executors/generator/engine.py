@@ -209,6 +209,13 @@ class NativeEngine:
         if self._fp32_head is not None:
             self._fp32_head.refresh()
 
+    def release(self) -> None:
+        """Nothing to give back: the KV cache lives only within a `generate` call, and the executors
+        that time-share this device allocate from the same process's caching allocator."""
+
+    def wake(self) -> None:
+        pass
+
     def close(self) -> None:
         """Nothing to release."""
 

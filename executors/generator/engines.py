@@ -32,6 +32,13 @@ class Engine(Protocol):
     def load_weights(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> None:
         """The WEIGHTS channel's push has landed in `shards`: make the engine sample with it."""
 
+    def release(self) -> None:
+        """Give the device's memory back between generations (placement=colocated: the trainer runs
+        next on this device): at least the KV cache; the weights may stay."""
+
+    def wake(self) -> None:
+        """Take the memory `release` gave back, before the next generation or weight load."""
+
     def close(self) -> None:
         """Release what the engine holds, while the world is still up."""
 
@@ -49,6 +56,8 @@ class EngineKind:
     admission: Literal["continuous", "chunked"] | None = None
     config: type | None = None  # its own options' section under generator (generator.vllm: VllmConfig)
     kv_note: str = ""  # its KV cache, where the memory estimate cannot size it: how it is sized
+    # (device type) -> why it cannot give its device memory back there (placement=colocated), or "" when it can
+    no_release: Callable[[str], str] = lambda device_type: ""
 
     def slots(self, generator: dict) -> int:
         """Its decode slots in prompt groups, from a resolved generator section (config.json's)."""
@@ -82,6 +91,12 @@ def _check_vllm(g: GeneratorConfig, model_path: str | None) -> None:
         check_tp_fits_vllm(load_config(model_path), tp=g.tp)
 
 
+def _vllm_no_release(device_type: str) -> str:
+    if device_type == "cpu":  # vLLM's sleep mode is its CUDA (and Ascend) memory pool's
+        return "vLLM's CPU platform has no sleep mode, so it cannot give its memory back to the trainer"
+    return ""
+
+
 def _build_native(gen, env: ExecutorEnv):
     from executors.generator.engine import NativeEngine
     from executors.hf import load_model
@@ -110,7 +125,7 @@ def _build_vllm(gen, env: ExecutorEnv):
             model_dir=model_dir, ranks=env.ranks, tp=gen.cfg.tp, tp_rank=tp_rank,
             dtype=gen.model_cfg.dtype, eos_token_id=gen.tokenizer.eos_token_id, seed=env.seed,
             max_model_len=gen.cfg.vllm.max_model_len or gen.data_cfg.max_prompt_tokens + gen.longest_response,
-            config=gen.cfg.vllm, device_type=env.device.type)
+            config=gen.cfg.vllm, device_type=env.device.type, sleep_mode=env.time_shared)
     if env.is_leader:
         print(f"tidal: vLLM engine ready in {engine.init_s:.1f} s", flush=True)
     return engine, specs, shards
@@ -121,4 +136,5 @@ ENGINES.register("native", EngineKind(build=_build_native, check=_no_check, slot
                                       slots_are_rows=False, push_buffer=False))
 ENGINES.register("vllm", EngineKind(build=_build_vllm, check=_check_vllm, slots_key="generator.vllm.max_num_seqs",
                                     slots_are_rows=True, push_buffer=True, admission="continuous", config=VllmConfig,
+                                    no_release=_vllm_no_release,
                                 kv_note="KV cache (vLLM: generator.vllm.gpu_memory_utilization or kv_cache_gb)"))

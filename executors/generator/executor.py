@@ -76,6 +76,7 @@ class Generator(Executor):
         self.rollout = self.rollout_cls(tokenizer=self.tokenizer, config=self.multi_turn,
                                         max_new_tokens=self.cfg.max_new_tokens)
         self.engine, self.specs, self.shards = ENGINES.get(self.cfg.engine).build(self, env)
+        self._released = False  # time-shared: the engine gave its memory back (release), until wake
         rows = (load_prompts(self.data_cfg.path, self.data_cfg.columns) if self.data_cfg.path else
                 [self.embedded_row(r) for r in embedded_prompts(self.data_cfg.embedded_prompts, seed=env.seed)])
         self.prompts = PromptSet(rows, tokenizer=self.tokenizer, max_prompt_tokens=self.data_cfg.max_prompt_tokens,
@@ -116,6 +117,7 @@ class Generator(Executor):
         return str(self.env.resume) if self.resumes_weights else self.model_cfg.path
 
     def step(self, ctx: StepContext):
+        self.wake(ctx)
         pushes = ctx.inbound[self.weights]
         with ctx.timeline.span("weights_recv"):
             received = pushes.receive_into(self.shards, self.specs)  # shard by shard
@@ -152,6 +154,7 @@ class Generator(Executor):
             print(f"tidal: warning: {len(errors)} samples ended by an environment error at step {ctx.step} "
                   f"(scored 0, multi_turn.on_error=zero); the first: {errors[0]}", flush=True)
         cut, resumed = self._partial_counts(ctx.step)
+        self.release(ctx)
         return GeneratorMetrics(gen_s=gen_s, gen_tokens_per_s=tokens / max(gen_s, 1e-9), gen_start_t=start_t,
                                 gen_end_t=time.time(), prompts_generated=next_index, sampling_rounds=rounds + 1,
                                 turns_mean=(sum(e["turns"] for e in self.episodes) / len(self.episodes)
@@ -218,8 +221,24 @@ class Generator(Executor):
     def sample(self, prompts: list[tuple[int, PromptRow, list[int]]], params: SamplingParams, *,
                step: int) -> Iterator[RolloutGroup]:
         """Each (index, row, token ids) prompt's group, the moment its samples are done, with the
-        weights of this step (also a guest's way to this engine, e.g. an evaluation's)."""
+        weights of this step (also a guest's way to this engine, e.g. an evaluation's: it wakes the
+        engine first, and releases it after)."""
         return self.rollout.run(self.engine, prompts, params, step=step, stop=self._stop_now)
+
+    # ---- time-sharing the device (placement=colocated) ---------------------------------------------
+    def wake(self, ctx: StepContext) -> None:
+        """Take the device back (the trainer offloaded its state at its barrier): the `onload` span."""
+        if self.env.time_shared and self._released:
+            with ctx.timeline.span("onload"):
+                self.engine.wake()
+            self._released = False
+
+    def release(self, ctx: StepContext) -> None:
+        """Give the device to the trainer, which trains next on it: the `offload` span."""
+        if self.env.time_shared and not self._released:
+            with ctx.timeline.span("offload"):
+                self.engine.release()
+            self._released = True
 
     def sampling(self, *, n: int, max_new_tokens: int, seed: int, temperature: float) -> SamplingParams:
         """Sampling parameters for a guest: the generator's top-p and top-k, its own n, length, noise and temperature."""

@@ -85,7 +85,10 @@ def vllm_available() -> bool:
 
 class VllmEngine:
     def __init__(self, *, model_dir: str | Path, ranks: tuple[int, ...], tp: int, tp_rank: int, dtype: str,
-                 eos_token_id: int, max_model_len: int, config: VllmConfig, seed: int, device_type: str):
+                 eos_token_id: int, max_model_len: int, config: VllmConfig, seed: int, device_type: str,
+                 sleep_mode: bool = False):
+        """sleep_mode: the device is time-shared with the trainer (placement=colocated): `release`
+        puts vLLM to sleep (level 1: the KV cache dropped, the weights moved to host memory)."""
         # Before vLLM is imported: its CPU worker would otherwise bind OpenMP threads to NUMA cores and
         # fight the other ranks of this machine (our ranks pin their own thread counts).
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -115,7 +118,8 @@ class VllmEngine:
                 # on CPU a chunked prefill of a seeded request crashes vLLM (it rewinds the CUDA
                 # generator's offset): whole prefills only (multi-turn requests are long)
                 enable_chunked_prefill=device_type != "cpu",
-                logprobs_mode="processed_logprobs", runner="generate", **device_kw)
+                logprobs_mode="processed_logprobs", runner="generate", enable_sleep_mode=sleep_mode, **device_kw)
+        self.sleep_mode, self.asleep = sleep_mode, False
         self.init_s = time.perf_counter() - t0
         self._next_id = 0
 
@@ -229,6 +233,16 @@ class VllmEngine:
         # in process (external_launcher), so the iterator is consumed lazily by this rank's worker
         self.llm.collective_rpc(_reload, args=(self._full_views(shards, specs),))
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+
+    def release(self) -> None:
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def close(self) -> None:
         """Run vLLM's teardown now, once, while the world is up. Left to its exit hook (or to garbage

@@ -65,6 +65,7 @@ class CombineRewards(Executor):
     rule = Input(ScoredGroup)
     model = Input(ScoredGroup)
     scored = Output(ScoredGroup)
+    needs_device = False  # sums scores on the CPU
 
     def __init__(self, *, name: str = "combine", config: CombineConfig):
         super().__init__(name=name, units=config.replicas)

@@ -24,6 +24,7 @@ class Reward(Executor):
     rollouts = Input(RolloutGroup)
     scored = Output(ScoredGroup)
     verdicts = Output(GroupVerdict, optional=True)  # dynamic sampling: kept or dropped, back to the generator
+    needs_device = False  # rule functions run on the CPU
 
     def __init__(self, *, name: str = "reward", config: RewardConfig, functions: list[str],
                  tokenizer_path: str | None, keep: Callable[[torch.Tensor], bool] | None = None):

@@ -84,6 +84,7 @@ class Trainer(Learner):
     def step(self, ctx: StepContext) -> StepState:
         """Mini-batch 0 trains as its groups arrive (ratio 1: the policy still holds the generation
         weights); later mini-batches and epochs wait for the barrier."""
+        self.onload(ctx)
         # the step's starting weights: the sampler's on-policy, the proximal policy under offpolicy
         self.models.snapshot_()
         state = StepState()
@@ -212,8 +213,10 @@ class Trainer(Learner):
         with ctx.timeline.span("push"):
             ctx.outbound[self.weights].push(self.models.shards(), self.models.specs)
             ctx.outbound[self.weights].flush()
+        push_s = time.perf_counter() - t0
+        self.offload(ctx)
         return TrainerMetrics.of(record, steps, digests, errors=errors, staleness=_staleness(versions),
-                                 train_s=train_s, push_s=time.perf_counter() - t0,
+                                 train_s=train_s, push_s=push_s,
                                  first_train_t=state.first_train_t, push_end_t=time.time())
 
     def _log_samples(self, state: StepState, mu_scale) -> None:

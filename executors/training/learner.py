@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
+import torch
+
 from executors.base import Executor
 from executors.training.config import LearnerConfig
 from executors.training.order import Work, in_index_order, work_units
@@ -32,6 +34,20 @@ class Learner(Executor):
         return work_units(groups, micro_batches=self.models.micro_batches, mini_batch_of=self._mini_batch,
                           mini_batches=self.cfg.mini_batches,
                           lockstep=self.models.dp_group if self.shards_over_units else None)
+
+    # ---- time-sharing the device (placement=colocated) ---------------------------------------------
+    def onload(self, ctx) -> None:
+        """Before training: the optimizer state back on the device (the `onload` span)."""
+        if self.env.time_shared:
+            with ctx.timeline.span("onload"):
+                self.optim.move_state_(self.env.device)
+
+    def offload(self, ctx) -> None:
+        """After the barrier's push: the optimizer state to host memory while the engine generates
+        (the `offload` span); the weights stay, the trainer's forwards need them first."""
+        if self.env.time_shared:
+            with ctx.timeline.span("offload"):
+                self.optim.move_state_(torch.device("cpu"))
 
     def _mini_batch(self, index: int) -> int:
         # groups i and i + dp land on different dp ranks; stepping over dp keeps mini-batches balanced

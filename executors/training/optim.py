@@ -112,6 +112,14 @@ class Optimizer:
     def end_of_batch(self) -> None:
         self.sched.step()
 
+    def move_state_(self, device: torch.device) -> None:
+        """Move AdamW's moments to `device` (placement=colocated: to host memory while the engine
+        generates on the device, back before training). The step counts stay where AdamW keeps them."""
+        for state in self._local().state.values():
+            for key, value in state.items():
+                if key != "step" and torch.is_tensor(value):
+                    state[key] = value.to(device)
+
     # ---- checkpoints: torch.distributed.checkpoint keys the optimizer state by parameter name and
     # records each shard's place in the full tensor, so a run saved under one layout (dp, tp, FSDP)
     # loads under another; the schedule is a few numbers, written by the leader as JSON.

@@ -1,0 +1,123 @@
+"""Process groups, the resharding push and shared-prompt attention on the device."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from channels import p2p
+from channels.push import WeightPush
+from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
+from tests.spawn import spawn
+from tests_gpu.conftest import needs_devices
+
+
+def _model(seed: int, device):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).to(device)
+
+
+def _plan(model, t_ranks, g_ranks, *, g_tp: int = 1):
+    from executors.parallel import param_specs
+
+    return build_plan(specs=param_specs(model), trainer=TrainerLayout(ranks=t_ranks, tp=1, fsdp=False),
+                      generator=GeneratorLayout(ranks=g_ranks, tp=g_tp), bucket_bytes=1 << 16)
+
+
+def _start(device_type: str, index: int):
+    """This rank's device and process group (the device backend: nccl / hccl; gloo on the CPU
+    stand-in), a "trained" model and an engine's copy that differs from it."""
+    device = torch.device(device_type, index) if device_type != "cpu" else torch.device("cpu")
+    if device_type != "cpu":
+        getattr(torch, device_type).set_device(device)
+    dist.init_process_group({"cuda": "nccl", "npu": "hccl"}.get(device_type, "gloo"))
+    trained, engine = _model(0, device), _model(1, device)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.mul_(1.5)
+    return device, trained, engine
+
+
+def _push_two(device_type: str):
+    """Rank 0 trains, rank 1 generates: the push over the device backend (nccl / hccl; gloo on the
+    CPU stand-in), every piece from the trainer's device tensors to the generator's."""
+    rank = int(__import__("os").environ["RANK"])
+    device, trained, engine = _start(device_type, rank)
+    plan = _plan(trained, (0,), (1,))
+    push = WeightPush(plan, rank=rank, device=device)
+    push.run({n: p.detach() for n, p in (trained if rank == 0 else engine).named_parameters()})
+    out = {n: p.detach().cpu() for n, p in (trained if rank == 0 else engine).named_parameters()}
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+@needs_devices(2)
+def test_push_between_two_devices_over_the_device_backend(device):
+    trainer, generator = spawn(_push_two, 2, device.type, timeout_s=300)
+    assert trainer.keys() == generator.keys()
+    assert all(torch.equal(trainer[n], generator[n]) for n in trainer)
+
+
+def _push_colocated(device_type: str):
+    """One rank is both (placement=colocated): the push is a copy in the device's memory."""
+    device, trained, engine = _start(device_type, 0)
+    plan = _plan(trained, (0,), (0,))
+    assert all(p.src == p.dst == 0 for p in plan.pieces)
+    sender = WeightPush(plan, rank=0, device=device, side="send")
+    receiver = WeightPush(plan, rank=0, device=device, side="receive")
+    messages = sender.pack({n: p.detach() for n, p in trained.named_parameters()})
+    assert all(buf.device == device for _, buf in messages)
+    works = [p2p.isend(buf, dst, owned=True) for dst, buf in messages]
+    receiver.run({n: p.detach() for n, p in engine.named_parameters()})
+    for w in works:
+        w.wait()
+    same = all(torch.equal(a, b) for a, b in zip(trained.parameters(), engine.parameters()))
+    dist.destroy_process_group()
+    return same
+
+
+def test_colocated_push_is_a_copy_on_the_device(device):
+    assert spawn(_push_colocated, 1, device.type, timeout_s=300) == [True]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_flex_shared_prompt_mask_equals_dense(device, shared):
+    """flex attention's BlockMask (CUDA: forward and backward) against the dense [L, L] mask."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from executors.training.packing import pack_group
+
+    model = _model(0, device)
+    model.config._attn_implementation = "sdpa"
+    from executors.training.packed_attention import install
+
+    install(model)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 128, (9,), generator=g)
+    responses = [torch.randint(0, 128, (n,), generator=g) for n in (5, 1, 12, 3)]
+    got = {}
+    for backend in ("dense", "flex"):
+        model.zero_grad(set_to_none=True)
+        mbs = pack_group(prompt, responses, token_budget=10 ** 6, pad_id=0, device=device, shared_prompt=shared,
+                         backend=backend)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # flex on the CPU stand-in runs uncompiled, forward only
+            if device.type == "cpu":
+                with torch.no_grad():
+                    logp = [mb.logprobs(model, temperature=1.0) for mb in mbs]
+                got[backend] = (logp, None)
+                continue
+            logp = [mb.logprobs(model, temperature=1.0) for mb in mbs]
+            sum(x.sum() for x in logp).backward()
+        got[backend] = (logp, [p.grad.clone() for p in model.parameters()])
+    for a, b in zip(got["dense"][0], got["flex"][0]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+    if got["flex"][1] is not None:
+        for a, b in zip(got["dense"][1], got["flex"][1]):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
