@@ -170,18 +170,13 @@ def sources(resolved: dict, layers: list[tuple[str, dict]]) -> dict[str, str]:
 PLACEMENT_SOURCE = "placement=colocated"
 
 
-COLOCATED_VLLM_MEMORY = 0.4  # verl's co-located rollout default is 0.5; the trainer's weights stay beside it
-
-
 def placement_defaults(data: dict) -> dict[str, object]:
     """placement=colocated runs the sync schedule where the user chose none (controller/colocate.py),
-    and a vLLM engine takes less of the device: it shares it with the trainer, whose weights stay
-    there while the engine is awake (its KV cache is sized at start-up, from this fraction)."""
+    and the engine's own co-located defaults (its registry entry's) where the user set none."""
+    from executors.generator.engines import ENGINES
+
     if data.get("placement") != "colocated":
         return {}
-    out = {}
-    if not _is_set(data, "schedule.kind"):
-        out["schedule.kind"] = "sync"
-    if (data.get("generator") or {}).get("engine") == "vllm" and not _is_set(data, "generator.vllm.gpu_memory_utilization"):
-        out["generator.vllm.gpu_memory_utilization"] = COLOCATED_VLLM_MEMORY
-    return out
+    engine = ENGINES.get((data.get("generator") or {}).get("engine") or "native")
+    out = {"schedule.kind": "sync", **engine.colocated_defaults}
+    return {key: value for key, value in out.items() if not _is_set(data, key)}

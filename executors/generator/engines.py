@@ -8,7 +8,7 @@ the sampled tokens; a multi-turn rollout's `turns` get each sample's turn ends a
 observation's ids, which the engine appends to that sample's KV."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, Literal, Mapping, Protocol
 
 from common.registry import Registry
@@ -58,6 +58,8 @@ class EngineKind:
     kv_note: str = ""  # its KV cache, where the memory estimate cannot size it: how it is sized
     # (device type) -> why it cannot give its device memory back there (placement=colocated), or "" when it can
     no_release: Callable[[str], str] = lambda device_type: ""
+    # placement=colocated: config defaults where the user set none ({dotted key: value})
+    colocated_defaults: dict = field(default_factory=dict)
 
     def slots(self, generator: dict) -> int:
         """Its decode slots in prompt groups, from a resolved generator section (config.json's)."""
@@ -137,4 +139,7 @@ ENGINES.register("native", EngineKind(build=_build_native, check=_no_check, slot
 ENGINES.register("vllm", EngineKind(build=_build_vllm, check=_check_vllm, slots_key="generator.vllm.max_num_seqs",
                                     slots_are_rows=True, push_buffer=True, admission="continuous", config=VllmConfig,
                                     no_release=_vllm_no_release,
+                                    # it shares the device with the trainer's weights, which stay there
+                                    # (verl's co-located rollout default is 0.5)
+                                    colocated_defaults={"generator.vllm.gpu_memory_utilization": 0.4},
                                 kv_note="KV cache (vLLM: generator.vllm.gpu_memory_utilization or kv_cache_gb)"))
