@@ -91,6 +91,7 @@ def _one(name: str, options: dict, G: int, R: int) -> dict:
                         reward_failures=0)
 
     class Sink:  # the weight push goes nowhere: one rank, no generator
+        bytes_per_push = 0  # what a WEIGHTS port reports (controller/world.py Outlet)
         def push(self, shards, specs):
             pass
 

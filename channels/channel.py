@@ -62,6 +62,7 @@ class Route:
     src_units: tuple[tuple[int, ...], ...]
     dst_units: tuple[tuple[int, ...], ...]
     src_sharded: bool = False  # the source's units hold shards of one model copy (FSDP), not replicas
+    src_ep: int = 1  # runs of this many source units split an MoE model's experts (expert parallel)
 
     def destinations(self, kind: Kind, item) -> tuple[int, ...]:
         if kind is Kind.BROADCAST:

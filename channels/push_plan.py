@@ -51,6 +51,7 @@ class TrainerLayout:
     ranks: tuple[int, ...]  # global ranks, row-major over (dp, tp) like executors/parallel/mesh.py
     tp: int = 1
     fsdp: bool = False
+    ep: int = 1  # dp rank d holds experts chunk d % ep of a parameter with an experts dim (ParamSpec.ep_dim)
 
     def __post_init__(self):
         if self.tp < 1 or not self.ranks or len(self.ranks) % self.tp:
@@ -70,6 +71,8 @@ class TrainerLayout:
 
     def box(self, spec: ParamSpec, *, d: int, t: int) -> Box:
         box = _tp_box(spec, tp=self.tp, t=t)
+        if spec.ep_dim is not None and self.ep > 1:
+            box[spec.ep_dim] = chunk(spec.shape[spec.ep_dim], self.ep, d % self.ep)
         if self.fsdp:
             lo, hi = box[0]
             start, stop = chunk(hi - lo, self.dp, d)

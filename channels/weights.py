@@ -28,18 +28,18 @@ from channels import p2p
 from channels.channel import Channel, Route
 from channels.payloads import ParamSpec
 from channels.push import WeightPush
-from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
+from channels.push_plan import GeneratorLayout, PushPlan, TrainerLayout, build_plan
 
 
 def _layouts(route: Route) -> tuple[TrainerLayout, GeneratorLayout]:
     trainer = TrainerLayout(ranks=tuple(r for u in route.src_units for r in u), tp=len(route.src_units[0]),
-                            fsdp=route.src_sharded)
+                            fsdp=route.src_sharded, ep=route.src_ep)
     generator = GeneratorLayout(ranks=tuple(r for u in route.dst_units for r in u), tp=len(route.dst_units[0]))
     return trainer, generator
 
 
 def _describe(specs: Mapping[str, ParamSpec]) -> dict:
-    return {name: [list(s.shape), str(s.dtype), s.tp_dim] for name, s in specs.items()}
+    return {name: [list(s.shape), str(s.dtype), s.tp_dim, s.ep_dim] for name, s in specs.items()}
 
 
 def _specs_key(route: Route) -> str:
@@ -52,12 +52,17 @@ class _Endpoint:
     def __init__(self, *, channel: Channel, route: Route, store, rank: int, device: torch.device):
         self.channel, self.route, self.store, self.rank, self.device = channel, route, store, rank, device
         self._push: WeightPush | None = None
+        self._built: PushPlan | None = None
+
+    def planned(self, specs: Mapping[str, ParamSpec]) -> PushPlan:
+        if self._built is None:
+            trainer, generator = _layouts(self.route)
+            self._built = build_plan(specs=specs, trainer=trainer, generator=generator)
+        return self._built
 
     def _plan(self, specs: Mapping[str, ParamSpec]) -> None:
         if self._push is None:
-            trainer, generator = _layouts(self.route)
-            plan = build_plan(specs=specs, trainer=trainer, generator=generator)
-            self._push = WeightPush(plan, rank=self.rank, device=self.device, tag=self.route.channel_id,
+            self._push = WeightPush(self.planned(specs), rank=self.rank, device=self.device, tag=self.route.channel_id,
                                     side=self.side)
 
     @property
@@ -89,6 +94,7 @@ class WeightsSender(_Endpoint):
         self._recent: dict[int, list[tuple[int, torch.Tensor]]] = {}
         self._in_flight: list[tuple[int, list[dist.Work]]] = []
         self._specs: dict | None = None
+        self.bytes_per_push = 0
 
     def open_step(self, step: int, *, deliverable: bool = True) -> None:
         self.step, self.deliverable = step, deliverable
@@ -100,6 +106,8 @@ class WeightsSender(_Endpoint):
         """Send this rank's pieces of `shards` ({name: local shard}); returns when they are sent, or
         with lag > 1 when they are posted (copied: the caller may change `shards` at once)."""
         lag = self.channel.step_lag
+        if not self.bytes_per_push:  # the trainer's ranks together (a relay between replicas not counted)
+            self.bytes_per_push = sum(p.nbytes for p in self.planned(specs).pieces)
         if not self.deliverable and lag == 1:
             return
         if self._push is None:
@@ -223,7 +231,7 @@ def _check_same_model(theirs: dict, mine: dict, *, channel: str) -> None:
         raise ValueError(f"weights channel {channel!r}: the trainer and generator models differ in parameter "
                          f"names (trainer only: {missing[:3]}, generator only: {extra[:3]})")
     name = next(n for n in theirs if theirs[n] != mine[n])
-    raise ValueError(f"weights channel {channel!r}: parameter {name!r} is [shape, dtype, tp dim] {theirs[name]} "
+    raise ValueError(f"weights channel {channel!r}: parameter {name!r} is [shape, dtype, tp dim, experts dim] {theirs[name]} "
                      f"on the trainer but {mine[name]} on the generator (model.path / model.dtype must match)")
 
 
@@ -232,7 +240,8 @@ _IN_FLIGHT = "weights_in_flight"
 
 def _in_flight_meta(channel: Channel, route: Route, *, specs: dict | None) -> dict:
     return {"lag": channel.step_lag, "src_units": [list(u) for u in route.src_units],
-            "dst_units": [list(u) for u in route.dst_units], "src_sharded": route.src_sharded, "specs": specs}
+            "dst_units": [list(u) for u in route.dst_units], "src_sharded": route.src_sharded, "src_ep": route.src_ep,
+            "specs": specs}
 
 
 def saved_through(resume: Path | None, channel: Channel, route: Route) -> int | None:
@@ -244,7 +253,7 @@ def saved_through(resume: Path | None, channel: Channel, route: Route) -> int | 
     meta = resume / _IN_FLIGHT / f"{channel.name}.json"
     if not meta.is_file():
         return None
-    saved = json.loads(meta.read_text())
+    saved = {"src_ep": 1, **json.loads(meta.read_text())}  # written before expert parallel existed: 1
     same = {k: v for k, v in saved.items() if k not in ("specs", "through")} == \
         {k: v for k, v in _in_flight_meta(channel, route, specs=None).items() if k != "specs"}
     return saved["through"] if same else None

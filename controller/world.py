@@ -44,6 +44,11 @@ class Outlet:
         for sender in self.senders:
             sender.push(shards, specs)
 
+    @property
+    def bytes_per_push(self) -> int:
+        """A WEIGHTS port: what one push carries from the trainer's ranks, over every channel it feeds."""
+        return sum(sender.bytes_per_push for sender in self.senders)
+
     def close_step(self) -> None:
         for sender in self.senders:
             sender.close_step()
@@ -249,7 +254,8 @@ class World:
         holders = device_ranks(self.graph)
         for cid, ch in enumerate(self.graph.channels):
             route = Route(channel_id=cid + 1, src_units=self.units[ch.src], dst_units=self.units[ch.dst],
-                          src_sharded=self.graph.executor(ch.src).shards_over_units)
+                          src_sharded=self.graph.executor(ch.src).shards_over_units,
+                          src_ep=self.graph.executor(ch.src).expert_shards)
             if ch.kind is Kind.WEIGHTS:
                 self._saved_through[ch.name] = saved_through(self.resume, ch, route)
             send_cls, recv_cls = ENDPOINTS[ch.kind]

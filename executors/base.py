@@ -122,6 +122,9 @@ class Executor(ABC):
     # True when the units hold disjoint shards of one model (FSDP) rather than full replicas; the
     # WEIGHTS channel then plans each piece from the one unit that holds it
     shards_over_units: bool = False
+    # an MoE model's experts split over each run of this many consecutive units (expert parallel);
+    # the WEIGHTS channel plans each expert from a unit that holds it
+    expert_shards: int = 1
     # False: computes on the CPU only (its ranks hold no accelerator and join only gloo groups)
     needs_device: bool = True
 

@@ -30,6 +30,7 @@ from algorithms.kl import kl_in_loss
 from algorithms.registry import get_algorithm
 from executors.embedded import MODEL_SIZES
 from executors.generator.engines import ENGINES
+from executors.lora import ALL_LINEAR
 from executors.training.config import LearnerConfig
 from recipes.config import RunConfig
 
@@ -54,6 +55,14 @@ class Shape:
     layers: int
     vocab: int
     kv_width: int  # kv heads x head dim
+    expert_params: int = 0  # mixture of experts: every expert's weights (split over trainer.ep), of `params`
+    active_params: int = 0  # mixture of experts: the parameters one token runs through; 0: all (dense)
+    # the decoder's Linear modules by name: (in, out, how many layers have it), for LoRA's adapters
+    linears: tuple[tuple[str, int, int, int], ...] = ()
+
+    def lora_params(self, *, rank: int, targets: list[str]) -> int:
+        """The parameters of rank-`rank` adapters on the `targets` Linear modules: r x (in + out) each."""
+        return sum(rank * (n_in + n_out) * count for name, n_in, n_out, count in self.linears if name in targets)
 
     @classmethod
     def of(cls, path: str | None, *, classifier: bool = False) -> "Shape | None":
@@ -81,11 +90,29 @@ class Shape:
         model_type = c.get("model_type", "qwen3")
         bias = model_type == "qwen2" or c.get("attention_bias", False)
         attention = h * heads * d + 2 * h * kv * d + heads * d * h + (heads * d + 2 * kv * d if bias else 0)
-        attention += 2 * d if model_type == "qwen3" else 0
+        attention += 2 * d if model_type in ("qwen3", "qwen3_moe") else 0
         mlp = 3 * h * i + (2 * i + h if c.get("mlp_bias", False) else 0)
         per_layer = attention + mlp + 2 * h
         params = vocab * h * (1 if c.get("tie_word_embeddings", False) else 2) + layers * per_layer + h
-        return cls(params, h, i, layers, vocab, kv * d)
+        E = c.get("num_experts") or c.get("num_local_experts")  # the published name; transformers 5 writes the other
+        step, dense_layers = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or ())
+        routed = sum(1 for n in range(layers) if n not in dense_layers and (n + 1) % step == 0) if E else 0
+        linears = (("q_proj", h, heads * d, layers), ("k_proj", h, kv * d, layers), ("v_proj", h, kv * d, layers),
+                   ("o_proj", heads * d, h, layers), ("gate_proj", h, i, layers - routed), ("up_proj", h, i, layers - routed),
+                   ("down_proj", i, h, layers - routed))
+        if not E:
+            return cls(params, h, i, layers, vocab, kv * d, linears=linears)
+        # Qwen3-MoE: a routed layer's MLP is E experts of 3 x h x moe_intermediate_size and a router h x E
+        k, mi = c["num_experts_per_tok"], c["moe_intermediate_size"]
+        experts = routed * E * 3 * h * mi
+        params += routed * (experts // routed + h * E - mlp)
+        active = params - experts + routed * k * 3 * h * mi
+        # activations: a routed layer's MLP holds k expert rows per token
+        return cls(params, h, k * mi if routed == layers else i, layers, vocab, kv * d, experts, active, linears)
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def _config_json(path: str | None) -> dict:
@@ -124,12 +151,17 @@ def micro_batch_tokens(t: LearnerConfig, *, prompt: int, response: int, samples:
 
 
 def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passes: int, head: bool,
-                  tokens: tuple[int, int]) -> dict[str, float]:
+                  tokens: tuple[int, int], adapters: int = 0) -> dict[str, float]:
     """Bytes per rank of a model trained on groups (the trainer's policy, the critic's value model), by
     part. copies: forward-only copies (reference, old policy); passes: gradient accumulators; head:
     LM-head logits in chunks (the policy's log-probs, or a reference's); tokens: the longest
-    micro-batch's (tokens, response tokens), micro_batch_tokens."""
+    micro-batch's (tokens, response tokens), micro_batch_tokens; adapters: LoRA's parameters, the only
+    ones trained (the base frozen: no optimizer state, accumulators or gradient of its own)."""
     shard = t.tp * (t.dp if t.fsdp else 1)
+    # with expert parallel a rank holds 1/ep of the experts: as if the model had this many parameters
+    params = m.params - m.expert_params + m.expert_params / t.ep
+    m = dataclasses.replace(m, params=params)
+    trained = adapters or m.params
     compute_copy = t.precision == "bf16" and not t.fsdp  # a bf16 copy beside the fp32 master
     copy_bytes = 2 if compute_copy else stored  # reference / old policy: copies of the compute weights
     act_bytes = 2 if t.precision == "bf16" or stored == 2 else 4
@@ -143,12 +175,12 @@ def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passe
         head_rows = min(t.logprob_chunk or responses, responses)
         activations += 3 * head_rows * m.vocab * 4  # logits, log-probs, their gradient: fp32
     return {
-        "weights": m.params * (stored + (2 if compute_copy else 0)) / shard,
+        "weights": (m.params + adapters) * (stored + (2 if compute_copy else 0)) / shard,
         "ref/old copies": copies * m.params * copy_bytes / shard,
-        "AdamW state": 2 * m.params * stored / shard,
-        "grad accumulators": passes * m.params * (8 if t.fp64_grad_accumulation else 4) / shard,
+        "AdamW state": 2 * trained * stored / shard,
+        "grad accumulators": passes * trained * (8 if t.fp64_grad_accumulation else 4) / shard,
         # the backward writes each micro-batch's gradient in the compute dtype before it is accumulated
-        "gradient": m.params * (2 if t.precision == "bf16" else stored) / shard,
+        "gradient": trained * (2 if t.precision == "bf16" else stored) / shard,
         "activations (rough)": activations,
     }
 
@@ -162,9 +194,13 @@ def trainer_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
     t, algo = cfg.trainer, cfg.algo_config
     # a batch-scope algorithm's first pass keeps 2 gradients (3 with a KL in the loss): trainer/executor.py
     passes = 1 if get_algorithm(cfg.algo).advantage_scope != "batch" else 2 + int(kl_in_loss(algo))
+    lora = t.lora
     return learner_parts(t, m, stored=_BYTES[cfg.model.dtype], passes=passes, head=True,
-                         copies=int(algo.needs_reference) + int(t.epochs * t.mini_batches > 1),
-                         tokens=_group_tokens(cfg, t))
+                         # with LoRA the reference is the base itself (adapters off): no copy
+                         copies=int(algo.needs_reference and not lora.on) + int(t.epochs * t.mini_batches > 1),
+                         tokens=_group_tokens(cfg, t),
+                         adapters=m.lora_params(rank=lora.rank, targets=lora.target_modules or ALL_LINEAR)
+                         if lora.on else 0)
 
 
 def critic_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
@@ -180,7 +216,9 @@ def generator_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
     dtype = 2 if cfg.trainer.precision == "bf16" or cfg.model.dtype == "bfloat16" else 4
     weights = m.params * dtype / g.tp
     engine = ENGINES.get(g.engine)
-    parts = {"weights": weights, "push buffer": (weights if engine.push_buffer else 0)}
+    lora = cfg.trainer.lora  # with LoRA the pushes, and the engine's copy of them, are the adapters
+    adapters = m.lora_params(rank=lora.rank, targets=lora.target_modules or ALL_LINEAR) * dtype if lora.on else 0
+    parts = {"weights": weights + adapters, "push buffer": (adapters or weights) if engine.push_buffer else 0}
     if not engine.kv_note:  # the memory estimate sizes its KV cache
         # the rows that decode together: a replica's share of the step's prompts (or of the evaluation's),
         # at most max_batch_prompts of them; max_batch_prompts alone counted 4x the rows at B=4, G=4
@@ -274,7 +312,7 @@ def describe_memory(cfg: RunConfig, m: Shape | None, *, executors: tuple[str, ..
         rows.append([name, shown, total])
     if cfg.placement == "colocated" and every:
         rows.append(_colocated_row(every, device=device))
-    count = f"{m.params / 1e9:.2f}B" if m.params >= 1e9 else f"{m.params / 1e6:.1f}M"
+    count = _count(m.params) + (f" ({_count(m.active_params)} active per token)" if m.active_params else "")
     where = ("process: python with torch and transformers, as measured on CPU" if device == "cpu" else
              f"plus each rank's {device} runtime context, not counted")
     ac = "on" if cfg.trainer.activation_checkpointing else "off"

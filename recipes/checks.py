@@ -1,6 +1,8 @@
 """Checks of a run config against the graph it asks for, before any rank starts."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from executors.generator.engines import ENGINES
 from executors.trainer.backends import BACKENDS
 from recipes.config import RunConfig
@@ -43,6 +45,72 @@ def check_partial(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
         if section.mini_batches > 1:
             raise ValueError(f"{field} with {name}.mini_batches={section.mini_batches}: the groups a step trains are "
                              f"the ones that ended in it (their number varies), so a mini-batch could be empty")
+
+
+def check_moe(cfg: RunConfig, *, critic: bool) -> None:
+    """Mixture-of-experts options (trainer.ep, trainer.routing_replay) against the model and the layout."""
+    t = cfg.trainer
+    asked = [f"trainer.ep={t.ep}"] * (t.ep > 1) + ["trainer.routing_replay=true"] * t.routing_replay
+    if critic and cfg.critic.ep > 1:
+        raise ValueError(f"critic.ep={cfg.critic.ep}: expert parallel is built for the trainer's policy only; "
+                         f"set critic.ep=1")
+    if not asked and (cfg.model.path is None or not Path(cfg.model.path, "config.json").is_file()):
+        return  # the embedded model is dense; a directory without config.json: launch/preflight.py names it
+    from executors.hf import load_config  # config.json only
+    from executors.moe import check_ep, moe_shape
+
+    config = load_config(cfg.model.path)
+    shape = moe_shape(config)
+    if shape is not None and getattr(config, "output_router_logits", False):
+        raise ValueError(f"{cfg.model.path}/config.json asks for the load-balancing auxiliary loss "
+                         f"(output_router_logits: true), which is not part of Tidal's objective; set it to false "
+                         f"there (RL fine-tuning trains the routing the policy samples with)")
+    if not asked:
+        return
+    if shape is None:
+        raise ValueError(f"{' and '.join(asked)}: the model (model_type {getattr(config, 'model_type', None)!r}) "
+                         f"is dense, it has no experts to split or routing to replay")
+    if t.ep > 1:
+        check_ep(shape.experts, ep=t.ep)
+        if t.dp % t.ep:
+            raise ValueError(f"trainer.ep={t.ep} must divide trainer.dp={t.dp}: each run of ep dp ranks splits the "
+                             f"experts once")
+        if t.tp > 1 or t.fsdp:
+            raise ValueError(f"trainer.ep={t.ep} with trainer.tp={t.tp}, trainer.fsdp={t.fsdp}: expert parallel runs "
+                             f"with tp=1 and without fsdp (the dense weights replicated over dp)")
+        if not BACKENDS.get(t.backend).expert_parallel:
+            raise ValueError(f"trainer.ep={t.ep} with trainer.backend={t.backend}: that backend has no expert "
+                             f"parallel; use trainer.backend=torch")
+    if t.routing_replay:
+        why = ENGINES.get(cfg.generator.engine).no_routing
+        if why:
+            raise ValueError(f"trainer.routing_replay=true with generator.engine={cfg.generator.engine}: {why}; "
+                             f"use generator.engine=native")
+        if cfg.rollout != "single_turn" or cfg.generator.partial_rollout_tokens is not None:
+            raise ValueError("trainer.routing_replay=true is built for single-turn rollouts generated whole: a "
+                             "multi-turn observation and a resumed partial rollout are fed without recording their "
+                             "routing")
+
+
+def check_lora(cfg: RunConfig) -> None:
+    """trainer.lora against the layout, the engine and the model's modules."""
+    t, lora = cfg.trainer, cfg.trainer.lora
+    if not lora.on:
+        return
+    field = f"trainer.lora.rank={lora.rank}"
+    if not BACKENDS.get(t.backend).lora:
+        raise ValueError(f"{field} with trainer.backend={t.backend}: that backend trains no LoRA adapters; use "
+                         f"trainer.backend=torch")
+    if t.tp > 1 or t.fsdp or cfg.generator.tp > 1:
+        raise ValueError(f"{field} with trainer.tp={t.tp}, trainer.fsdp={t.fsdp}, generator.tp={cfg.generator.tp}: "
+                         f"LoRA runs with tp=1 and without fsdp (the frozen base replicated over dp)")
+    if t.precision == "bf16":
+        raise ValueError(f"{field} with trainer.precision=bf16: a LoRA run keeps no fp32 master copy of the frozen "
+                         f"base; use model.dtype=bfloat16 for a bf16 base (the adapters train in its dtype)")
+    from executors.hf import load_config
+    from executors.lora import check_targets
+
+    check_targets(load_config(cfg.model.path), lora)
 
 
 def check_critic(cfg: RunConfig) -> None:

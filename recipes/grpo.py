@@ -33,8 +33,8 @@ from executors.trainer.executor import Trainer
 from executors.trainer.stats import TrainerMetrics
 from recipes.advantages import ADVANTAGE_SOURCES
 from recipes.base import Phase, Recipe
-from recipes.checks import (check_engine, check_eval, check_partial, check_placement, check_rollout, check_tp,
-                            check_trainer)
+from recipes.checks import (check_engine, check_eval, check_lora, check_moe, check_partial, check_placement,
+                            check_rollout, check_tp, check_trainer)
 from recipes.config import RunConfig
 
 PHASES = (
@@ -68,6 +68,8 @@ def build(cfg: RunConfig) -> Graph:
     check_partial(cfg, dynamic_sampling=dynamic)
     check_placement(cfg, critic="critic" in source.sections)
     check_tp(cfg, critic="critic" in source.sections)  # config.json read once, for every executor's tp
+    check_moe(cfg, critic="critic" in source.sections)
+    check_lora(cfg)
     check_engine(cfg)
     check_rollout(cfg)
     check_eval(cfg)
@@ -100,7 +102,8 @@ def weights_channel(cfg: RunConfig) -> Channel:
 def generator(cfg: RunConfig, *, dynamic_sampling: bool = False) -> Generator:
     longest = (cfg.eval.max_new_tokens or 0) if cfg.eval.every else 0  # the evaluation samples with this engine
     return Generator(config=cfg.generator, model=cfg.generator_model, data=cfg.data, rollout=cfg.rollout,
-                     multi_turn=cfg.multi_turn, dynamic_sampling=dynamic_sampling, longest_response=longest)
+                     multi_turn=cfg.multi_turn, dynamic_sampling=dynamic_sampling, longest_response=longest,
+                     lora=cfg.trainer.lora)
 
 
 def reward(cfg: RunConfig, *, keep=None) -> Reward:

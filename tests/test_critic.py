@@ -30,6 +30,7 @@ ALGO = PPOConfig(beta=0.05, gamma=0.9, lam=0.8, vf_clip=0.01)
 
 class _Sent:
     """Collects what an executor sends on one output port, in-process."""
+    bytes_per_push = 0  # what a WEIGHTS port reports (controller/world.py Outlet)
 
     def __init__(self):
         self.items = []

@@ -41,7 +41,8 @@ ALGORITHM_USERS = ("executors/trainer/", "executors/critic/")
 # executors talk through channels, never by importing each other (DESIGN.md "Layout"): an executor's
 # package may import the shared ones, and another executor's light config classes only
 SHARED_EXECUTOR_PACKAGES = {"base", "hf", "data", "parallel", "training", "embedded", "megatron",  # megatron: a trainer backend
-                            "environments"}  # a multi-turn rollout's, not an executor
+                            "environments",  # a multi-turn rollout's, not an executor
+                            "moe", "lora"}  # model helpers like hf: MoE routing, LoRA adapters
 
 
 def _executor_package(rel: str) -> str | None:

@@ -221,6 +221,7 @@ def _scored(index: int, *, vocab: int, seed: int) -> ScoredGroup:
 
 
 class _Pushed:
+    bytes_per_push = 0  # what a WEIGHTS port reports (controller/world.py Outlet)
     def push(self, shards, specs):
         pass
 

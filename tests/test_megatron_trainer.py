@@ -26,6 +26,7 @@ TOL = 1e-5
 
 
 class _Pushed:
+    bytes_per_push = 0  # what a WEIGHTS port reports (controller/world.py Outlet)
     def push(self, shards, specs):
         assert shards.keys() == specs.keys()
         self.named = {n: t.detach().clone() for n, t in shards.items()}

@@ -10,13 +10,14 @@ from pydantic import BaseModel
 from executors.critic.config import CriticConfig
 from executors.evaluation.config import EvalConfig
 from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, MultiTurnConfig, VllmConfig
+from executors.lora import LoraConfig
 from executors.reward.config import RewardConfig, RewardModelConfig
 from executors.trainer.config import TrainerConfig
 from recipes.config import LoggingConfig, RunConfig
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 SECTIONS = {"top level": RunConfig, "`model`": ModelConfig, "`data`": DataConfig, "`generator`": GeneratorConfig,
-            "`generator.vllm`": VllmConfig, "`reward`": RewardConfig, "`reward.model`": RewardModelConfig, "`trainer`": TrainerConfig, "`critic`": CriticConfig,
+            "`generator.vllm`": VllmConfig, "`reward`": RewardConfig, "`reward.model`": RewardModelConfig, "`trainer`": TrainerConfig, "`trainer.lora`": LoraConfig, "`critic`": CriticConfig,
             "`eval`": EvalConfig, "`logging`": LoggingConfig, "`multi_turn`": MultiTurnConfig}
 NOT_OPTIONS = {"algo", "algo_config", "sources"}  # set by --algo and the CLI, not by a config
 

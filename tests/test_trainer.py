@@ -21,6 +21,7 @@ torch.set_num_threads(1)
 
 class _Pushed:
     """Receives the trainer's weight push in-process (the multi-rank push is tested in test_weights)."""
+    bytes_per_push = 0  # what a WEIGHTS port reports (controller/world.py Outlet)
 
     def __init__(self):
         self.named = None

@@ -1,5 +1,6 @@
 """Whole jobs on one device, co-located (placement=colocated): the embedded GRPO job, bf16 with fp32
-master weights on a 0.5B-shaped model, and the vLLM engine; each adds its step times to the table."""
+master weights on a 0.5B-shaped model, the vLLM engine, the tiny MoE with routing replay and LoRA;
+each adds its step times to the table."""
 from __future__ import annotations
 
 import json
@@ -77,3 +78,27 @@ def test_vllm_engine_colocated_reloads_every_push(device, tmp_path):
     # a wrong or missing weight reload shows as a gap of whole nats
     assert all(r["logp_mismatch_max"] < 0.05 for r in rows), [r["logp_mismatch_max"] for r in rows]
     assert len({r["rollout_digest"] for r in rows}) == 3
+
+
+def test_moe_with_routing_replay_on_one_device(device, tmp_path):
+    """The tiny Qwen3-MoE co-located, replaying the engine's routing: on a device the engine's decode
+    and the trainer's packed forward round differently, so some tokens may route otherwise
+    (routing_mismatch_frac, recorded in the table's run); replay keeps the log-probs close."""
+    from executors.embedded.moe import write_embedded_moe
+
+    model = write_embedded_moe(tmp_path / "moe", seed=0)
+    rows = _job("tiny MoE, routing replay, co-located", tmp_path / "run", device, "--set", f"model.path={model}",
+                "--set", "trainer.routing_replay=true", *SMALL_STEP, "--set", "generator.max_new_tokens=32", steps=3)
+    assert all(0 <= r["routing_mismatch_frac"] < 0.5 for r in rows), [r["routing_mismatch_frac"] for r in rows]
+    assert all(r["logp_mismatch_max"] < 1e-3 for r in rows), [r["logp_mismatch_max"] for r in rows]
+
+
+def test_lora_on_one_device(device, tmp_path):
+    """LoRA co-located: the adapters alone are pushed and the engine samples with them."""
+    rows = _job("embedded GRPO, LoRA rank 8, co-located", tmp_path, device, "--set", "trainer.lora.rank=8",
+                "--set", "trainer.lr=1e-2", steps=3)
+    assert all(r["logp_mismatch_max"] < 1e-4 for r in rows), [r["logp_mismatch_max"] for r in rows]
+    assert len({r["rollout_digest"] for r in rows}) == 3 and (tmp_path / "final" / "adapter_model.safetensors").is_file()
+    from executors.hf import load_model
+
+    assert rows[0]["push_bytes"] < 0.2 * sum(t.numel() * 4 for t in load_model(None).parameters())

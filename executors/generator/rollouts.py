@@ -79,7 +79,7 @@ class SingleTurn:
 def _group(step: int, row: PromptRow, done, **multi_turn) -> RolloutGroup:
     return RolloutGroup(step=step, index=done.index, prompt=row.prompt, extras=row.extras, prompt_ids=done.prompt_ids_P,
                         responses=done.response_ids, logprobs=done.logprobs, finished=done.finished_G,
-                        data_row=row.line, loss_masks=done.loss_masks, **multi_turn)
+                        data_row=row.line, loss_masks=done.loss_masks, routing=done.routing, **multi_turn)
 
 
 @dataclass

@@ -51,8 +51,8 @@ def engine_model_dir(path: str | None, *, seed: int, tokenizer) -> Iterator[str]
         yield tmp
 
 
-def receive_buffers(model_dir: str, *, dtype: torch.dtype, tp: int, tp_rank: int, device: torch.device
-                    ) -> tuple[dict[str, ParamSpec], dict[str, torch.Tensor]]:
+def receive_buffers(model_dir: str, *, dtype: torch.dtype, tp: int, tp_rank: int, device: torch.device,
+                    lora=None) -> tuple[dict[str, ParamSpec], dict[str, torch.Tensor]]:
     """The WEIGHTS channel's view of a vLLM generator rank: the trainer's parameter specs (from a
     meta-device model: no memory) and one tp-local buffer per parameter that pushes land in, in
     Hugging Face names and layout; `load_weights` then hands them to vLLM."""
@@ -63,7 +63,12 @@ def receive_buffers(model_dir: str, *, dtype: torch.dtype, tp: int, tp_rank: int
     config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
     check_tp_fits_vllm(config, tp=tp)
     with torch.device("meta"):
-        specs = param_specs(transformers.AutoModelForCausalLM.from_config(config, dtype=dtype))
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if lora is not None:  # the pushes carry the adapters alone (executors/lora.py)
+            from executors.lora import apply_lora, is_adapter
+
+            model = apply_lora(model, lora, seed=0)
+        specs = {k: v for k, v in param_specs(model).items() if lora is None or is_adapter(k)}
     shards = {name: torch.zeros(local_shape(spec, tp=tp, rank=tp_rank), dtype=spec.dtype, device=device)
               for name, spec in specs.items()}
     return specs, shards
@@ -86,9 +91,11 @@ def vllm_available() -> bool:
 class VllmEngine:
     def __init__(self, *, model_dir: str | Path, ranks: tuple[int, ...], tp: int, tp_rank: int, dtype: str,
                  eos_token_id: int, max_model_len: int, config: VllmConfig, seed: int, device_type: str,
-                 sleep_mode: bool = False):
+                 sleep_mode: bool = False, lora=None, adapter: str | None = None):
         """sleep_mode: the device is time-shared with the trainer (placement=colocated): `release`
-        puts vLLM to sleep (level 1: the KV cache dropped, the weights moved to host memory)."""
+        puts vLLM to sleep (level 1: the KV cache dropped, the weights moved to host memory).
+        lora: the trainer's LoraConfig (trainer.lora): the pushes carry adapters, which every request
+        then runs with (vLLM's LoRA); adapter: a PEFT adapter directory to start from (a resumed run)."""
         # Before vLLM is imported: its CPU worker would otherwise bind OpenMP threads to NUMA cores and
         # fight the other ranks of this machine (our ranks pin their own thread counts).
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -118,8 +125,12 @@ class VllmEngine:
                 # on CPU a chunked prefill of a seeded request crashes vLLM (it rewinds the CUDA
                 # generator's offset): whole prefills only (multi-turn requests are long)
                 enable_chunked_prefill=device_type != "cpu",
-                logprobs_mode="processed_logprobs", runner="generate", enable_sleep_mode=sleep_mode, **device_kw)
+                logprobs_mode="processed_logprobs", runner="generate", enable_sleep_mode=sleep_mode,
+                **device_kw, **_lora_kwargs(lora))
         self.sleep_mode, self.asleep = sleep_mode, False
+        self.lora, self.lora_request, self._adapters, self._adapter_id = lora, None, None, 0
+        if adapter is not None:
+            self._use_adapter(adapter)
         self.init_s = time.perf_counter() - t0
         self._next_id = 0
 
@@ -181,7 +192,7 @@ class VllmEngine:
         rid = f"{tag}-{self._next_id}"
         self._next_id += 1
         owner[rid] = sample
-        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, sp, lora_request=self.lora_request)
 
     def _stream(self, owner, prompts, params, step, stop, turns, budget, done: dict[int, dict[int, "_Sample"]],
                 live: dict[tuple[int, int], "_Sample"]) -> Iterator[GroupCompletion]:
@@ -229,10 +240,29 @@ class VllmEngine:
     # -- weights ----------------------------------------------------------------------------------
 
     def load_weights(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> None:
-        """Load this rank's shards ({HF name: tp-local tensor}) into the engine, in place."""
+        """Load this rank's shards ({HF name: tp-local tensor}) into the engine, in place; with LoRA the
+        pushed adapters, which the next requests run with."""
+        if self.lora is not None:
+            return self._load_adapter(shards)
         # in process (external_launcher), so the iterator is consumed lazily by this rank's worker
         self.llm.collective_rpc(_reload, args=(self._full_views(shards, specs),))
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+
+    def _load_adapter(self, shards: Mapping[str, torch.Tensor]) -> None:
+        """The pushed adapters as a PEFT directory, loaded under a new id (vLLM caches adapters by id)."""
+        from executors.lora import save_state
+
+        if self._adapters is None:
+            self._adapters = tempfile.TemporaryDirectory(prefix="tidal-adapter-")
+        path = Path(self._adapters.name) / f"v{self._adapter_id + 1}"
+        save_state(shards, self.lora, path)
+        self._use_adapter(str(path))
+
+    def _use_adapter(self, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self._adapter_id += 1
+        self.lora_request = LoRARequest("tidal", self._adapter_id, path)
 
     def release(self) -> None:
         if self.sleep_mode and not self.asleep:
@@ -289,6 +319,14 @@ class _Sample:
     def mask(self) -> torch.Tensor:
         return torch.cat([torch.full((p[0].numel(),), p[2]) for p in self.parts]) if self.parts else \
             torch.zeros(0, dtype=torch.bool)
+
+
+def _lora_kwargs(lora) -> dict:
+    """vLLM's LoRA switches for trainer.lora (its max rank is one of a fixed set: the next one up)."""
+    if lora is None:
+        return {}
+    ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    return {"enable_lora": True, "max_loras": 1, "max_lora_rank": next(r for r in ranks if r >= lora.rank)}
 
 
 def _reload(worker, weights) -> None:

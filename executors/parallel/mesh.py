@@ -44,8 +44,8 @@ def _group_count() -> int:
 
 
 def build_mesh(*, ranks: Sequence[int], tp: int, device_type: str = "cpu", members_only: bool = True,
-               parent: dist.ProcessGroup | None = None) -> DeviceMesh | None:
-    """A 2-D DeviceMesh named ("dp", "tp") over `ranks` (row-major, see `mesh_ranks`).
+               parent: dist.ProcessGroup | None = None, names: tuple[str, str] = ("dp", "tp")) -> DeviceMesh | None:
+    """A 2-D DeviceMesh named ("dp", "tp") (or `names`) over `ranks` (row-major, see `mesh_ranks`).
 
     members_only=True: call on the ranks in `ranks` only (all of them). False: call on every rank
     of the world; ranks outside `ranks` get None.
@@ -53,7 +53,7 @@ def build_mesh(*, ranks: Sequence[int], tp: int, device_type: str = "cpu", membe
     grid_DT = mesh_ranks(ranks, tp=tp)
     rank = dist.get_rank()
     if not members_only:
-        mesh = DeviceMesh(device_type, grid_DT, mesh_dim_names=("dp", "tp"))
+        mesh = DeviceMesh(device_type, grid_DT, mesh_dim_names=names)
         return mesh if rank in ranks else None
     if rank not in ranks:
         raise ValueError(f"rank {rank} is not in the mesh ranks {list(ranks)}; with members_only=True "
@@ -68,4 +68,4 @@ def build_mesh(*, ranks: Sequence[int], tp: int, device_type: str = "cpu", membe
     # the same order on every member: tp row first, then dp column
     tp_group = dist.new_group(grid_DT[d].tolist(), use_local_synchronization=True)
     dp_group = dist.new_group(grid_DT[:, t].tolist(), use_local_synchronization=True)
-    return DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=grid_DT, mesh_dim_names=("dp", "tp"))
+    return DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=grid_DT, mesh_dim_names=names)

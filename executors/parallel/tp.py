@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from channels.payloads import ParamSpec
+from executors.moe import expert_modules
 
 
 class ReplicateParallel(ParallelStyle):
@@ -164,12 +165,14 @@ def param_specs(model: nn.Module) -> dict[str, ParamSpec]:
     # a family without a plan cannot run tp > 1 (apply_tp refuses it), so everything is replicated
     plan = PLANS.get(getattr(model.config, "model_type", None), {})
     modules = dict(model.named_modules())
+    experts = expert_modules(model)  # their weights split over the trainer's ep ranks on dim 0
     out = {}
     for name, p in model.named_parameters():
         mod_name, _, p_name = name.rpartition(".")
         style = next((s for pattern, s in plan.items() if _match(pattern, mod_name)), None)
         out[name] = ParamSpec(shape=tuple(p.shape), dtype=p.dtype,
-                              tp_dim=_tp_dim(style, modules[mod_name], p_name) if style else None)
+                              tp_dim=_tp_dim(style, modules[mod_name], p_name) if style else None,
+                              ep_dim=0 if mod_name in experts else None)
     return out
 
 

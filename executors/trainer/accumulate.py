@@ -78,6 +78,8 @@ class LossSums:
     ratio_max: float = 0.0  # its largest token (sequence, for GSPO) value: a max
     is_weight_sum: float = 0.0  # a correction's weights over the tokens kept (algorithms/corrections.py)
     dropped_tokens: float = 0.0  # tokens a correction dropped
+    routed_tokens: float = 0.0  # MoE: tokens trained with the generator's recorded routing at hand
+    routing_differs: float = 0.0  # of them, those whose trainer top-k differed in some layer (executors/moe.py)
 
     def __iadd__(self, other: "LossSums") -> "LossSums":
         for name in Pass:
@@ -92,6 +94,8 @@ class LossSums:
         self.ratio_max = max(self.ratio_max, other.ratio_max)
         self.is_weight_sum += other.is_weight_sum
         self.dropped_tokens += other.dropped_tokens
+        self.routed_tokens += other.routed_tokens
+        self.routing_differs += other.routing_differs
         return self
 
     def all_reduce(self, *, group: dist.ProcessGroup | None) -> "LossSums":
@@ -99,15 +103,16 @@ class LossSums:
             return self
         sums = torch.tensor([*(self.loss[n] for n in Pass), self.denom, self.kl_sum, self.clip_sum,
                              self.entropy_sum, self.entropy_tokens, self.ratio_sum, self.is_weight_sum,
-                             self.dropped_tokens], dtype=torch.float64)
+                             self.dropped_tokens, self.routed_tokens, self.routing_differs], dtype=torch.float64)
         maxima = torch.tensor([self.ratio_max], dtype=torch.float64)
         dist.all_reduce(sums, group=group)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-        *loss, denom, kl_sum, clip_sum, entropy_sum, entropy_tokens, ratio_sum, is_weight_sum, dropped = sums.tolist()
+        *loss, denom, kl_sum, clip_sum, entropy_sum, entropy_tokens, ratio_sum, is_weight_sum, dropped, routed, \
+            differs = sums.tolist()
         (ratio_max,) = maxima.tolist()
         mismatch = self.mismatch.all_gather(group=group)
         return LossSums(dict(zip(Pass, loss)), denom, kl_sum, clip_sum, entropy_sum, entropy_tokens, mismatch,
-                        ratio_sum, ratio_max, is_weight_sum, dropped)
+                        ratio_sum, ratio_max, is_weight_sum, dropped, routed, differs)
 
 
 @dataclass

@@ -17,6 +17,8 @@ class Backend:
     check: Callable[[TrainerConfig, str | None], None]
     # each rank saves its own optimizer shard: a resume keeps the (dp, tp) it was saved under
     per_rank_optimizer: bool = False
+    expert_parallel: bool = False  # it can split an MoE model's experts over dp (trainer.ep)
+    lora: bool = False  # it can train LoRA adapters (trainer.lora)
     about: str = ""
 
 
@@ -53,7 +55,7 @@ def _check_megatron(cfg: TrainerConfig, model_path: str | None) -> None:
 
 
 BACKENDS: Registry[Backend] = Registry("trainer backend")
-BACKENDS.register("torch", Backend(models=_torch_models, check=_no_check,
+BACKENDS.register("torch", Backend(models=_torch_models, check=_no_check, expert_parallel=True, lora=True,
                                    about="HF model classes with DTensor tp and FSDP2"))
 BACKENDS.register("megatron", Backend(models=_megatron_models, check=_check_megatron, per_rank_optimizer=True,
                                       about="megatron-core's GPTModel (the megatron extra; Qwen3/Qwen2/Llama), tp, "

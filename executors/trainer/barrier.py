@@ -34,6 +34,8 @@ class OptimizerStep:
     ratio_max: float = 0.0
     is_weight_sum: float = 0.0
     dropped_tokens: float = 0.0
+    routed_tokens: float = 0.0
+    routing_differs: float = 0.0
 
 
 class Barrier(Optimizer):
@@ -52,4 +54,4 @@ class Barrier(Optimizer):
         grad_norm, lr = self.apply(grads, denom=sums.denom)
         return OptimizerStep(loss, sums.denom, sums.kl_sum, sums.clip_sum, sums.entropy_sum, sums.entropy_tokens,
                              grad_norm, sums.mismatch, lr, sums.ratio_sum, sums.ratio_max, sums.is_weight_sum,
-                             sums.dropped_tokens)
+                             sums.dropped_tokens, sums.routed_tokens, sums.routing_differs)

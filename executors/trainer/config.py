@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
+from executors.lora import LoraConfig
 from executors.training.config import LearnerConfig, lr_factor
 
 __all__ = ["TrainerConfig", "lr_factor"]
@@ -16,6 +17,13 @@ class TrainerConfig(LearnerConfig):
         "torch", description="torch: HF model classes with DTensor tp and FSDP2; megatron: megatron-core's "
         "GPTModel (the megatron extra; Qwen3/Qwen2/Llama), tp, and dp with a ZeRO-1 optimizer "
         "(executors/trainer/backends.py registers them)")
+
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters on a frozen base (rank > 0): "
+                             "adapters alone train and are pushed (executors/lora.py)")
+    routing_replay: bool = Field(
+        False, description="mixture-of-experts models: route each token through the experts the generator "
+        "used (recorded by the native engine) instead of the trainer's own top-k; either way metrics report "
+        "routing_mismatch_frac, the tokens whose own choice differed (executors/moe.py)")
 
     @field_validator("backend")
     @classmethod

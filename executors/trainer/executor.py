@@ -59,7 +59,9 @@ class Trainer(Learner):
         return AdvantagedGroup if per_token else super().consumes(port)
 
     def describe(self):
-        return {"dp": self.cfg.dp, "tp": self.cfg.tp, "fsdp": self.cfg.fsdp, "backend": self.cfg.backend,
+        extra = ({"ep": self.cfg.ep} if self.cfg.ep > 1 else {}) | \
+            ({"lora": f"rank {self.cfg.lora.rank}"} if self.cfg.lora.on else {})
+        return {"dp": self.cfg.dp, "tp": self.cfg.tp, "fsdp": self.cfg.fsdp, **extra, "backend": self.cfg.backend,
                 "algo": self.objective.algorithm.name, "reference": self.objective.needs_reference}
 
     def init(self, env: ExecutorEnv) -> None:
@@ -76,7 +78,8 @@ class Trainer(Learner):
         self.optim = Barrier(self.models.master, compute=self.models.policy, cfg=self.cfg, total_steps=self.total_steps,
                              mesh=self.models.mesh, dp_group=self.models.dp_group, passes=self.objective.first_passes,
                              replicated_dp=not self.shards_over_units, tp_partial=self.models.tp_partial(),
-                             zero=self.models.per_rank_optimizer)
+                             zero=self.models.per_rank_optimizer, experts=self.models.expert_params(),
+                             edp_group=self.models.ep_mesh.get_group("edp") if self.models.ep_mesh else None)
         if env.resume is not None:  # the policy came from the checkpoint; the optimizer and schedule too
             self.optim.load(env.resume / "trainer", group=env.group)
 
@@ -91,7 +94,7 @@ class Trainer(Learner):
         for work in self._work(self._in_order(ctx.inbound[self.scored])):  # as the schedule hands them over
             # a stop drops the step: its groups need not be trained (not in lockstep, where every dp
             # rank would have to agree at the same round)
-            if not self.shards_over_units and unit_aborted(self.env):
+            if not self.lockstep and unit_aborted(self.env):
                 raise StepAborted()
             t0 = time.perf_counter()
             self._take(work, state, ctx)
@@ -161,6 +164,10 @@ class Trainer(Learner):
         advantages of its samples, [N] or per token [N, R]; None: a lockstep dummy, its loss multiplied by 0.
         -> the policy's log-probs, and the generator's where `behaviour` gave them to the loss."""
         logp_NT, entropy_NT = self.models.policy_logprobs(mb, entropy=score is not None)
+        if first_pass and score is not None:  # MoE: how often the trainer's own routing would differ
+            routed, differs = self.models.routing_counts()
+            sums.routed_tokens += routed
+            sums.routing_differs += differs
         if entropy_NT is not None:
             sums.entropy_sum += entropy_NT[mb.mask_NT].sum().item()
             sums.entropy_tokens += mb.mask_NT.sum().item()
@@ -216,7 +223,7 @@ class Trainer(Learner):
         push_s = time.perf_counter() - t0
         self.offload(ctx)
         return TrainerMetrics.of(record, steps, digests, errors=errors, staleness=_staleness(versions),
-                                 train_s=train_s, push_s=push_s,
+                                 train_s=train_s, push_s=push_s, push_bytes=ctx.outbound[self.weights].bytes_per_push,
                                  first_train_t=state.first_train_t, push_end_t=time.time())
 
     def _log_samples(self, state: StepState, mu_scale) -> None:
@@ -263,7 +270,7 @@ class Trainer(Learner):
         self.optim.save(path / "trainer", group=self.env.group, leader=self.env.is_leader)
 
     def finalize(self, output_dir: Path) -> None:
-        self.models.save(output_dir / "final", leader=self.env.is_leader)
+        self.models.finalize(output_dir / "final", leader=self.env.is_leader)
 
 
 def _staleness(versions: dict[int, tuple[int, int, int]]) -> tuple[float, int]:

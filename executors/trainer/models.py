@@ -4,7 +4,8 @@
 - old policy: the weights that generated the step's samples. With one optimizer step per batch it
   equals the policy during the whole first pass, so its log-probs are the detached policy's and no
   copy exists; with several optimizer steps per batch (mini-batches, epochs) a real snapshot is kept.
-- reference: the initial weights, frozen; only when the algorithm has a KL term.
+- reference: the initial weights, frozen; only when the algorithm has a KL term. With LoRA
+  (trainer.lora, executors/lora.py) it is the policy with its adapters off: no copy at all.
 The copies are made before sharding and parallelized alike (executors/parallel), so one micro-batch
 feeds all three on the same ranks without extra communication.
 
@@ -19,13 +20,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from dataclasses import dataclass
+from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from channels.payloads import ScoredGroup
+from executors import moe
 from executors.base import ExecutorEnv
 from executors.hf import cast_parameters, load_model, load_tokenizer
 from executors.parallel import copy_params_, local_shards, param_specs
@@ -46,6 +49,10 @@ class TriModel(LearnerModels):
     temperature: float
     device: torch.device
     master: nn.Module  # what the optimizer steps and checkpoints save: the policy itself, or its fp32 master copy
+    # keyword-only: a backend's subclass adds fields of its own (megatron_models.py)
+    ep_mesh: DeviceMesh | None = field(default=None, kw_only=True)  # ("edp", "ep") with trainer.ep > 1
+    base_reference: bool = field(default=False, kw_only=True)  # LoRA with a reference: the policy's base, adapters off
+    model_path: str | None = field(default=None, kw_only=True)
 
     @classmethod
     def build(cls, *, model_path: str | None, dtype: torch.dtype, env: ExecutorEnv, cfg: TrainerConfig,
@@ -54,36 +61,77 @@ class TriModel(LearnerModels):
         reference stays the initial model of `model_path`."""
         mesh = learner_mesh(env, cfg)
         compute = PRECISIONS[cfg.precision]
-        master = load_model(str(policy_path) if policy_path else model_path, dtype=dtype,
+        lora = cfg.lora
+        # with LoRA a checkpoint holds the adapters alone: the base is always the model's
+        master = load_model(str(policy_path) if policy_path and not lora.on else model_path, dtype=dtype,
                             seed=env.seed).to(env.device).train()
+        if lora.on:
+            from executors.lora import apply_lora, load_adapter
+
+            apply_lora(master, lora, seed=env.seed)
+            if policy_path:
+                load_adapter(master, policy_path)
         policy = trainable_copy(master, cfg)  # the copies below are forward-only: checkpointing is a no-op there
         initial = policy
-        if policy_path and reference:
+        if policy_path and reference and not lora.on:
             initial = load_model(model_path, dtype=dtype, seed=env.seed).to(env.device)
             initial = initial if cfg.fsdp or compute is None else cast_parameters(initial, compute)
         for model in {id(policy): policy, id(initial): initial}.values():
             if cfg.shared_prompt != "padded":  # packed rows need the block-mask attention (copies inherit it)
                 install_packed_attention(model)
-        ref = copy.deepcopy(initial).eval().requires_grad_(False) if reference else None
+        ref = copy.deepcopy(initial).eval().requires_grad_(False) if reference and not lora.on else None
         old = copy.deepcopy(policy).eval().requires_grad_(False) if snapshot else None
+        ep_mesh = None
+        if cfg.ep > 1:
+            from executors.parallel.ep import expert_mesh
+
+            ep_mesh = expert_mesh(env.ranks, ep=cfg.ep, device_type=env.device.type, parent=env.group)
         lay_out([(policy, False), (ref, True), (old, True)] + ([(master, True)] if master is not policy else []),
-                mesh=mesh, cfg=cfg)
-        return cls(policy, old, ref, mesh, load_tokenizer(model_path), cfg, temperature, env.device, master)
+                mesh=mesh, cfg=cfg, ep_mesh=ep_mesh)
+        out = cls(policy, old, ref, mesh, load_tokenizer(model_path), cfg, temperature, env.device, master,
+                  ep_mesh=ep_mesh, base_reference=reference and lora.on, model_path=model_path)
+        for model in (policy, ref, old):  # all three route alike: with replay, the generator's experts
+            routing = moe.install(model) if model is not None else None
+            if routing is not None:
+                routing.mode = "replay" if cfg.routing_replay else "compare"
+                out.moe_shape = routing.shape
+        return out
 
     @property
     def push_dtype(self) -> torch.dtype:
         """The dtype the generator runs in: the compute dtype (weights are cast once, here)."""
         return PRECISIONS[self.cfg.precision] or next(self.policy.parameters()).dtype
 
+    def _pushed(self, name: str) -> bool:
+        """What the generator needs each step: every parameter, or with LoRA the adapters alone."""
+        from executors.lora import is_adapter
+
+        return not self.cfg.lora.on or is_adapter(name)
+
     def shards(self) -> dict[str, torch.Tensor]:
-        """This rank's local shard of every policy parameter, for the weight push, in the generator's
-        dtype (FSDP's sharded bf16 master weights are cast here, once per push)."""
-        return {name: t.to(self.push_dtype) for name, t in local_shards(self.policy).items()}
+        """This rank's local shard of every pushed policy parameter, in the generator's dtype (FSDP's
+        sharded bf16 master weights are cast here, once per push)."""
+        return {name: t.to(self.push_dtype) for name, t in local_shards(self.policy).items() if self._pushed(name)}
+
+    def routing_counts(self) -> tuple[int, int]:
+        """(tokens with a recorded routing, those whose own top-k differed) in the policy's last forward."""
+        routing = moe.routing_of(self.policy)
+        return routing.take() if routing is not None else (0, 0)
+
+    def expert_params(self) -> list[bool] | None:
+        """Per trainable parameter, whether it is split over ep (its gradient sums over the "edp"
+        replicas only); None without expert parallel."""
+        if self.ep_mesh is None:
+            return None
+        from executors.parallel.ep import is_expert
+
+        return is_expert(self.policy)
 
     @functools.cached_property
     def specs(self):
         """The policy's parameter layout, for the WEIGHTS channel's plan."""
-        return {name: dataclasses.replace(spec, dtype=self.push_dtype) for name, spec in param_specs(self.policy).items()}
+        return {name: dataclasses.replace(spec, dtype=self.push_dtype) for name, spec in param_specs(self.policy).items()
+                if self._pushed(name)}
 
     def snapshot_(self) -> None:
         """old <- policy: the weights that generate this step's samples (shard by shard)."""
@@ -121,9 +169,29 @@ class TriModel(LearnerModels):
 
     def ref_logprobs(self, mbs: list, *, pad_to: int) -> list:
         """Reference log-probs per micro-batch (None without a reference), then lockstep dummies."""
+        if self.base_reference:
+            from executors.lora import adapters_disabled
+
+            with adapters_disabled(self.policy):
+                return frozen_logprobs(self.policy, mbs, pad_to=pad_to, dummy=self.dummy, logprobs=self._logprobs)
         return frozen_logprobs(self.reference, mbs, pad_to=pad_to, dummy=self.dummy, logprobs=self._logprobs)
 
     # ---- outputs ------------------------------------------------------------------------------
     def save(self, path, *, leader: bool) -> None:
-        """The full policy (its master weights) as an HF directory."""
-        save_full(self.master, self.tokenizer, path, leader=leader)
+        """The full policy (its master weights) as an HF directory; with LoRA its adapters in PEFT's format."""
+        if not self.cfg.lora.on:
+            return save_full(self.master, self.tokenizer, path, leader=leader)
+        if leader:  # dp replicas hold the same adapters (LoRA runs without tp and FSDP)
+            from executors.lora import save_adapter
+
+            save_adapter(self.master, self.cfg.lora, Path(path), base=self.model_path)
+            self.tokenizer.save_pretrained(path)
+
+    def finalize(self, path, *, leader: bool) -> None:
+        """final/: what `save` writes, and with trainer.lora.merged the merged model in final/merged."""
+        self.save(path, leader=leader)
+        if self.cfg.lora.on and self.cfg.lora.merged and leader:
+            from executors.hf import save_hf
+            from executors.lora import merged_state
+
+            save_hf(self.master, self.tokenizer, Path(path) / "merged", state=merged_state(self.master))

@@ -60,6 +60,9 @@ class TrainerMetrics:
     logp_mismatch_mean: float
     logp_mismatch_p99: float
     logp_mismatch_kl: float
+    # MoE with the generator's routing recorded: the fraction of the tokens trained whose trainer top-k
+    # differed from it in some routed layer (replayed or not: trainer.routing_replay); None for a dense model
+    routing_mismatch_frac: float | None
     groups: int
     samples: int
     reward_failures: int  # samples whose reward failed and was scored 0 (reward.on_error=zero)
@@ -68,6 +71,7 @@ class TrainerMetrics:
     optimizer_steps: int
     train_s: float
     push_s: float
+    push_bytes: int  # what the weight push carries from the trainer's ranks (all parameters, or LoRA's adapters)
     rollout_digest: str  # hash of every sampled token, in prompt/sample order
     first_train_t: float | None
     push_end_t: float
@@ -79,7 +83,8 @@ class TrainerMetrics:
         the first reward error of each group that had one, over all dp ranks; `staleness`: (mean, max)."""
         if not steps:  # no group ended in the step (partial rollouts): nothing to average
             empty = dict.fromkeys((f.name for f in fields(cls) if f.type == "float"), math.nan)
-            return cls(**{**empty, **timing}, staleness_max=0, groups=0, samples=0, reward_failures=0,
+            return cls(**{**empty, **timing}, routing_mismatch_frac=None, staleness_max=0, groups=0, samples=0,
+                       reward_failures=0,
                        reward_first_error=None, tokens=0, optimizer_steps=0,
                        rollout_digest=hashlib.sha256(b"").hexdigest()[:16])
         n, denom = record.samples, sum(s.denom for s in steps)
@@ -95,10 +100,16 @@ class TrainerMetrics:
                    staleness_mean=staleness[0], staleness_max=staleness[1],
                    entropy=sum(s.entropy_sum for s in steps) / max(1.0, sum(s.entropy_tokens for s in steps)),
                    grad_norm=sum(s.grad_norm / len(steps) for s in steps), lr=steps[-1].lr,
-                   **_mismatch(steps), groups=int(record.groups), samples=int(record.samples),
+                   **_mismatch(steps), routing_mismatch_frac=_routing(steps), groups=int(record.groups),
+                   samples=int(record.samples),
                    reward_failures=int(record.reward_failures),
                    reward_first_error=errors[min(errors)] if errors else None, tokens=int(record.tokens),
                    optimizer_steps=len(steps), rollout_digest=digest, **timing)
+
+
+def _routing(steps: list) -> float | None:
+    routed = sum(s.routed_tokens for s in steps)
+    return sum(s.routing_differs for s in steps) / routed if routed else None
 
 
 def _mismatch(steps: list) -> dict[str, float]:

@@ -10,7 +10,15 @@ from typing import NamedTuple
 
 import torch
 
+from executors import moe
 from executors.training.head import TokenLogprobs, chunked_head
+
+
+class Routes(NamedTuple):
+    """A group's recorded routing (executors/moe.py unpack): long expert ids, UNRECORDED where none."""
+
+    prompt: torch.Tensor  # [P, routed layers, k]
+    responses: list[torch.Tensor]  # G x [R_i, routed layers, k]
 
 
 @dataclass(frozen=True)
@@ -23,6 +31,9 @@ class MicroBatch:
     # model (the environment's tokens are input, context only: never a log-prob, never a gradient)
     mask_NT: torch.Tensor
     prompt_len: int
+    # an MoE model's recorded expert ids of each input token, [N, P + T, routed layers, k]
+    # (UNRECORDED on padding; executors/moe.py); None: not recorded
+    routes: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -39,6 +50,7 @@ class MicroBatch:
         out = []
         # the token at position P + t is predicted by the hidden state at P + t - 1
         keep = torch.arange(self.prompt_len - 1, self.prompt_len - 1 + T, device=self.input_ids_NL.device)
+        moe.set_given(model, None if self.routes is None else self.routes.flatten(0, 1))
         with chunked_head(model, select=lambda h_NTH: h_NTH[self.mask_NT], targets_K=self.targets_NT[self.mask_NT],
                           temperature=temperature, chunk=chunk, entropy=entropy, out=out):
             model(input_ids=self.input_ids_NL, attention_mask=self.attention_mask_NL, logits_to_keep=keep, use_cache=False)
@@ -66,8 +78,10 @@ def check_loss_masks(responses: list[torch.Tensor], loss_masks: list[torch.Tenso
 
 
 def split_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, micro_batch_size: int,
-                pad_id: int, device: torch.device, loss_masks: list[torch.Tensor] | None = None) -> list[MicroBatch]:
-    """loss_masks: G x [R_i] bool, the tokens trained (the model's); None: all of them."""
+                pad_id: int, device: torch.device, loss_masks: list[torch.Tensor] | None = None,
+                routes: Routes | None = None) -> list[MicroBatch]:
+    """loss_masks: G x [R_i] bool, the tokens trained (the model's); None: all of them. routes: an MoE
+    model's recorded routing."""
     check_loss_masks(responses, loss_masks)
     P = prompt_ids_P.numel()
     out = []
@@ -80,6 +94,7 @@ def split_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, mi
         attn = torch.zeros((N, P + T), dtype=torch.long)
         targets = torch.zeros((N, T), dtype=torch.long)
         mask = torch.zeros((N, T), dtype=torch.bool)
+        experts = None if routes is None else torch.full((N, P + T, *routes.prompt.shape[1:]), moe.UNRECORDED)
         for n, r in enumerate(resp):
             R = r.numel()
             input_ids[n, :P] = prompt_ids_P
@@ -87,8 +102,10 @@ def split_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, mi
             attn[n, :P + R] = 1
             targets[n, :R] = r
             mask[n, :R] = True if loss_masks is None else loss_masks[samples[n]]
+            if experts is not None:
+                experts[n, :P], experts[n, P:P + R] = routes.prompt, routes.responses[samples[n]]
         out.append(MicroBatch(samples, input_ids.to(device), attn.to(device), targets.to(device),
-                              mask.to(device), P))
+                              mask.to(device), P, None if experts is None else experts.to(device)))
     return out
 
 

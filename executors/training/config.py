@@ -17,6 +17,9 @@ class LearnerConfig(BaseModel):
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per unit (must divide heads, kv heads, "
                     "intermediate size and vocabulary)")
     fsdp: bool = Field(False, description="shard the model and its copies over dp with FSDP2 (else dp replicates)")
+    ep: int = Field(1, ge=1, description="expert parallel (mixture-of-experts models): each group of ep dp ranks "
+                    "splits the experts, ep ranks holding experts/ep each; tokens reach their experts by "
+                    "all-to-all (must divide dp and the experts; tp 1, no fsdp)")
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16: forward and backward in bfloat16 on a bf16 copy of fp32 master weights (the "
         "optimizer steps the fp32 weights; FSDP2's mixed precision with fsdp)")

@@ -23,7 +23,10 @@ class Learner(Executor):
         self.cfg = config
         # FSDP over several dp units: they hold shards of one copy and train in lockstep rounds (order.py)
         self.shards_over_units = config.fsdp and config.dp > 1
-        self.ordered = config.tp > 1 or self.shards_over_units
+        # expert parallel: every forward is an all-to-all over the units, so they go in lockstep too
+        self.lockstep = self.shards_over_units or (config.ep > 1 and config.dp > 1)
+        self.expert_shards = config.ep
+        self.ordered = config.tp > 1 or self.lockstep
         self.passes = config.epochs * config.mini_batches  # optimizer steps per batch
 
     def _in_order(self, groups: Iterable) -> Iterable:
@@ -33,7 +36,7 @@ class Learner(Executor):
     def _work(self, groups: Iterable) -> Iterator[Work]:
         return work_units(groups, micro_batches=self.models.micro_batches, mini_batch_of=self._mini_batch,
                           mini_batches=self.cfg.mini_batches,
-                          lockstep=self.models.dp_group if self.shards_over_units else None)
+                          lockstep=self.models.dp_group if self.lockstep else None)
 
     # ---- time-sharing the device (placement=colocated) ---------------------------------------------
     def onload(self, ctx) -> None:

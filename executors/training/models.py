@@ -13,9 +13,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from executors import moe
 from executors.base import ExecutorEnv
 from executors.hf import cast_parameters, save_hf
 from executors.parallel import apply_ac, build_mesh, full_state_dict, parallelize
+from executors.training.batching import Routes
 from executors.training.config import LearnerConfig
 from executors.training.packing import auto_shared_prompt, make_micro_batches
 
@@ -40,10 +42,15 @@ def trainable_copy(master: nn.Module, cfg: LearnerConfig) -> nn.Module:
     return model
 
 
-def lay_out(models: list[tuple[nn.Module | None, bool]], *, mesh: DeviceMesh | None, cfg: LearnerConfig) -> None:
-    """Tensor parallel and/or FSDP2 on each (model, forward_only), in place; the copies of one learner
-    share its layout, so one micro-batch feeds all of them on the same ranks."""
+def lay_out(models: list[tuple[nn.Module | None, bool]], *, mesh: DeviceMesh | None, cfg: LearnerConfig,
+            ep_mesh: DeviceMesh | None = None) -> None:
+    """Expert parallel, tensor parallel and/or FSDP2 on each (model, forward_only), in place; the copies
+    of one learner share its layout, so one micro-batch feeds all of them on the same ranks."""
     for model, forward_only in models:
+        if model is not None and ep_mesh is not None:
+            from executors.parallel.ep import apply_ep
+
+            apply_ep(model, mesh=ep_mesh["ep"])
         if model is not None and (cfg.tp > 1 or cfg.fsdp):
             parallelize(model, mesh=mesh, tp=cfg.tp > 1, fsdp=cfg.fsdp, forward_only=forward_only,
                         param_dtype=PRECISIONS[cfg.precision])
@@ -55,12 +62,14 @@ def shares_prompt(cfg: LearnerConfig, prompt_ids_P: torch.Tensor, responses: lis
 
 
 def micro_batches(cfg: LearnerConfig, prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, pad_id: int,
-                  device: torch.device, loss_masks: list[torch.Tensor] | None = None) -> list:
+                  device: torch.device, loss_masks: list[torch.Tensor] | None = None,
+                  routes: Routes | None = None) -> list:
     """A group's micro-batches: fixed by the group alone (sample index order), never by arrival
-    (DESIGN.md determinism rule 2). loss_masks: the tokens trained (RolloutGroup.loss_masks)."""
+    (DESIGN.md determinism rule 2). loss_masks: the tokens trained (RolloutGroup.loss_masks). routes:
+    an MoE model's recorded routing (executors/moe.py)."""
     return make_micro_batches(prompt_ids_P, responses, mode=cfg.shared_prompt, token_budget=cfg.token_budget,
                               micro_batch_size=cfg.micro_batch_size, pad_id=pad_id, device=device,
-                              loss_masks=loss_masks)
+                              loss_masks=loss_masks, routes=routes)
 
 
 class LearnerModels:
@@ -70,14 +79,27 @@ class LearnerModels:
     cfg: LearnerConfig
     mesh: DeviceMesh | None
     device: torch.device
+    moe_shape: moe.MoeShape | None = None  # an MoE model's, whose forwards replay or compare its recorded routing
+    ep_mesh: DeviceMesh | None = None  # ("edp", "ep") under expert parallel
+
+    def routing_counts(self) -> tuple[int, int]:
+        """(tokens with a recorded routing, those whose own top-k differed) in the last policy forward."""
+        return 0, 0
+
+    def expert_params(self) -> list[bool] | None:
+        """Per trainable parameter, whether it is split over expert-parallel ranks; None: no expert parallel."""
+        return None
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.mesh.get_group("dp") if self.mesh is not None else None
 
     def micro_batches(self, group) -> list:
+        routes = None
+        if self.moe_shape is not None and group.routing is not None:
+            routes = Routes(*moe.unpack(group.routing, self.moe_shape))
         return micro_batches(self.cfg, group.prompt_ids, group.responses, pad_id=self.tokenizer.pad_token_id,
-                             device=self.device, loss_masks=group.loss_masks)
+                             device=self.device, loss_masks=group.loss_masks, routes=routes)
 
     @functools.cached_property
     def dummy(self):

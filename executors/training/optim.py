@@ -40,10 +40,12 @@ class Gradients:
                 acc += local(p.grad)
                 p.grad = None
 
-    def all_reduce_(self, passes, *, group: dist.ProcessGroup) -> None:
+    def all_reduce_(self, passes, *, group: dist.ProcessGroup, which: list[bool] | None = None) -> None:
+        """Sum the buffers over `group`: all of them, or those `which` marks."""
         for name in passes:
-            for acc in self.by_pass[name]:
-                dist.all_reduce(acc, group=group)
+            for k, acc in enumerate(self.by_pass[name]):
+                if which is None or which[k]:
+                    dist.all_reduce(acc, group=group)
 
     def zero_(self) -> None:
         for accs in self.by_pass.values():
@@ -56,17 +58,21 @@ class Optimizer:
 
     def __init__(self, model: torch.nn.Module, *, cfg: LearnerConfig, total_steps: int, mesh, dp_group,
                  passes: tuple[Hashable, ...], replicated_dp: bool, compute: torch.nn.Module | None = None,
-                 tp_partial: list[bool] | None = None, zero: bool = False):
+                 tp_partial: list[bool] | None = None, zero: bool = False, experts: list[bool] | None = None,
+                 edp_group: dist.ProcessGroup | None = None):
         """model: the weights the optimizer steps. compute: their lower-precision copy that the
         forwards and backwards run on (its gradients are accumulated; it is refreshed after each
         step); None: the model itself. tp_partial: per trainable parameter, whether its gradient is a
         partial sum over mesh["tp"] (megatron's q/k norms). zero: shard AdamW's state over dp (ZeRO-1:
-        each dp rank steps a share of the parameters and broadcasts them); its checkpoint is per rank."""
+        each dp rank steps a share of the parameters and broadcasts them); its checkpoint is per rank.
+        experts: per trainable parameter, whether it is split over expert-parallel ranks; its replicas
+        are `edp_group`, over which alone its gradient sums (executors/parallel/ep.py)."""
         self.model, self.compute = model, compute if compute is not model else None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.cfg, self.mesh, self.dp_group = cfg, mesh, dp_group
         self.replicated_dp = replicated_dp  # dp replicas hold full copies: their gradients need a sum
         self.tp_partial = tp_partial or [False] * len(self.params)
+        self.experts, self.edp_group = experts, edp_group
         kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.per_rank = zero
         if zero and dp_group is not None and dist.get_world_size(dp_group) > 1:
@@ -85,7 +91,10 @@ class Optimizer:
     def reduce_(self, passes) -> None:
         """Sum the accumulators of `passes` over dp replicas (FSDP reduce-scattered each micro-step's already)."""
         if self.replicated_dp and self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            self.grads.all_reduce_(passes, group=self.dp_group)
+            dense = None if self.experts is None else [not e for e in self.experts]
+            self.grads.all_reduce_(passes, group=self.dp_group, which=dense)
+            if self.experts is not None and dist.get_world_size(self.edp_group) > 1:
+                self.grads.all_reduce_(passes, group=self.edp_group, which=self.experts)
         if any(self.tp_partial) and self.mesh["tp"].size() > 1:
             for name in passes:
                 for acc, partial in zip(self.grads.by_pass[name], self.tp_partial):

@@ -16,7 +16,8 @@ from typing import Literal
 
 import torch
 
-from executors.training.batching import MicroBatch, ResponseLogprobs, check_loss_masks, split_group
+from executors import moe
+from executors.training.batching import MicroBatch, ResponseLogprobs, Routes, check_loss_masks, split_group
 from executors.training.head import chunked_head
 from executors.training.packed_attention import BACKENDS, Backend, PackMask, install, packed_forward
 
@@ -38,6 +39,8 @@ class PackedMicroBatch:
     targets_NT: torch.Tensor  # response tokens, padded with 0
     mask_NT: torch.Tensor  # bool, True on the response tokens trained (real, and the model's)
     rows_K: torch.Tensor  # the row position whose logits predict each trained response token, in mask_NT order
+    # an MoE model's recorded expert ids of each row token, [L, routed layers, k] (executors/moe.py); None: not recorded
+    routes: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -54,6 +57,7 @@ class PackedMicroBatch:
         out = []
         head = chunked_head(model, select=lambda h_1KH: h_1KH[0], targets_K=self.targets_NT[self.mask_NT],
                             temperature=temperature, chunk=chunk, entropy=entropy, out=out)
+        moe.set_given(model, self.routes)
         with packed_forward(self.pack), head:
             # logits_to_keep: only the K rows that predict response tokens reach the LM head
             model(input_ids=self.input_ids_1L, position_ids=self.position_ids_1L, logits_to_keep=self.rows_K,
@@ -86,14 +90,16 @@ def _chunks(costs: list[int], *, fixed: int, token_budget: int) -> list[tuple[in
     return out
 
 
-def _row(prompt_ids_P, responses, samples, *, shared, backend, device, loss_masks=None) -> PackedMicroBatch:
+def _row(prompt_ids_P, responses, samples, *, shared, backend, device, loss_masks=None,
+         routes: Routes | None = None) -> PackedMicroBatch:
     P = prompt_ids_P.numel()
     lens = [responses[i].numel() for i in samples]
     N, T = len(samples), max(1, max(lens))
-    ids, pos, seg, rows, spans = [], [], [], [], []
+    ids, pos, seg, rows, spans, experts = [], [], [], [], [], []
     start = 0
     if shared:
         ids.append(prompt_ids_P)
+        experts.append(routes and routes.prompt)
         pos.append(torch.arange(P))
         seg.append(torch.zeros(P, dtype=torch.long))
         spans.append((0, P))
@@ -104,12 +110,14 @@ def _row(prompt_ids_P, responses, samples, *, shared, backend, device, loss_mask
             rows.append(torch.arange(start - 1, start + R - 1))
             rows[-1][:1] = P - 1
             ids.append(responses[i])
+            experts.append(routes and routes.responses[i])
             pos.append(torch.arange(P, P + R))
             seg.append(torch.full((R,), n + 1, dtype=torch.long))
             end = start + R
         else:
             rows.append(torch.arange(start + P - 1, start + P - 1 + R))
             ids += [prompt_ids_P, responses[i]]
+            experts += [routes and routes.prompt, routes and routes.responses[i]]
             pos.append(torch.arange(P + R))
             seg.append(torch.full((P + R,), n, dtype=torch.long))
             end = start + P + R
@@ -127,12 +135,13 @@ def _row(prompt_ids_P, responses, samples, *, shared, backend, device, loss_mask
     return PackedMicroBatch(samples=tuple(samples), input_ids_1L=torch.cat(ids).long()[None].to(device),
                             position_ids_1L=torch.cat(pos)[None].to(device), pack=pack,
                             targets_NT=targets.to(device), mask_NT=mask.to(device),
-                            rows_K=torch.cat(rows).long().to(device))
+                            rows_K=torch.cat(rows).long().to(device),
+                            routes=torch.cat(experts).to(device) if routes is not None else None)
 
 
 def pack_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, token_budget: int, pad_id: int,
                device: torch.device, shared_prompt: bool, backend: Backend = "auto",
-               loss_masks: list[torch.Tensor] | None = None) -> list[PackedMicroBatch]:
+               loss_masks: list[torch.Tensor] | None = None, routes: Routes | None = None) -> list[PackedMicroBatch]:
     """One group as unpadded rows of at most `token_budget` tokens (a lone over-long sample excepted).
 
     `pad_id` is unused (nothing is padded); kept so every micro-batcher takes the same arguments.
@@ -156,7 +165,7 @@ def pack_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, tok
     else:
         rows = _chunks([P + R for R in lens], fixed=0, token_budget=token_budget)
     return [_row(prompt_ids_P, responses, samples, shared=shared_prompt, backend=backend, device=device,
-                 loss_masks=loss_masks) for samples in rows]
+                 loss_masks=loss_masks, routes=routes) for samples in rows]
 
 
 def auto_shared_prompt(prompt_len: int, response_lens: list[int]) -> bool:
@@ -175,15 +184,17 @@ def auto_shared_prompt(prompt_len: int, response_lens: list[int]) -> bool:
 
 def make_micro_batches(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, mode: Mode, token_budget: int,
                        micro_batch_size: int, pad_id: int, device: torch.device, backend: Backend = "auto",
-                       loss_masks: list[torch.Tensor] | None = None) -> list[MicroBatch] | list[PackedMicroBatch]:
+                       loss_masks: list[torch.Tensor] | None = None,
+                       routes: Routes | None = None) -> list[MicroBatch] | list[PackedMicroBatch]:
     """trainer.shared_prompt: on | off | auto pack under `token_budget`; padded is the reference `split_group`.
-    loss_masks: the group's (RolloutGroup.loss_masks), None for a single-turn group."""
+    loss_masks: the group's (RolloutGroup.loss_masks), None for a single-turn group. routes: an MoE
+    model's recorded routing, replayed (or compared) in every forward (executors/moe.py)."""
     if mode == "padded":
         return split_group(prompt_ids_P, responses, micro_batch_size=micro_batch_size, pad_id=pad_id, device=device,
-                           loss_masks=loss_masks)
+                           loss_masks=loss_masks, routes=routes)
     if mode not in MODES:
         raise ValueError(f"trainer.shared_prompt must be one of {MODES}, got {mode!r}")
     shared = mode == "on" or (mode == "auto" and auto_shared_prompt(prompt_ids_P.numel(),
                                                                       [r.numel() for r in responses]))
     return pack_group(prompt_ids_P, responses, token_budget=token_budget, pad_id=pad_id, device=device,
-                      shared_prompt=shared, backend=backend, loss_masks=loss_masks)
+                      shared_prompt=shared, backend=backend, loss_masks=loss_masks, routes=routes)
