@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -83,9 +83,9 @@ class ExpertParallel(nn.Module):
 
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """All-to-all of rows, with autograd (its backward is the reverse exchange)."""
-    out = x.new_empty(sum(out_splits), *x.shape[1:])
-    return dist_fn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    """All-to-all of rows, with autograd (its backward is the reverse exchange). Functional
+    collectives' version: torch.distributed.nn's is deprecated (a warning on every rank)."""
+    return funcol.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
 
 
 def apply_ep(model: nn.Module, *, mesh: DeviceMesh) -> nn.Module:
