@@ -185,6 +185,12 @@ def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passe
     }
 
 
+def _adapters(cfg: RunConfig, m: Shape) -> int:
+    """trainer.lora's parameters (0 without LoRA)."""
+    lora = cfg.trainer.lora
+    return m.lora_params(rank=lora.rank, targets=lora.target_modules or ALL_LINEAR) if lora.on else 0
+
+
 def _group_tokens(cfg: RunConfig, t: LearnerConfig) -> tuple[int, int]:
     return micro_batch_tokens(t, prompt=cfg.data.max_prompt_tokens, response=cfg.response_tokens,
                               samples=cfg.generator.samples_per_prompt)
@@ -194,13 +200,11 @@ def trainer_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
     t, algo = cfg.trainer, cfg.algo_config
     # a batch-scope algorithm's first pass keeps 2 gradients (3 with a KL in the loss): trainer/executor.py
     passes = 1 if get_algorithm(cfg.algo).advantage_scope != "batch" else 2 + int(kl_in_loss(algo))
-    lora = t.lora
     return learner_parts(t, m, stored=_BYTES[cfg.model.dtype], passes=passes, head=True,
                          # with LoRA the reference is the base itself (adapters off): no copy
-                         copies=int(algo.needs_reference and not lora.on) + int(t.epochs * t.mini_batches > 1),
+                         copies=int(algo.needs_reference and not t.lora.on) + int(t.epochs * t.mini_batches > 1),
                          tokens=_group_tokens(cfg, t),
-                         adapters=m.lora_params(rank=lora.rank, targets=lora.target_modules or ALL_LINEAR)
-                         if lora.on else 0)
+                         adapters=_adapters(cfg, m))
 
 
 def critic_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
@@ -216,8 +220,7 @@ def generator_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
     dtype = 2 if cfg.trainer.precision == "bf16" or cfg.model.dtype == "bfloat16" else 4
     weights = m.params * dtype / g.tp
     engine = ENGINES.get(g.engine)
-    lora = cfg.trainer.lora  # with LoRA the pushes, and the engine's copy of them, are the adapters
-    adapters = m.lora_params(rank=lora.rank, targets=lora.target_modules or ALL_LINEAR) * dtype if lora.on else 0
+    adapters = _adapters(cfg, m) * dtype  # with LoRA the pushes, and the engine's copy of them, are the adapters
     parts = {"weights": weights + adapters, "push buffer": (adapters or weights) if engine.push_buffer else 0}
     if not engine.kv_note:  # the memory estimate sizes its KV cache
         # the rows that decode together: a replica's share of the step's prompts (or of the evaluation's),

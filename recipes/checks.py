@@ -1,6 +1,7 @@
 """Checks of a run config against the graph it asks for, before any rank starts."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from executors.generator.engines import ENGINES
@@ -54,10 +55,11 @@ def check_moe(cfg: RunConfig, *, critic: bool) -> None:
     if critic and cfg.critic.ep > 1:
         raise ValueError(f"critic.ep={cfg.critic.ep}: expert parallel is built for the trainer's policy only; "
                          f"set critic.ep=1")
-    if not asked and (cfg.model.path is None or not Path(cfg.model.path, "config.json").is_file()):
-        return  # the embedded model is dense; a directory without config.json: launch/preflight.py names it
+    from executors.moe import FAMILIES, check_ep, moe_shape
+
+    if not asked and _model_type(cfg.model.path) not in FAMILIES:
+        return  # a dense model (the embedded one too): nothing to check, no config class to load
     from executors.hf import load_config  # config.json only
-    from executors.moe import check_ep, moe_shape
 
     config = load_config(cfg.model.path)
     shape = moe_shape(config)
@@ -111,6 +113,15 @@ def check_lora(cfg: RunConfig) -> None:
     from executors.lora import check_targets
 
     check_targets(load_config(cfg.model.path), lora)
+
+
+def _model_type(path: str | None) -> str | None:
+    """config.json's model_type, read as JSON (None: the embedded model, or no readable config.json:
+    launch/preflight.py names that)."""
+    try:
+        return json.loads(Path(path, "config.json").read_text()).get("model_type") if path else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def check_critic(cfg: RunConfig) -> None:
