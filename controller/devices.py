@@ -55,6 +55,18 @@ def pin_threads() -> int:
     return n
 
 
+def take_peak_gb(device: torch.device) -> float | None:
+    """The most accelerator memory this process's tensors held since the last call (the caching
+    allocator's high-water mark, in GB), and a new watermark from now; None on the CPU, whose
+    allocations torch does not count."""
+    if device.type == "cpu":
+        return None
+    accel = getattr(torch, device.type)
+    peak = accel.max_memory_allocated(device)
+    accel.reset_peak_memory_stats(device)
+    return peak / 1e9
+
+
 def attempt() -> int:
     """torchrun's restart count: 0, then 1, 2, ... after each elastic restart of the workers."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

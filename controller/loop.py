@@ -28,6 +28,7 @@ from pathlib import Path
 
 from controller import checkpoint as ckpt
 from controller.control import Decision, StepControl
+from controller.devices import take_peak_gb
 from controller.metrics import post_metrics
 from controller.schedules import Periodic, Schedule
 from controller.timeline import Timeline
@@ -61,6 +62,7 @@ class Controller:
         with timeline.span("init"):
             for executor in executors:
                 executor.init(self.world.envs[executor.name])
+        take_peak_gb(env.device)  # each step's row gives its own peak, not the model loads
         saved = set()  # steps checkpointed by this attempt
         ahead = self.world.runs_ahead  # offpolicy: this rank settles each step one step later
         for step in self.steps:
@@ -83,10 +85,12 @@ class Controller:
                     records = [ex.barrier(ctx, state) for ex, ctx, state in zip(executors, contexts, states)]
                 for out in outlets:
                     out.flush()
+            peak_gb = take_peak_gb(env.device)  # this rank's step, whichever executors ran on it
             if not dropped and env.is_leader:
+                memory = {} if peak_gb is None else {"device_peak_gb": peak_gb}
                 for executor, record in zip(executors, records):
                     post_metrics(self.world.store, step=step, executor=executor.name,
-                                 wall_s=time.perf_counter() - t0, record=_fields(executor, record))
+                                 wall_s=time.perf_counter() - t0, record={**_fields(executor, record), **memory})
             stopped = self.settle(decided, decision, saved, timeline, step=step)
             if stopped:
                 return stopped

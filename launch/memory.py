@@ -272,16 +272,21 @@ def loading_peak(cfg: RunConfig, parts: dict[str, float], *, executor: str = "ge
     return parts.get("process", 0.0) + parts["weights"] + sum(f.stat().st_size for f in files)
 
 
-def _colocated_row(every: list[dict[str, float]], *, device: str) -> list[str]:
+def colocated_bytes(every: list[dict[str, float]], *, device: str) -> float:
     """placement=colocated: one rank holds every executor's parts. On a device the KV cache and
     AdamW's state take turns (the engine releases its cache to train; the state is in host memory
     while generating), so its peak holds the larger of the two; on CPU all of it is host memory."""
     total = sum(v for parts in every for v in parts.values())
     if device == "cpu":
-        return ["co-located rank", "every row above, one process", _size(total + PROCESS_BYTES)]
+        return total + PROCESS_BYTES
     kv = sum(parts.get("KV cache", 0) for parts in every)
     adam = sum(parts.get("AdamW state", 0) for parts in every)
-    return ["co-located rank", "every row above; the KV cache and AdamW state take turns", _size(total - min(kv, adam))]
+    return total - min(kv, adam)
+
+
+def _colocated_row(every: list[dict[str, float]], *, device: str) -> list[str]:
+    how = "every row above, one process" if device == "cpu" else "every row above; the KV cache and AdamW state take turns"
+    return ["co-located rank", how, _size(colocated_bytes(every, device=device))]
 
 
 def describe_memory(cfg: RunConfig, m: Shape | None, *, executors: tuple[str, ...] = ("generator", "trainer"),

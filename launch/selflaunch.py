@@ -30,7 +30,8 @@ def launch_here(argv: list[str], *, nproc: int, max_restarts: int, roles: dict[i
     """Run `launch.py argv` on `nproc` local ranks; the exit code of the job: a rank killed by a signal's
     (128 + N), else its first failed rank's. roles: global rank -> executor name, for the message.
     stop_timeout_s: how long the agent waits for the ranks to stop (checkpoint first) after a signal
-    before it kills them (torchrun's --shutdown-timeout, 30 s by default)."""
+    before it kills them (torchrun's --shutdown-timeout, 30 s by default; torch < 2.13 has no such
+    option and always waits 30 s)."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -42,8 +43,13 @@ def launch_here(argv: list[str], *, nproc: int, max_restarts: int, roles: dict[i
     # the ranks print it in their resume line: the command that started them, not torchrun's
     os.environ["TIDAL_LAUNCHER"] = launcher_command(max_restarts=max_restarts)
     # --standalone: a rendezvous on a free local port, so two jobs on one machine never collide
+    grace = ["--shutdown-timeout", str(stop_timeout_s)]
+    if not _knows(torchrun, grace[0]):
+        grace = []
+        print(f"tidal: torch {torch_version()}'s launcher has no --shutdown-timeout: a stop gives the ranks its "
+              f"fixed 30 s to checkpoint, not stop_timeout_s={stop_timeout_s}", file=sys.stderr, flush=True)
     args = torchrun.parse_args(["--nproc-per-node", str(nproc), "--standalone", "--max-restarts", str(max_restarts),
-                                "--shutdown-timeout", str(stop_timeout_s), str(SCRIPT), *argv])
+                                *grace, str(SCRIPT), *argv])
     try:
         torchrun.run(args)
     except ChildFailedError as exc:
@@ -58,6 +64,17 @@ def launch_here(argv: list[str], *, nproc: int, max_restarts: int, roles: dict[i
     except KeyboardInterrupt:  # Ctrl-C before the agent installed its handlers
         return 130
     return 0
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__.split("+")[0]
+
+
+def _knows(torchrun, option: str) -> bool:
+    """Whether this torch's launcher takes `option` (torch 2.11's has no --shutdown-timeout)."""
+    return option in torchrun.get_args_parser()._option_string_actions
 
 
 # a rank's exit after a graceful stop (checkpoint saved, the resume line printed): 128 + SIGINT / SIGTERM

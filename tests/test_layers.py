@@ -2,6 +2,7 @@
 
     launch -> recipes -> controller -> executors -> channels, algorithms -> common
     launch, bench -> planner (imports nothing else of the project: a model of the step, not a part of it)
+    bench -> launch (the CLI's config and memory estimate: bench stands where a user's script does)
     bench -> tests (the local gloo spawner, tests/spawn.py)
 Each package may import only the packages listed for it; a deferred import inside a function
 counts too. The CLI and --dry-run load no model code.
@@ -29,7 +30,7 @@ ALLOWED = {
     "launch": {"common", "algorithms", "channels", "executors", "controller", "recipes", "planner"},
     "planner": {"executors"},  # the engine registry only (NARROW): how an engine's decode slots are set
     "examples": {"common", "algorithms", "channels", "executors", "controller", "recipes"},
-    "bench": {"common", "algorithms", "channels", "executors", "controller", "recipes", "planner",
+    "bench": {"common", "algorithms", "channels", "executors", "controller", "recipes", "launch", "planner",
               "tests"},  # tests/spawn.py: the local gloo spawner both use
 }
 # executors reach channels for payload types only (DESIGN.md), and only the trainer runs algorithms

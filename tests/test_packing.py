@@ -9,6 +9,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import executors.training.packed_attention as packed_attention
 from executors.hf import load_model
+from executors.parallel.ac import apply_ac
 from executors.training.batching import MicroBatch, split_group
 from executors.training.packed_attention import ATTN_NAME, PackMask, install
 from executors.training.packing import (
@@ -197,8 +198,7 @@ def test_activation_checkpointing_replays_the_packed_mask():
     model = load_model(None, seed=0)
     prompt, responses = _group(vocab=model.config.vocab_size, P=7, lens=(5, 1, 9))
     ref = _grads(model, split_group(prompt, responses, micro_batch_size=3, pad_id=0, device=CPU), G=3)
-    model.activation_checkpointing_enable()
-    model.train()  # checkpointing only replays in training mode; the embedded model has no dropout
+    apply_ac(model)  # the trainer's own per-layer checkpointing (trainer.activation_checkpointing)
     mbs = pack_group(prompt, responses, token_budget=UNBOUNDED, pad_id=0, device=CPU, shared_prompt=True)
     assert _close_grads(_grads(model, mbs, G=3), ref)
 

@@ -1,4 +1,4 @@
-"""The GPU suite (`make test-gpu`): what only an accelerator exercises, in one command.
+"""The GPU suite (run by `make gpu-check`): what only an accelerator exercises.
 
 Every test takes the `device` fixture: this machine's first CUDA (or Ascend) device, else the test
 is skipped with the reason. TIDAL_GPU_SUITE_DEVICE=cpu runs the suite's code on the CPU instead (a
@@ -9,6 +9,7 @@ table, printed at the end of the session.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -55,3 +56,24 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line("\nstep times (tests_gpu):")
         terminalreporter.write_line(tabulate(STEP_TIMES, headers=["job", "device", "steps", "median step s",
                                                                    "tokens/s"], floatfmt=".3g"))
+
+
+def _record(line: dict) -> None:
+    """One JSON line into $TIDAL_GPU_SUITE_LOG, written at once: what bench/gpu_check.py reports, kept
+    even when the check's deadline ends the session before pytest's own summary (a lent GPU's
+    minutes are few: a cut run must still say which test failed, and how)."""
+    path = os.environ.get("TIDAL_GPU_SUITE_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _record({"test": nodeid, "outcome": "started"})
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" or report.outcome != "passed":  # a setup's skip or error, a teardown's error
+        outcome = "error" if report.when != "call" and report.failed else report.outcome
+        why = report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple) else report.longreprtext
+        _record({"test": report.nodeid, "outcome": outcome, "s": report.duration, "why": why[-4000:]})

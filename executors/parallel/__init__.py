@@ -94,9 +94,10 @@ def clip_grad_norm_(params, max_norm: float, *, mesh: DeviceMesh | None) -> floa
     needed). mesh None: one process, plain tensors. Returns the norm before clipping.
     """
     world = mesh.size() if mesh is not None else 1
-    sq = torch.zeros((), dtype=torch.float64)
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
+    # on the gradients' device: the sum is all-reduced over the device's groups (nccl takes no CPU tensor)
+    sq = torch.zeros((), dtype=torch.float64, device=local(grads[0]).device if grads else "cpu")
     for p, g in zip(params, grads):
         copies = world  # a plain tensor is replicated on every rank of the mesh
         if getattr(p, "tensor_model_parallel", False):  # megatron's: a plain tensor cut over mesh["tp"]
