@@ -33,11 +33,11 @@ sys.path[:] = [_ROOT] + [p for p in sys.path if Path(p or ".").resolve() != Path
 
 from executors.data import _ChatForm, _tokenize
 from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams
-from executors.hf import load_model, load_tokenizer
+from modeling.hf import load_model, load_tokenizer
 from executors.trainer.accumulate import Mismatch
 from executors.trainer.config import TrainerConfig
-from executors.training.models import trainable_copy
-from executors.training.packing import make_micro_batches
+from executors.learner.models import trainable_copy
+from modeling.packing import make_micro_batches
 
 
 class Taps:

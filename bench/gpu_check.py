@@ -131,7 +131,7 @@ def part_train(shape: str, device: torch.device, *, tiny: bool) -> list[dict]:
     shared-prompt packed row, the policy's forward with the chunked fp32 head, the backward."""
     import transformers
 
-    from executors.training.packing import pack_group
+    from modeling.packing import pack_group
 
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config_of(shape, tiny=tiny), dtype=torch.bfloat16,
@@ -294,7 +294,7 @@ def _model_dir(work: Path, *, tiny: bool) -> Path:
     (once: the parts that run jobs share it)."""
     import transformers
 
-    from executors.hf import load_tokenizer
+    from modeling.hf import load_tokenizer
 
     path = work / "model"
     if not (path / "config.json").is_file():

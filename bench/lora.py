@@ -38,8 +38,8 @@ def random_model(path: Path) -> Path:
     import torch
     import transformers
 
-    from executors.embedded import MODEL_SIZES
-    from executors.hf import load_tokenizer, save_hf
+    from modeling.tiny import MODEL_SIZES
+    from modeling.hf import load_tokenizer, save_hf
 
     tok = load_tokenizer(None)
     config = transformers.Qwen3Config(**{**MODEL_SIZES, **SIZES, "vocab_size": len(tok)}, bos_token_id=tok.eos_token_id,

@@ -39,9 +39,9 @@ CONFIGS = {  # name -> (model, --set overrides)
 
 
 def models(root: Path) -> dict[str, Path]:
-    from executors.embedded import MODEL_SIZES
-    from executors.embedded.moe import write_embedded_moe
-    from executors.hf import load_tokenizer, save_hf
+    from modeling.tiny import MODEL_SIZES
+    from modeling.tiny.moe import write_embedded_moe
+    from modeling.hf import load_tokenizer, save_hf
 
     import torch
     import transformers
@@ -75,9 +75,9 @@ def _micro_step(model_dir: str, ep: int, iters: int) -> tuple[float, float]:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from executors.hf import load_model
-    from executors.parallel.ep import apply_ep, expert_mesh
-    from executors.training.packing import make_micro_batches
+    from modeling.hf import load_model
+    from modeling.parallel.ep import apply_ep, expert_mesh
+    from modeling.packing import make_micro_batches
 
     torch.set_num_threads(1)
     model = load_model(model_dir).train()

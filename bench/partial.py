@@ -93,7 +93,7 @@ def engine(args) -> None:
     import torch
 
     from executors.generator.engine import NativeEngine, PromptRequest, Resume, SamplingParams
-    from executors.hf import load_model, load_tokenizer
+    from modeling.hf import load_model, load_tokenizer
 
     torch.set_num_threads(2)
     tok, model = load_tokenizer(args.model), load_model(args.model, seed=0)

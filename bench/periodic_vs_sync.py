@@ -54,7 +54,7 @@ def long_tail_model(path: Path) -> str:
     lengths spread from 2 tokens to the cap (a long tail, as reasoning models show)."""
     import torch
 
-    from executors.hf import load_model, load_tokenizer
+    from modeling.hf import load_model, load_tokenizer
 
     tok, model = load_tokenizer(None), load_model(None, seed=1)
     with torch.no_grad():

@@ -48,7 +48,7 @@ def smollm2_shaped_model(out: Path) -> str:
     import torch
     import transformers
 
-    from executors.hf import load_tokenizer, save_hf
+    from modeling.hf import load_tokenizer, save_hf
 
     tok = load_tokenizer(None)
     config = transformers.LlamaConfig(
@@ -63,7 +63,7 @@ def smollm2_shaped_model(out: Path) -> str:
 
 def humaneval_like_prompts(out: Path, *, n: int = 164) -> str:
     """Prompts of code-like text whose lengths in the embedded tokenizer follow PROMPT_TOKENS."""
-    from executors.hf import load_tokenizer
+    from modeling.hf import load_tokenizer
 
     tok, rng = load_tokenizer(None), random.Random(0)
     words = ["def", "return", "list", "int", "numbers", "for", "in", "if", "else", "the", "of", "a", "string",

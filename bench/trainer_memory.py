@@ -55,7 +55,7 @@ def model_dir(name: str) -> Path:
         import torch
         import transformers
 
-        from executors.hf import load_tokenizer, save_hf
+        from modeling.hf import load_tokenizer, save_hf
 
         cls, sizes = MODELS[name]
         torch.manual_seed(0)

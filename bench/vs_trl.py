@@ -61,7 +61,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("trl", "sync", "periodic")
 NAMES = {"trl": "TRL GRPOTrainer", "sync": "Tidal sync", "periodic": "Tidal periodic"}
-EMBEDDED_REWARD = "executors.embedded.task:embedded_reward"
+EMBEDDED_REWARD = "modeling.tiny.task:embedded_reward"
 
 
 # ---- the job: model, rows in the length band, reward ---------------------------------------------------
@@ -69,18 +69,18 @@ EMBEDDED_REWARD = "executors.embedded.task:embedded_reward"
 def write_job(args, tmp: Path) -> tuple[str, Path, list[int]]:
     """(model directory, the JSONL both sides read, its prompts' token lengths)."""
     sys.path.insert(0, str(ROOT))
-    from executors.hf import load_tokenizer
+    from modeling.hf import load_tokenizer
 
     model_dir = args.model
     if model_dir is None:
-        from executors.hf import load_model, save_hf
+        from modeling.hf import load_model, save_hf
 
         model_dir = str(tmp / "model")
         save_hf(load_model(None, seed=0), load_tokenizer(None), Path(model_dir))
     if args.data:
         rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
     else:
-        from executors.embedded.task import embedded_prompts
+        from modeling.tiny.task import embedded_prompts
 
         rows = embedded_prompts(4096, seed=0)
     tok = load_tokenizer(model_dir)

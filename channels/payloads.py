@@ -36,7 +36,7 @@ class RolloutGroup:
     # partial rollouts (executors/generator/partial.py): G x [R_i] int32, the version that sampled each
     # token of a group resumed across steps; None: every token is `policy_version`'s
     versions: list[torch.Tensor] | None = field(default=None, kw_only=True)
-    # an MoE model's routing as the generator ran it (executors/moe.py): [prompt, response_1..G], each
+    # an MoE model's routing as the generator ran it (modeling/moe.py): [prompt, response_1..G], each
     # its tokens x routed layers x top-k expert ids, flat, uint8 (int16 past 254 experts); None: not recorded
     routing: list[torch.Tensor] | None = field(default=None, kw_only=True)
 
@@ -96,7 +96,7 @@ class ParamSpec:
     shape: tuple[int, ...]  # full (unsharded) shape
     dtype: torch.dtype
     tp_dim: int | None = None  # dim split over tp ranks (the same on both sides); None: replicated
-    # an MoE model's experts dim (executors/moe.py): split over the trainer's expert-parallel ranks
+    # an MoE model's experts dim (modeling/moe.py): split over the trainer's expert-parallel ranks
     # (trainer.ep); whole on the generator
     ep_dim: int | None = None
 

@@ -48,7 +48,7 @@ def _tp_box(spec: ParamSpec, *, tp: int, t: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class TrainerLayout:
-    ranks: tuple[int, ...]  # global ranks, row-major over (dp, tp) like executors/parallel/mesh.py
+    ranks: tuple[int, ...]  # global ranks, row-major over (dp, tp) like modeling/parallel/mesh.py
     tp: int = 1
     fsdp: bool = False
     ep: int = 1  # dp rank d holds experts chunk d % ep of a parameter with an experts dim (ParamSpec.ep_dim)

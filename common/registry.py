@@ -9,8 +9,9 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     """A flat name -> entry map that refuses silent overrides (two entries under one name)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, *, key: str | None = None) -> None:
         self.kind = kind  # used in error messages: "unknown <kind> 'x'"
+        self.key = key  # the config key that names an entry, if one does: the error names it first
         self._entries: dict[str, T] = {}
 
     def register(self, name: str, entry: T) -> T:
@@ -21,7 +22,8 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         if name not in self._entries:
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
+            where = f"{self.key}: " if self.key else ""
+            raise ValueError(f"{where}unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
         return self._entries[name]
 
     def names(self) -> list[str]:

@@ -28,10 +28,10 @@ from tabulate import tabulate
 
 from algorithms.kl import kl_in_loss
 from algorithms.registry import get_algorithm
-from executors.embedded import MODEL_SIZES
+from modeling.tiny import MODEL_SIZES
 from executors.generator.engines import ENGINES
-from executors.lora import ALL_LINEAR
-from executors.training.config import LearnerConfig
+from modeling.lora import ALL_LINEAR
+from executors.learner.config import LearnerConfig
 from recipes.config import RunConfig
 
 
@@ -42,7 +42,7 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # peak RSS of a rank's process before it builds anything (python, torch, transformers imported),
 # measured on CPU: 0.25 GB at start-up, 0.33 GB on a reward rank holding a tokenizer
 PROCESS_BYTES = 0.35e9
-# executors/training/packing.py's AUTO_MIN_SAVED (that module imports the model stack; --dry-run does
+# modeling/packing.py's AUTO_MIN_SAVED (that module imports the model stack; --dry-run does
 # not): tests/test_memory.py checks that the two rules agree
 _AUTO_MIN_SAVED = 0.05
 
@@ -259,13 +259,13 @@ PARTS = {"generator": generator_parts, "reward_model": reward_model_parts, "crit
 
 def loading_peak(cfg: RunConfig, parts: dict[str, float], *, executor: str = "generator") -> float:
     """A CPU rank's memory while its model loads: from_pretrained maps the weights file, and the copy
-    that gives the weights memory of their own (executors/hf.py, in_own_memory) sits beside the file's
+    that gives the weights memory of their own (modeling/hf.py, in_own_memory) sits beside the file's
     pages until the load ends. Measured: the generator's peak on SmolLM2-135M (1.43 GB) is this moment.
     0 for the embedded model (built, not loaded). executor: whose model (the reward model has its own path)."""
     path = cfg.reward.model.path if executor == "reward_model" else cfg.model.path
     if not path:
         return 0.0
-    from executors.hf import WEIGHTS_FILES
+    from modeling.hf import WEIGHTS_FILES
 
     files = [f for f in Path(path).iterdir() if f.name in WEIGHTS_FILES or
              (f.name.startswith(("model-", "pytorch_model-")) and f.suffix in (".safetensors", ".bin"))]

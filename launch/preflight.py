@@ -30,7 +30,7 @@ def preflight(cfg: RunConfig, *, resume: str | None, overwrite: bool, writes: bo
         rows = check_data(cfg.eval.path, cfg.data.columns, field="eval.path")
         check_reward_columns(rows, cfg, field="eval.path")
     if cfg.model.path is not None:
-        from executors.hf import check_model_dir  # transformers is imported already by the recipe's executors
+        from modeling.hf import check_model_dir  # transformers is imported already by the recipe's executors
 
         try:
             check_model_dir(cfg.model.path)

@@ -55,11 +55,11 @@ def check_moe(cfg: RunConfig, *, critic: bool) -> None:
     if critic and cfg.critic.ep > 1:
         raise ValueError(f"critic.ep={cfg.critic.ep}: expert parallel is built for the trainer's policy only; "
                          f"set critic.ep=1")
-    from executors.moe import FAMILIES, check_ep, moe_shape
+    from modeling.moe import FAMILIES, check_ep, moe_shape
 
     if not asked and _model_type(cfg.model.path) not in FAMILIES:
         return  # a dense model (the embedded one too): nothing to check, no config class to load
-    from executors.hf import load_config  # config.json only
+    from modeling.hf import load_config  # config.json only
 
     config = load_config(cfg.model.path)
     shape = moe_shape(config)
@@ -109,8 +109,8 @@ def check_lora(cfg: RunConfig) -> None:
     if t.precision == "bf16":
         raise ValueError(f"{field} with trainer.precision=bf16: a LoRA run keeps no fp32 master copy of the frozen "
                          f"base; use model.dtype=bfloat16 for a bf16 base (the adapters train in its dtype)")
-    from executors.hf import load_config
-    from executors.lora import check_targets
+    from modeling.hf import load_config
+    from modeling.lora import check_targets
 
     check_targets(load_config(cfg.model.path), lora)
 
@@ -139,8 +139,8 @@ def check_tp(cfg: RunConfig, *, critic: bool = False) -> None:
     sizes = {"trainer.tp": cfg.trainer.tp, "generator.tp": cfg.generator.tp} | ({"critic.tp": cfg.critic.tp} if critic else {})
     if all(tp == 1 for tp in sizes.values()):
         return
-    from executors.hf import load_config  # reads config.json only: no model code
-    from executors.parallel.tp import check_tp as fits
+    from modeling.hf import load_config  # reads config.json only: no model code
+    from modeling.parallel.tp import check_tp as fits
 
     config = load_config(cfg.model.path)
     for field, tp in sizes.items():

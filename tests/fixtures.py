@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from channels.payloads import ScoredGroup
-from executors.embedded.task import embedded_prompts, embedded_reward
+from modeling.tiny.task import embedded_prompts, embedded_reward
 from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams
-from executors.hf import load_model, load_tokenizer
+from modeling.hf import load_model, load_tokenizer
 from recipes.config import RunConfig
 
 SMALL = {"data": {"prompts_per_step": 4}, "generator": {"samples_per_prompt": 4, "max_new_tokens": 4}}

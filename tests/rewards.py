@@ -3,7 +3,7 @@ import os
 import time
 from pathlib import Path
 
-from executors.embedded.task import embedded_reward
+from modeling.tiny.task import embedded_reward
 
 
 def slow_embedded(prompt: str, response: str, sample: dict) -> float:

@@ -67,8 +67,8 @@ def test_dry_run_places_tensor_parallel_units():
     (["--set", "generator.tp=4"], "generator.tp=4 does not fit the model: tp=4 must divide num_key_value_heads=2"),
     (["--set", "trainer.tp=0"], "trainer.tp: Input should be greater than or equal to 1"),
     (["--set", "generator.engine=vllm", "--set", "generator.top_p=0.9"], "generator.engine=vllm needs generator.top_p=1"),
-    (["--set", "generator.engine=fast"], "generator.engine: Value error, unknown generator engine 'fast'; known: native, vllm"),
-    (["--set", "trainer.backend=jax"], "trainer.backend: Value error, unknown trainer backend 'jax'; known: megatron, torch"),
+    (["--set", "generator.engine=fast"], "generator.engine: unknown generator engine 'fast'; known: native, vllm"),
+    (["--set", "trainer.backend=jax"], "trainer.backend: unknown trainer backend 'jax'; known: megatron, torch"),
 ])
 def test_config_errors_name_the_field(args, message):
     proc = _launch("--algo", "grpo", "--dry-run", *args)

@@ -18,9 +18,9 @@ from executors.base import ExecutorEnv, Endpoints, StepContext
 from executors.critic.config import CriticConfig
 from executors.critic.executor import Critic
 from executors.critic.model import load_value_model
-from executors.hf import load_model
+from modeling.hf import load_model
 from executors.trainer.executor import Trainer, TrainerConfig
-from executors.training.models import micro_batches
+from executors.learner.models import micro_batches
 from tests.fixtures import scored_groups
 
 torch.set_num_threads(1)

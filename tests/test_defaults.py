@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from executors.hf import load_model, load_tokenizer, save_hf
+from modeling.hf import load_model, load_tokenizer, save_hf
 from launch.cli import parser, resolve
 from recipes.config import non_defaults
 from recipes.defaults import PRETRAINED, decode_slots, flatten, sources

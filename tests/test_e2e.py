@@ -230,7 +230,7 @@ def test_shared_prompt_on_off_and_padded_train_the_same(tmp_path):
     import safetensors.torch
     import torch
 
-    from executors.hf import load_model
+    from modeling.hf import load_model
 
     for mode in ("on", "off", "padded"):
         proc = launch(tmp_path / mode, "--set", f"trainer.shared_prompt={mode}", steps=2)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from executors.embedded.task import embedded_prompts
+from modeling.tiny.task import embedded_prompts
 from executors.generator.engine import (
     NativeEngine,
     PromptRequest,
@@ -11,7 +11,7 @@ from executors.generator.engine import (
     _top_p_mask,
     sample_tokens,
 )
-from executors.hf import load_model, load_tokenizer
+from modeling.hf import load_model, load_tokenizer
 
 torch.set_num_threads(1)
 

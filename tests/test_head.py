@@ -1,4 +1,4 @@
-"""The LM head in chunks (executors/training/head.py) against the whole-vocabulary reference.
+"""The LM head in chunks (modeling/head.py) against the whole-vocabulary reference.
 
 Chunked log-probs, entropy and the gradients they give equal the whole head's (one [K, V] logits
 tensor, as the trainer computed before chunking) within 1e-6 (relative) in fp32, for padded, varlen and
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 
 from executors.generator.engine import NativeEngine
-from executors.training.head import Fp32Head, fp32_logits
-from executors.training.packing import make_micro_batches
+from modeling.head import Fp32Head, fp32_logits
+from modeling.packing import make_micro_batches
 from tests.test_parallel import tiny
 
 TEMP = 0.7

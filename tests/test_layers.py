@@ -1,6 +1,6 @@
 """The house's layers, checked from the code's own imports (DESIGN.md "Layout").
 
-    launch -> recipes -> controller -> executors -> channels, algorithms -> common
+    launch -> recipes -> controller -> executors -> modeling -> channels, algorithms -> common
     launch, bench -> planner (imports nothing else of the project: a model of the step, not a part of it)
     bench -> launch (the CLI's config and memory estimate: bench stands where a user's script does)
     bench -> tests (the local gloo spawner, tests/spawn.py)
@@ -17,33 +17,35 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("common", "algorithms", "channels", "executors", "controller", "recipes", "launch", "planner")
+PACKAGES = ("common", "algorithms", "channels", "modeling", "executors", "controller", "recipes", "launch", "planner")
 
 # what each package (and the folders users copy from) may import of the project
 ALLOWED = {
     "common": set(),
     "algorithms": {"common"},
     "channels": {"common"},
-    "executors": {"common", "channels", "algorithms"},
+    # the model library: below every executor, above nothing of the run (the channels' payload types only)
+    "modeling": {"common", "channels"},
+    "executors": {"common", "channels", "algorithms", "modeling"},
     "controller": {"common", "channels", "executors"},
-    "recipes": {"common", "algorithms", "channels", "executors", "controller"},
-    "launch": {"common", "algorithms", "channels", "executors", "controller", "recipes", "planner"},
+    "recipes": {"common", "algorithms", "channels", "modeling", "executors", "controller"},
+    "launch": {"common", "algorithms", "channels", "modeling", "executors", "controller", "recipes", "planner"},
     "planner": {"executors"},  # the engine registry only (NARROW): how an engine's decode slots are set
-    "examples": {"common", "algorithms", "channels", "executors", "controller", "recipes"},
-    "bench": {"common", "algorithms", "channels", "executors", "controller", "recipes", "launch", "planner",
-              "tests"},  # tests/spawn.py: the local gloo spawner both use
+    "examples": {"common", "algorithms", "channels", "modeling", "executors", "controller", "recipes"},
+    "bench": {"common", "algorithms", "channels", "modeling", "executors", "controller", "recipes", "launch",
+              "planner", "tests"},  # tests/spawn.py: the local gloo spawner both use
 }
-# executors reach channels for payload types only (DESIGN.md), and only the trainer runs algorithms
+# executors and the model library reach channels for payload types only (DESIGN.md), and only the trainer runs algorithms
 NARROW = {
     ("executors", "channels"): {"channels.payloads"},
+    ("modeling", "channels"): {"channels.payloads"},
     ("planner", "executors"): {"executors.generator.engines"},
 }
 ALGORITHM_USERS = ("executors/trainer/", "executors/critic/")
 # executors talk through channels, never by importing each other (DESIGN.md "Layout"): an executor's
 # package may import the shared ones, and another executor's light config classes only
-SHARED_EXECUTOR_PACKAGES = {"base", "hf", "data", "parallel", "training", "embedded", "megatron",  # megatron: a trainer backend
-                            "environments",  # a multi-turn rollout's, not an executor
-                            "moe", "lora"}  # model helpers like hf: MoE routing, LoRA adapters
+SHARED_EXECUTOR_PACKAGES = {"base", "data", "learner",  # learner: the trainer's and the critic's base
+                            "environments"}  # a multi-turn rollout's, not an executor
 
 
 def _executor_package(rel: str) -> str | None:
@@ -92,7 +94,7 @@ def _cross_executor(rel: str, path: Path) -> list[str]:
         if theirs in (mine, *SHARED_EXECUTOR_PACKAGES) or parts[2:] == ["config"]:
             continue
         bad.append(f"{rel}:{line} imports {module} (an executor imports no other executor; shared code "
-                   f"goes to executors/training or executors/parallel)")
+                   f"goes to executors/learner or modeling/parallel)")
     return bad
 
 
@@ -113,7 +115,7 @@ def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
     assert _violations() == [
         "channels/bad.py:3 imports executors.base (channels may not import executors)",
         "executors/critic/bad.py:2 imports executors.trainer.models (an executor imports no other executor; shared "
-        "code goes to executors/training or executors/parallel)"]
+        "code goes to executors/learner or modeling/parallel)"]
 
 
 _PROBE = """
@@ -122,7 +124,7 @@ from launch.cli import main
 with contextlib.redirect_stdout(io.StringIO()) as out:
     code = main(sys.argv[1:])
 heavy = [m for m in ("transformers", "torch.distributed.tensor", "executors.trainer.models",
-                     "executors.training.packed_attention") if m in sys.modules]
+                     "modeling.packed_attention") if m in sys.modules]
 print(code, "phases" if "1. prompts" in out.getvalue() else "no-phases", heavy)
 """
 
@@ -142,7 +144,7 @@ ENDPOINT_MAPS = {"inbound", "outbound"}
 # imports nothing of the project (the layers above), so it cannot consult them
 REGISTRIES = {"executors/generator/engines.py", "executors/trainer/backends.py"}
 CHOICES = {"megatron", "vllm"}
-PRODUCT = ("common", "algorithms", "channels", "executors", "controller", "recipes", "launch", "examples")
+PRODUCT = ("common", "algorithms", "channels", "modeling", "executors", "controller", "recipes", "launch", "examples")
 
 
 def _string_port_lookups(path: Path) -> list[int]:

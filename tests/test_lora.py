@@ -14,10 +14,10 @@ from channels.payloads import ScoredGroup
 from controller.schedules import Periodic
 from controller.timeline import Timeline
 from executors.base import Endpoints, ExecutorEnv, StepContext
-from executors.hf import load_model
-from executors.lora import LoraConfig, adapter_params, apply_lora, merged_state
+from modeling.hf import load_model
+from modeling.lora import LoraConfig, adapter_params, apply_lora, merged_state
 from executors.trainer.executor import Trainer, TrainerConfig
-from executors.training.packing import make_micro_batches
+from modeling.packing import make_micro_batches
 from launch.cli import parser, resolve
 from recipes.grpo import build
 from tests.e2e import launch, metrics

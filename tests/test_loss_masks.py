@@ -18,9 +18,9 @@ from channels.payloads import AdvantagedGroup, ScoredGroup
 from controller.schedules import Periodic
 from controller.timeline import Timeline
 from executors.base import Endpoints, ExecutorEnv, StepContext
-from executors.hf import load_model
+from modeling.hf import load_model
 from executors.trainer.executor import Trainer, TrainerConfig, _per_sample
-from executors.training.packing import make_micro_batches, pack_group
+from modeling.packing import make_micro_batches, pack_group
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")

@@ -17,7 +17,7 @@ from channels.payloads import chunk
 from controller.schedules import Periodic, Sync
 from controller.timeline import Timeline
 from executors.base import ExecutorEnv, Endpoints, StepContext
-from executors.parallel import has_ac
+from modeling.parallel import has_ac
 from executors.trainer.executor import Trainer, TrainerConfig
 from tests.fixtures import scored_groups
 from tests.spawn import spawn
@@ -48,7 +48,7 @@ def _full_grads(trainer: Trainer, seen: dict) -> dict:
     """The optimizer's gradients under HF names, joined over tp (megatron) or as they are (torch)."""
     if trainer.cfg.backend == "torch":
         return seen
-    from executors.megatron.convert import to_hf, unshard
+    from modeling.megatron.convert import to_hf, unshard
 
     parts = [None] * trainer.cfg.tp
     dist.all_gather_object(parts, seen, group=trainer.models.tp_group)

@@ -37,7 +37,7 @@ def test_parameter_count_from_config_json_matches_the_model(family, tie):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     assert Shape.from_fields(config.to_dict()).params == sum(p.numel() for p in model.parameters())
-    from executors.hf import load_model
+    from modeling.hf import load_model
 
     assert Shape.of(None).params == sum(p.numel() for p in load_model(None).parameters())
 
@@ -55,12 +55,12 @@ def test_a_model_that_is_not_llama_style_gets_no_estimate_not_a_crash(tmp_path):
 
 @pytest.mark.parametrize("mode", ["on", "off", "auto", "padded"])
 def test_longest_micro_batch_is_the_one_the_trainer_packs(mode):
-    """micro_batch_tokens against executors/training/packing.py's own rows, prompt lengths 1..P: the
+    """micro_batch_tokens against modeling/packing.py's own rows, prompt lengths 1..P: the
     activations are counted on the row the trainer really builds, not on a whole token_budget."""
     import torch
 
-    from executors.training.config import LearnerConfig
-    from executors.training.packing import make_micro_batches
+    from executors.learner.config import LearnerConfig
+    from modeling.packing import make_micro_batches
     from launch.memory import micro_batch_tokens
 
     for P, R, G, budget in [(40, 8, 4, 4096), (3, 64, 4, 4096), (40, 8, 8, 100), (300, 50, 4, 256), (2, 9, 5, 30)]:
@@ -104,7 +104,7 @@ def test_estimate_is_within_30_percent_of_measured_peaks(B, new_tokens, slots, m
 def test_cpu_totals_count_the_process_and_the_load(tmp_path):
     """On CPU a rank holds its interpreter too, and while a model loads, the weights file's pages beside
     their copy (the generator's measured peak); a GPU's memory holds neither."""
-    from executors.hf import load_model, load_tokenizer, save_hf
+    from modeling.hf import load_model, load_tokenizer, save_hf
     from launch.memory import PROCESS_BYTES, describe_memory, generator_parts, loading_peak
 
     save_hf(load_model(None), load_tokenizer(None), tmp_path)

@@ -223,7 +223,7 @@ def test_loading_bars_stay_out_of_logs(tmp_path):
     import subprocess
     import sys
 
-    from executors.hf import load_model, load_tokenizer, save_hf
+    from modeling.hf import load_model, load_tokenizer, save_hf
 
     save_hf(load_model(None), load_tokenizer(None), tmp_path)
     root = Path(__file__).resolve().parents[1]
@@ -234,5 +234,5 @@ def test_loading_bars_stay_out_of_logs(tmp_path):
 
     plain = f"import transformers; transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})"
     assert "Loading weights" in stderr_of(plain, "0")  # what a rank's log got
-    ours = f"from executors.hf import load_model; load_model({str(tmp_path)!r})"
+    ours = f"from modeling.hf import load_model; load_model({str(tmp_path)!r})"
     assert "Loading weights" not in stderr_of(ours, "0") and "Loading weights" not in stderr_of(ours, "1")

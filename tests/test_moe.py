@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
-from executors import moe
-from executors.embedded.moe import write_embedded_moe
+from modeling import moe
+from modeling.tiny.moe import write_embedded_moe
 from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams
-from executors.hf import load_model, load_tokenizer
-from executors.parallel.tp import param_specs
-from executors.training.batching import Routes
-from executors.training.packing import make_micro_batches
+from modeling.hf import load_model, load_tokenizer
+from modeling.parallel.tp import param_specs
+from modeling.batching import Routes
+from modeling.packing import make_micro_batches
 from launch.cli import parser, resolve
 from launch.memory import Shape, trainer_parts
 from recipes.grpo import build

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from executors.data import PromptRow
-from executors.embedded.task import embedded_prompts, hide_digit
+from modeling.tiny.task import embedded_prompts, hide_digit
 from executors.environments.base import EnvStep
 from executors.generator.config import MultiTurnConfig
 from executors.generator.engine import PromptRequest, SamplingParams

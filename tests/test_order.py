@@ -1,9 +1,9 @@
-"""The order a trainer rank takes its groups in (executors/training/order.py)."""
+"""The order a trainer rank takes its groups in (executors/learner/order.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from executors.training.order import in_index_order
+from executors.learner.order import in_index_order
 
 
 def _groups(*indices):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from executors.hf import load_model, load_tokenizer, save_hf
+from modeling.hf import load_model, load_tokenizer, save_hf
 from recipes.defaults import decode_slots
 from tests.e2e import launch, metrics
 

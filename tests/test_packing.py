@@ -7,12 +7,12 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers.masking_utils import AttentionMaskInterface
 
-import executors.training.packed_attention as packed_attention
-from executors.hf import load_model
-from executors.parallel.ac import apply_ac
-from executors.training.batching import MicroBatch, split_group
-from executors.training.packed_attention import ATTN_NAME, PackMask, install
-from executors.training.packing import (
+import modeling.packed_attention as packed_attention
+from modeling.hf import load_model
+from modeling.parallel.ac import apply_ac
+from modeling.batching import MicroBatch, split_group
+from modeling.packed_attention import ATTN_NAME, PackMask, install
+from modeling.packing import (
     PackedMicroBatch,
     auto_shared_prompt,
     make_micro_batches,

@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from executors.parallel import (apply_ac, build_mesh, check_divisible, clip_grad_norm_, copy_params_, local,
+from modeling.parallel import (apply_ac, build_mesh, check_divisible, clip_grad_norm_, copy_params_, local,
                                 param_specs, parallelize, tp_plan)
-from executors.parallel.tp import apply_tp
-from executors.training.batching import response_logprobs, split_group
+from modeling.parallel.tp import apply_tp
+from modeling.batching import response_logprobs, split_group
 from tests.spawn import spawn
 
 TOL = 1e-5

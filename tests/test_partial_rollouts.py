@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from executors.embedded.task import embedded_prompts
+from modeling.tiny.task import embedded_prompts
 from executors.generator.engine import NativeEngine, PromptRequest, Resume, SamplingParams
-from executors.hf import load_model, load_tokenizer
+from modeling.hf import load_model, load_tokenizer
 from recipes.grpo import build
 from tests.e2e import launch, max_abs_diff, metrics, weights
 

@@ -80,7 +80,7 @@ SHARED = {  # trainer (ranks, tp, fsdp) -> generator (ranks, tp), on 2 ranks
 
 
 def _push_shared():
-    from executors.parallel import build_mesh, param_specs, parallelize
+    from modeling.parallel import build_mesh, param_specs, parallelize
     from tests.test_reshard import _train_step, local, qwen3
 
     torch.set_num_threads(1)
@@ -124,7 +124,7 @@ def pushed_shared():
 def test_push_between_shared_ranks_lands_bit_for_bit(pushed_shared, layout):
     """A trainer and a generator on the same ranks: every generator shard equals the trainer's
     weights; where a rank holds the piece it needs (dp replicas onto replicas), nothing crosses ranks."""
-    from executors.parallel import param_specs
+    from modeling.parallel import param_specs
     from tests.test_reshard import _sl, qwen3
 
     t_ranks, _, _, g_ranks, tp_g = SHARED[layout]

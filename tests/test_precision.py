@@ -17,7 +17,7 @@ from algorithms.grpo import GRPOConfig
 from algorithms.registry import get_algorithm
 from controller.schedules import Periodic
 from executors.base import ExecutorEnv
-from executors.hf import load_model
+from modeling.hf import load_model
 from executors.trainer.accumulate import Mismatch
 from executors.trainer.executor import Trainer, TrainerConfig
 from tests.e2e import launch, metrics

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from executors.hf import load_model, load_tokenizer, save_hf
+from modeling.hf import load_model, load_tokenizer, save_hf
 from launch.cli import _run_of
 from launch.selflaunch import cause, without_max_restarts
 from tests.e2e import ROOT, SMALL, metrics, rank_pid, wait_for_steps

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from executors.critic.config import CriticConfig
 from executors.evaluation.config import EvalConfig
 from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, MultiTurnConfig, VllmConfig
-from executors.lora import LoraConfig
+from modeling.lora import LoraConfig
 from executors.reward.config import RewardConfig, RewardModelConfig
 from executors.trainer.config import TrainerConfig
 from recipes.config import LoggingConfig, RunConfig

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from channels.payloads import ParamSpec, chunk
 from channels.push import WeightPush
 from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
-from executors.parallel import build_mesh, local, param_specs, parallelize
+from modeling.parallel import build_mesh, local, param_specs, parallelize
 from tests.names import FUSED, IDENTITY, targets
 from tests.spawn import spawn
 

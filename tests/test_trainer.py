@@ -11,7 +11,7 @@ from algorithms.registry import get_algorithm
 from controller.schedules import Periodic, Sync
 from controller.timeline import Timeline
 from executors.base import ExecutorEnv, Endpoints, StepContext
-from executors.hf import load_model
+from modeling.hf import load_model
 from executors.trainer.executor import Trainer, TrainerConfig
 from executors.trainer.stats import TrainerMetrics
 from tests.fixtures import scored_groups

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executors.hf import load_model
+from modeling.hf import load_model
 from recipes.registry import recipe_for
 from controller.control import Cadence
 from controller.job import run_job

@@ -24,7 +24,7 @@ def _model(seed: int, device):
 
 
 def _plan(model, t_ranks, g_ranks, *, g_tp: int = 1):
-    from executors.parallel import param_specs
+    from modeling.parallel import param_specs
 
     return build_plan(specs=param_specs(model), trainer=TrainerLayout(ranks=t_ranks, tp=1, fsdp=False),
                       generator=GeneratorLayout(ranks=g_ranks, tp=g_tp), bucket_bytes=1 << 16)
@@ -91,11 +91,11 @@ def test_colocated_push_is_a_copy_on_the_device(device):
 def test_flex_shared_prompt_mask_equals_dense(device, shared):
     """flex attention's BlockMask (CUDA: forward and backward) against the dense [L, L] mask."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    from executors.training.packing import pack_group
+    from modeling.packing import pack_group
 
     model = _model(0, device)
     model.config._attn_implementation = "sdpa"
-    from executors.training.packed_attention import install
+    from modeling.packed_attention import install
 
     install(model)
     g = torch.Generator().manual_seed(0)

@@ -42,7 +42,7 @@ def _checks(tp: int) -> dict:
     from executors.generator.config import VllmConfig
     from executors.generator.engine import PromptRequest, Resume, SamplingParams
     from executors.generator.vllm_engine import VllmEngine, engine_model_dir, receive_buffers
-    from executors.hf import load_model, load_tokenizer
+    from modeling.hf import load_model, load_tokenizer
 
     torch.set_num_threads(1)
     init_distributed(detect_device(), timeout=timedelta(seconds=300), index=int(os.environ.get("LOCAL_RANK", "0")))
@@ -203,7 +203,7 @@ def _streaming() -> dict:
     from executors.generator.config import VllmConfig
     from executors.generator.engine import PromptRequest, SamplingParams
     from executors.generator.vllm_engine import VllmEngine, engine_model_dir
-    from executors.hf import load_tokenizer
+    from modeling.hf import load_tokenizer
 
     torch.set_num_threads(1)
     init_distributed(detect_device(), timeout=timedelta(seconds=300), index=int(os.environ.get("LOCAL_RANK", "0")))

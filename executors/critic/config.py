@@ -1,10 +1,10 @@
 """The critic's options: its value model's source, and the layout, optimizer and micro-batches of
-executors/training/config.py with the critic's own values."""
+executors/learner/config.py with the critic's own values."""
 from __future__ import annotations
 
 from pydantic import Field
 
-from executors.training.config import LearnerConfig
+from executors.learner.config import LearnerConfig
 
 
 class CriticConfig(LearnerConfig):

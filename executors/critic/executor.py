@@ -9,7 +9,7 @@
                          epochs (clipped against the step's start values), the lr schedule
 
 Like the trainer it takes a group the moment it arrives (in index order under tp, in lockstep rounds
-under FSDP: executors/training/order.py) and accumulates gradients in float64, so sync and periodic
+under FSDP: executors/learner/order.py) and accumulates gradients in float64, so sync and periodic
 give bit-identical critic weights. Its first pass needs no clip: the values being trained ARE the
 step's start values, so clip(V, V_old +- c) = V. Its weights never leave its ranks.
 """
@@ -28,12 +28,12 @@ from algorithms.ppo import PPOConfig
 from channels.payloads import AdvantagedGroup, ScoredGroup
 from executors.base import ExecutorEnv, Input, Output, StepContext
 from executors.critic.config import CriticConfig
-from executors.training.batching import sampled_logprobs
-from executors.training.learner import Learner
-from executors.training.order import Work
-from executors.training.sums import Sums
+from modeling.batching import sampled_logprobs
+from executors.learner.learner import Learner
+from executors.learner.order import Work
+from executors.learner.sums import Sums
 
-VALUE = "value"  # the critic's one loss pass (executors/training/optim.py keys accumulators by pass)
+VALUE = "value"  # the critic's one loss pass (modeling/optim.py keys accumulators by pass)
 
 
 @dataclass
@@ -120,13 +120,13 @@ class Critic(Learner):
     def init(self, env: ExecutorEnv) -> None:
         super().init(env)
         from executors.critic.model import ValueModels  # model code: on the critic's ranks only
-        from executors.training.optim import Optimizer
+        from modeling.optim import Optimizer
 
         start = env.resume / "critic" if env.resume is not None else self.cfg.path or self.model_path
         self.models = ValueModels.build(value_path=None if start is None else str(start), model_path=self.model_path,
                                         dtype=self.dtype, env=env, cfg=self.cfg, temperature=self.temperature,
                                         reference=self.algo_cfg.critic_reference)
-        self.optim = Optimizer(self.models.master, compute=self.models.value, cfg=self.cfg, total_steps=self.total_steps,
+        self.optim = Optimizer(self.models.master, compute=self.models.value, cfg=self.cfg.optim, total_steps=self.total_steps,
                                mesh=self.models.mesh, dp_group=self.models.dp_group, passes=(VALUE,),
                                replicated_dp=not self.shards_over_units)
         if env.resume is not None:

@@ -19,11 +19,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from executors.base import ExecutorEnv
-from executors.hf import ATTN_IMPL, check_weights, in_own_memory, load_model, load_tokenizer
-from executors.training.config import LearnerConfig
-from executors.training.models import (PRECISIONS, LearnerModels, frozen_logprobs, lay_out, learner_mesh, save_full,
+from modeling.hf import ATTN_IMPL, check_weights, in_own_memory, load_model, load_tokenizer
+from executors.learner.config import LearnerConfig
+from executors.learner.models import (PRECISIONS, LearnerModels, frozen_logprobs, lay_out, learner_mesh, save_full,
                                        trainable_copy)
-from executors.training.packed_attention import install as install_packed_attention
+from modeling.packed_attention import install as install_packed_attention
 
 
 def load_value_model(path: str | None, *, dtype: torch.dtype, seed: int) -> transformers.PreTrainedModel:

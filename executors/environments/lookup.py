@@ -1,6 +1,6 @@
 """`lookup`: the embedded multi-turn task's environment (`--set rollout=multi_turn` with no data).
 
-The prompt's digit is hidden (executors/embedded/task.py hide_digit: `bo sees ? cups . how many ?
+The prompt's digit is hidden (modeling/tiny/task.py hide_digit: `bo sees ? cups . how many ?
 read`). The model's first turn is its look: one token, whatever it is (reset() caps the turn at 1),
 and the environment answers with the digit, ` it is 7 . answer:`. From then on a turn with a digit is
 the answer and ends the episode; a turn without one looks again. The reward (embedded_lookup) is the

@@ -22,7 +22,7 @@ from channels.payloads import RolloutGroup
 from common.files import append_jsonl
 from executors.base import Executor, ExecutorEnv, Input, Output, StepContext, unit_aborted
 from executors.data import PromptSet, load_prompts
-from executors.embedded.task import held_out_prompts
+from modeling.tiny.task import held_out_prompts
 from executors.evaluation.config import EvalConfig
 from executors.generator.config import DataConfig
 

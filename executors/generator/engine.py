@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 import torch
 
-from executors import moe
+from modeling import moe
 
 if TYPE_CHECKING:  # transformers loads with the first chunk: building a graph stays light
     import transformers
@@ -86,7 +86,7 @@ class GroupCompletion:
     logprobs: list[torch.Tensor]  # float32 log_softmax(logits / T) at the sampled tokens, before top-p
     finished_G: torch.Tensor  # bool, True where the sample hit EOS (with turns: its episode ended)
     loss_masks: list[torch.Tensor] | None = None  # with turns: G x [R_i] bool, True on sampled tokens
-    # an MoE model's expert ids per token and routed layer, [prompt, response_1..G] (executors/moe.py
+    # an MoE model's expert ids per token and routed layer, [prompt, response_1..G] (modeling/moe.py
     # pack); None for a dense model, and for multi-turn and partial rollouts (not recorded there)
     routing: list[torch.Tensor] | None = None
     # the call's token budget ran out before every sample ended: a partial group, continued by a
@@ -192,16 +192,16 @@ class NativeEngine:
         self.model = model.eval()
         # a bf16 model's logits in float32, and its attention in float32, as the trainer computes them
         # (training/head.py, training/packed_attention.py: off a packed row its attention is SDPA's)
-        from executors.training.head import Fp32Head  # DTensor: loaded on the generator's ranks only
+        from modeling.head import Fp32Head  # DTensor: loaded on the generator's ranks only
 
         self._fp32_head = Fp32Head.install(model)
         if next(model.parameters()).dtype != torch.float32 and model.config._attn_implementation == "sdpa":
-            from executors.training.packed_attention import install
+            from modeling.packed_attention import install
 
             install(model)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
-        # an MoE model records the experts each token was routed to, for the trainer to replay (executors/moe.py)
+        # an MoE model records the experts each token was routed to, for the trainer to replay (modeling/moe.py)
         self.routing = moe.install(model)
         if self.routing is not None:
             self.routing.mode = "record"

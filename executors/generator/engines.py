@@ -86,8 +86,8 @@ def _check_vllm(g: GeneratorConfig, model_path: str | None) -> None:
     if g.top_p < 1.0 or g.top_k > 0:
         raise ValueError("generator.engine=vllm needs generator.top_p=1 and generator.top_k=0: under top-p/top-k "
                          "vLLM's log-probs are renormalised over the kept tokens, the trainer's (and the KL's) are not")
-    from executors.hf import load_config  # config.json only
-    from executors.moe import moe_shape
+    from modeling.hf import load_config  # config.json only
+    from modeling.moe import moe_shape
 
     config = load_config(model_path)
     if moe_shape(config) is not None:
@@ -110,8 +110,8 @@ def _vllm_no_release(device_type: str) -> str:
 
 def _build_native(gen, env: ExecutorEnv):
     from executors.generator.engine import NativeEngine
-    from executors.hf import load_model
-    from executors.parallel import apply_tp, build_mesh, local_shards, param_specs
+    from modeling.hf import load_model
+    from modeling.parallel import apply_tp, build_mesh, local_shards, param_specs
 
     # same seed as the trainer's init, so step 0 samples with exactly the trainer's weights; a
     # resumed run starts from the checkpoint's, which the trainer saved at the step before
@@ -122,7 +122,7 @@ def _build_native(gen, env: ExecutorEnv):
     if lora.on:
         from pathlib import Path
 
-        from executors.lora import apply_lora, load_adapter
+        from modeling.lora import apply_lora, load_adapter
 
         apply_lora(model, lora, seed=env.seed)  # B = 0: the base's outputs until the first push
         if gen.resumes_weights:
@@ -136,7 +136,7 @@ def _build_native(gen, env: ExecutorEnv):
                           max_batch_prompts=gen.cfg.max_batch_prompts, admission=gen.cfg.admission)
     specs, shards = param_specs(model), local_shards(model)  # pushes land in the model itself
     if lora.on:  # ... the adapters alone
-        from executors.lora import is_adapter
+        from modeling.lora import is_adapter
 
         specs, shards = ({k: v for k, v in d.items() if is_adapter(k)} for d in (specs, shards))
     return engine, specs, shards
@@ -162,7 +162,7 @@ def _build_vllm(gen, env: ExecutorEnv):
     return engine, specs, shards
 
 
-ENGINES: Registry[EngineKind] = Registry("generator engine")
+ENGINES: Registry[EngineKind] = Registry("generator engine", key="generator.engine")
 ENGINES.register("native", EngineKind(build=_build_native, check=_no_check, slots_key="generator.max_batch_prompts",
                                       slots_are_rows=False, push_buffer=False))
 ENGINES.register("vllm", EngineKind(build=_build_vllm, check=_check_vllm, slots_key="generator.vllm.max_num_seqs",

@@ -11,13 +11,13 @@ import torch.distributed as dist
 from channels.payloads import GroupVerdict, RolloutGroup, WeightsUpdate
 from executors.base import Executor, ExecutorEnv, Input, Output, StepContext, unit_aborted
 from executors.data import PromptRow, PromptSet, load_prompts
-from executors.embedded.task import embedded_prompts
+from modeling.tiny.task import embedded_prompts
 from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, MultiTurnConfig
 from executors.generator.engine import GroupCompletion, SamplingParams
 from executors.generator.engines import ENGINES
 from executors.generator.partial import PartialRollouts
 from executors.generator.rollouts import ROLLOUTS
-from executors.lora import LoraConfig
+from modeling.lora import LoraConfig
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Generator(Executor):
         B - kept more prompts (indices B, B+1, ...) with the same weights, until B groups are kept.
         `longest_response`: the longest response a guest samples with this engine (an evaluation's
         may exceed config.max_new_tokens; vLLM sizes its context for it). `lora`: the trainer's
-        adapters, which this generator holds too (the pushes carry them alone; executors/lora.py)."""
+        adapters, which this generator holds too (the pushes carry them alone; modeling/lora.py)."""
         super().__init__(name=name, units=config.replicas, ranks_per_unit=config.tp)
         self.cfg, self.model_cfg, self.data_cfg = config, model, data
         self.dynamic, self.max_rounds = dynamic_sampling, max_rounds
@@ -73,7 +73,7 @@ class Generator(Executor):
         super().init(env)
         # model code (transformers, DTensor, vLLM) loads here, on the generator's ranks: building a
         # graph (the CLI, --dry-run) stays light
-        from executors.hf import load_tokenizer
+        from modeling.hf import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.model_cfg.path)
         # the engine, and the WEIGHTS channel's view of it: {name: spec} and {name: local shard}

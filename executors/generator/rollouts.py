@@ -24,7 +24,7 @@ from channels.payloads import RolloutGroup
 from common.registry import Registry
 from common.timeout import CallTimeout, call_with_timeout
 from executors.data import PromptRow
-from executors.embedded.task import hide_digit
+from modeling.tiny.task import hide_digit
 from executors.environments.base import EnvStep, ModelTurn, env_class
 from executors.generator.config import MultiTurnConfig
 from executors.generator.engine import GroupCompletion, PromptRequest, Resume, SamplingParams

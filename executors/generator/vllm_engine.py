@@ -44,7 +44,7 @@ def engine_model_dir(path: str | None, *, seed: int, tokenizer) -> Iterator[str]
     if path is not None:
         yield path
         return
-    from executors.hf import load_model, save_hf
+    from modeling.hf import load_model, save_hf
 
     with tempfile.TemporaryDirectory(prefix="tidal-engine-") as tmp:
         save_hf(load_model(None, seed=seed), tokenizer, tmp)
@@ -58,14 +58,14 @@ def receive_buffers(model_dir: str, *, dtype: torch.dtype, tp: int, tp_rank: int
     Hugging Face names and layout; `load_weights` then hands them to vLLM."""
     import transformers
 
-    from executors.parallel.tp import param_specs
+    from modeling.parallel.tp import param_specs
 
     config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
     check_tp_fits_vllm(config, tp=tp)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-        if lora is not None:  # the pushes carry the adapters alone (executors/lora.py)
-            from executors.lora import apply_lora, is_adapter
+        if lora is not None:  # the pushes carry the adapters alone (modeling/lora.py)
+            from modeling.lora import apply_lora, is_adapter
 
             model = apply_lora(model, lora, seed=0)
         specs = {k: v for k, v in param_specs(model).items() if lora is None or is_adapter(k)}
@@ -250,7 +250,7 @@ class VllmEngine:
 
     def _load_adapter(self, shards: Mapping[str, torch.Tensor]) -> None:
         """The pushed adapters as a PEFT directory, loaded under a new id (vLLM caches adapters by id)."""
-        from executors.lora import save_state
+        from modeling.lora import save_state
 
         if self._adapters is None:
             self._adapters = tempfile.TemporaryDirectory(prefix="tidal-adapter-")

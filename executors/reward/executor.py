@@ -43,7 +43,7 @@ class Reward(Executor):
 
     def init(self, env: ExecutorEnv) -> None:
         super().init(env)
-        from executors.hf import load_tokenizer  # transformers: on the reward's ranks only
+        from modeling.hf import load_tokenizer  # transformers: on the reward's ranks only
 
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         self.weights = self.cfg.weights or [1.0] * len(self.fns)

@@ -15,7 +15,7 @@ from typing import Callable, Literal
 
 from common.registry import Registry
 from common.timeout import CallTimeout, call_with_timeout
-from executors.embedded.task import embedded_reward, lookup_reward
+from modeling.tiny.task import embedded_reward, lookup_reward
 
 RewardFn = Callable[[str, str, dict], float]
 

@@ -89,7 +89,7 @@ def load_reward_model(path: str | None, *, seed: int):
     # model code loads here, on the reward model's ranks: building a graph (the CLI, --dry-run) stays light
     import transformers
 
-    from executors.hf import ATTN_IMPL, embedded_config, load_tokenizer
+    from modeling.hf import ATTN_IMPL, embedded_config, load_tokenizer
 
     # fork_rng: a new head (or the random model) is initialised from `seed`, the caller's RNG untouched
     with torch.random.fork_rng(devices=[]):

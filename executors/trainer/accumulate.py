@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from algorithms.objective import Pass
 from channels.payloads import ScoredGroup
-from executors.training.sums import Sums
+from executors.learner.sums import Sums
 
 
 @dataclass
@@ -79,7 +79,7 @@ class LossSums:
     is_weight_sum: float = 0.0  # a correction's weights over the tokens kept (algorithms/corrections.py)
     dropped_tokens: float = 0.0  # tokens a correction dropped
     routed_tokens: float = 0.0  # MoE: tokens trained with the generator's recorded routing at hand
-    routing_differs: float = 0.0  # of them, those whose trainer top-k differed in some layer (executors/moe.py)
+    routing_differs: float = 0.0  # of them, those whose trainer top-k differed in some layer (modeling/moe.py)
 
     def __iadd__(self, other: "LossSums") -> "LossSums":
         for name in Pass:

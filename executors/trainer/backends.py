@@ -48,13 +48,13 @@ def _check_megatron(cfg: TrainerConfig, model_path: str | None) -> None:
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         raise ValueError("trainer.backend=megatron needs megatron-core: pip install -e \".[megatron]\" "
                          "(megatron-core 0.16.1 on Python 3.11; `make install` includes it)")
-    from executors.hf import load_config
-    from executors.megatron.model import check_supported
+    from modeling.hf import load_config
+    from modeling.megatron.model import check_supported
 
     check_supported(load_config(model_path))
 
 
-BACKENDS: Registry[Backend] = Registry("trainer backend")
+BACKENDS: Registry[Backend] = Registry("trainer backend", key="trainer.backend")
 BACKENDS.register("torch", Backend(models=_torch_models, check=_no_check, expert_parallel=True, lora=True,
                                    about="HF model classes with DTensor tp and FSDP2"))
 BACKENDS.register("megatron", Backend(models=_megatron_models, check=_check_megatron, per_rank_optimizer=True,

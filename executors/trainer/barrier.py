@@ -5,7 +5,7 @@ accumulated gradient: gradients are linear in the loss, so dividing the sum at t
 dividing each term (DESIGN.md "Normalisation that survives streaming"). Where the objective
 evaluates a first step at several passes (batch-scope advantages), it says how they combine
 (algorithms/objective.py `combine`), and they are combined here.
-The optimizer itself (AdamW, schedule, accumulators, clipping, checkpoint) is executors/training/optim.py.
+The optimizer itself (AdamW, schedule, accumulators, clipping, checkpoint) is modeling/optim.py.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from executors.trainer.accumulate import LossSums, Mismatch, Pass
-from executors.training.optim import Optimizer
+from modeling.optim import Optimizer
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,10 @@
-"""The trainer's options: the layout, optimizer and micro-batches of the policy (executors/training/config.py)."""
+"""The trainer's options: the layout, optimizer and micro-batches of the policy (executors/learner/config.py)."""
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from executors.lora import LoraConfig
-from executors.training.config import LearnerConfig, lr_factor
-
-__all__ = ["TrainerConfig", "lr_factor"]
+from modeling.lora import LoraConfig
+from executors.learner.config import LearnerConfig
 
 
 class TrainerConfig(LearnerConfig):
@@ -19,16 +17,8 @@ class TrainerConfig(LearnerConfig):
         "(executors/trainer/backends.py registers them)")
 
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters on a frozen base (rank > 0): "
-                             "adapters alone train and are pushed (executors/lora.py)")
+                             "adapters alone train and are pushed (modeling/lora.py)")
     routing_replay: bool = Field(
         False, description="mixture-of-experts models: route each token through the experts the generator "
         "used (recorded by the native engine) instead of the trainer's own top-k; either way metrics report "
-        "routing_mismatch_frac, the tokens whose own choice differed (executors/moe.py)")
-
-    @field_validator("backend")
-    @classmethod
-    def _registered(cls, name: str) -> str:
-        from executors.trainer.backends import BACKENDS  # it imports this module
-
-        BACKENDS.get(name)  # ValueError: unknown trainer backend 'x'; known: ...
-        return name
+        "routing_mismatch_frac, the tokens whose own choice differed (modeling/moe.py)")

@@ -9,7 +9,7 @@ What varies by algorithm (advantages, loss passes, the batch's statistics, the l
 (algorithms/objective.py); this file keeps no algorithm flag.
 Its parts: models.py (policy, old policy, reference and their log-probs), accumulate.py (gradients,
 loss sums and group records as typed values), barrier.py (combine, normalise, step), stats.py (the
-step's state and its metrics record); what it shares with the critic is in executors/training/
+step's state and its metrics record); what it shares with the critic is in executors/learner/
 (micro-batches, the order groups are taken in under each layout, the optimizer).
 Parallel layout: a ("dp", "tp") mesh over the trainer's ranks; a unit (one dp slot) is tp ranks.
 Backends (trainer.backend): torch (models.py: HF classes, DTensor tp, FSDP2) or megatron
@@ -31,9 +31,9 @@ from executors.base import ExecutorEnv, Input, Output, StepContext, unit_aborted
 from executors.trainer.accumulate import GroupRecord, LossSums, Pass
 from executors.trainer.config import TrainerConfig
 from executors.trainer.stats import StepState, TrainerMetrics, group_digest
-from executors.training.batching import sampled_logprobs
-from executors.training.learner import Learner
-from executors.training.order import Work
+from modeling.batching import sampled_logprobs
+from executors.learner.learner import Learner
+from executors.learner.order import Work
 
 __all__ = ["Trainer", "TrainerConfig"]
 
@@ -75,7 +75,7 @@ class Trainer(Learner):
         self.models = BACKENDS.get(self.cfg.backend).models().build(model_path=self.model_path, dtype=self.dtype, env=env, cfg=self.cfg,
                                      temperature=self.temperature, reference=self.objective.needs_reference,
                                      snapshot=self.passes > 1, policy_path=env.resume)
-        self.optim = Barrier(self.models.master, compute=self.models.policy, cfg=self.cfg, total_steps=self.total_steps,
+        self.optim = Barrier(self.models.master, compute=self.models.policy, cfg=self.cfg.optim, total_steps=self.total_steps,
                              mesh=self.models.mesh, dp_group=self.models.dp_group, passes=self.objective.first_passes,
                              replicated_dp=not self.shards_over_units, tp_partial=self.models.tp_partial(),
                              zero=self.models.per_rank_optimizer, experts=self.models.expert_params(),

@@ -1,13 +1,13 @@
 """The tri-model on megatron-core (trainer.backend=megatron): policy, old policy and reference as
 GPTModels in one tensor-parallel layout, with the torch backend's interface (executors/trainer/models.py).
 
-- Layout: the trainer's ("dp", "tp") mesh; its tp and dp groups are megatron's (executors/megatron/groups.py), so the
+- Layout: the trainer's ("dp", "tp") mesh; its tp and dp groups are megatron's (modeling/megatron/groups.py), so the
   trainer's ranks alone hold megatron's groups in a split world.
-- Weights: the HF checkpoint, converted and cut to this rank's tp part (executors/megatron/convert.py). The old policy
+- Weights: the HF checkpoint, converted and cut to this rank's tp part (modeling/megatron/convert.py). The old policy
   and the reference are GPTModels of their own with the same weights (a GPTModel holds its process
   groups, which copy.deepcopy cannot copy).
 - Gradients go to the trainer's own order-independent accumulators, and one AdamW steps them
-  (executors/training/optim.py), sharded over dp (ZeRO-1) when dp > 1. q/k-norm gradients are
+  (modeling/optim.py), sharded over dp (ZeRO-1) when dp > 1. q/k-norm gradients are
   partial sums per tp rank and are summed over tp at the barrier (convert.TP_PARTIAL_GRADS).
 - Push: each rank converts its own megatron part to HF names locally (a tp part of the fused qkv
   holds whole query groups, of fc1 [its gate rows; its up rows]), so the WEIGHTS channel sees the
@@ -25,13 +25,13 @@ import torch.distributed as dist
 from torch import nn
 
 from executors.base import ExecutorEnv
-from executors.hf import load_model, load_tokenizer, save_hf
-from executors.megatron.convert import TP_PARTIAL_GRADS, Layout, to_hf, unshard
-from executors.megatron.forward import install_packed_attention, response_logprobs
-from executors.parallel import apply_ac, param_specs
+from modeling.hf import load_model, load_tokenizer, save_hf
+from modeling.megatron.convert import TP_PARTIAL_GRADS, Layout, to_hf, unshard
+from modeling.megatron.forward import install_packed_attention, response_logprobs
+from modeling.parallel import apply_ac, param_specs
 from executors.trainer.models import TriModel
-from executors.training.config import LearnerConfig
-from executors.training.models import PRECISIONS, learner_mesh
+from executors.learner.config import LearnerConfig
+from executors.learner.models import PRECISIONS, learner_mesh
 
 
 def _local_layout(lay: Layout, tp: int) -> Layout:
@@ -49,8 +49,8 @@ class MegatronTriModel(TriModel):
     @classmethod
     def build(cls, *, model_path: str | None, dtype: torch.dtype, env: ExecutorEnv, cfg: LearnerConfig,
               temperature: float, reference: bool, snapshot: bool, policy_path=None) -> "MegatronTriModel":
-        from executors.megatron import model as meg, shims
-        from executors.megatron.groups import process_groups
+        from modeling.megatron import model as meg, shims
+        from modeling.megatron.groups import process_groups
 
         if not dist.is_initialized():
             raise ValueError("trainer.backend=megatron runs under torch.distributed (launch.py / torchrun)")

@@ -5,8 +5,8 @@
   equals the policy during the whole first pass, so its log-probs are the detached policy's and no
   copy exists; with several optimizer steps per batch (mini-batches, epochs) a real snapshot is kept.
 - reference: the initial weights, frozen; only when the algorithm has a KL term. With LoRA
-  (trainer.lora, executors/lora.py) it is the policy with its adapters off: no copy at all.
-The copies are made before sharding and parallelized alike (executors/parallel), so one micro-batch
+  (trainer.lora, modeling/lora.py) it is the policy with its adapters off: no copy at all.
+The copies are made before sharding and parallelized alike (modeling/parallel), so one micro-batch
 feeds all three on the same ranks without extra communication.
 
 Mixed precision (trainer.precision=bf16): the optimizer steps fp32 master weights and every forward
@@ -28,14 +28,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from channels.payloads import ScoredGroup
-from executors import moe
+from modeling import moe
 from executors.base import ExecutorEnv
-from executors.hf import cast_parameters, load_model, load_tokenizer
-from executors.parallel import copy_params_, local_shards, param_specs
+from modeling.hf import cast_parameters, load_model, load_tokenizer
+from modeling.parallel import copy_params_, local_shards, param_specs
 from executors.trainer.config import TrainerConfig
-from executors.training.models import (PRECISIONS, LearnerModels, frozen_logprobs, lay_out, learner_mesh, save_full,
+from executors.learner.models import (PRECISIONS, LearnerModels, frozen_logprobs, lay_out, learner_mesh, save_full,
                                        shares_prompt, trainable_copy)
-from executors.training.packed_attention import install as install_packed_attention
+from modeling.packed_attention import install as install_packed_attention
 
 
 @dataclass
@@ -66,7 +66,7 @@ class TriModel(LearnerModels):
         master = load_model(str(policy_path) if policy_path and not lora.on else model_path, dtype=dtype,
                             seed=env.seed).to(env.device).train()
         if lora.on:
-            from executors.lora import apply_lora, load_adapter
+            from modeling.lora import apply_lora, load_adapter
 
             apply_lora(master, lora, seed=env.seed)
             if policy_path:
@@ -83,7 +83,7 @@ class TriModel(LearnerModels):
         old = copy.deepcopy(policy).eval().requires_grad_(False) if snapshot else None
         ep_mesh = None
         if cfg.ep > 1:
-            from executors.parallel.ep import expert_mesh
+            from modeling.parallel.ep import expert_mesh
 
             ep_mesh = expert_mesh(env.ranks, ep=cfg.ep, device_type=env.device.type, parent=env.group)
         lay_out([(policy, False), (ref, True), (old, True)] + ([(master, True)] if master is not policy else []),
@@ -104,7 +104,7 @@ class TriModel(LearnerModels):
 
     def _pushed(self, name: str) -> bool:
         """What the generator needs each step: every parameter, or with LoRA the adapters alone."""
-        from executors.lora import is_adapter
+        from modeling.lora import is_adapter
 
         return not self.cfg.lora.on or is_adapter(name)
 
@@ -123,7 +123,7 @@ class TriModel(LearnerModels):
         replicas only); None without expert parallel."""
         if self.ep_mesh is None:
             return None
-        from executors.parallel.ep import is_expert
+        from modeling.parallel.ep import is_expert
 
         return is_expert(self.policy)
 
@@ -138,7 +138,7 @@ class TriModel(LearnerModels):
         if self.old is not None:
             copy_params_(self.old, self.policy)
 
-    # what the optimizer needs to know of this backend's layout (executors/training/optim.py)
+    # what the optimizer needs to know of this backend's layout (modeling/optim.py)
     per_rank_optimizer = False  # DTensor parameters: dcp reshards the optimizer state across layouts
 
     def tp_partial(self) -> list[bool] | None:
@@ -170,7 +170,7 @@ class TriModel(LearnerModels):
     def ref_logprobs(self, mbs: list, *, pad_to: int) -> list:
         """Reference log-probs per micro-batch (None without a reference), then lockstep dummies."""
         if self.base_reference:
-            from executors.lora import adapters_disabled
+            from modeling.lora import adapters_disabled
 
             with adapters_disabled(self.policy):
                 return frozen_logprobs(self.policy, mbs, pad_to=pad_to, dummy=self.dummy, logprobs=self._logprobs)
@@ -182,7 +182,7 @@ class TriModel(LearnerModels):
         if not self.cfg.lora.on:
             return save_full(self.master, self.tokenizer, path, leader=leader)
         if leader:  # dp replicas hold the same adapters (LoRA runs without tp and FSDP)
-            from executors.lora import save_adapter
+            from modeling.lora import save_adapter
 
             save_adapter(self.master, self.cfg.lora, Path(path), base=self.model_path)
             self.tokenizer.save_pretrained(path)
@@ -191,7 +191,7 @@ class TriModel(LearnerModels):
         """final/: what `save` writes, and with trainer.lora.merged the merged model in final/merged."""
         self.save(path, leader=leader)
         if self.cfg.lora.on and self.cfg.lora.merged and leader:
-            from executors.hf import save_hf
-            from executors.lora import merged_state
+            from modeling.hf import save_hf
+            from modeling.lora import merged_state
 
             save_hf(self.master, self.tokenizer, Path(path) / "merged", state=merged_state(self.master))

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from channels.payloads import ParamSpec
-from executors.moe import expert_modules
+from modeling.moe import expert_modules
 
 
 class ReplicateParallel(ParallelStyle):

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
 from common.files import readable_as_umask
-from executors.embedded import EOS_TOKEN, MODEL_SIZES, TOKENIZER_FILE
+from modeling.tiny import EOS_TOKEN, MODEL_SIZES, TOKENIZER_FILE
 
 # sdpa: the kernel the trainer's explicit-mask (shared-prompt) path uses too. Measured on the
 # embedded model: eager gives the same samples (log-probs within 1e-6) and no speed gain on CPU.
@@ -183,10 +183,10 @@ def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir:
             state: dict[str, torch.Tensor] | None = None) -> None:
     """Write a directory that `load_model(out_dir)` / `AutoModelForCausalLM.from_pretrained` read back.
 
-    state: the full tensors to write, tied ones once (`executors.parallel.full_state_dict`, which
+    state: the full tensors to write, tied ones once (`modeling.parallel.full_state_dict`, which
     a sharded model's ranks call together); default: the model's own.
     """
-    from executors.parallel import full_state_dict  # torch.distributed.tensor: only when saving
+    from modeling.parallel import full_state_dict  # torch.distributed.tensor: only when saving
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Rebuild the shipped `tokenizer.json`: `python -m executors.embedded.build_tokenizer`.
+"""Rebuild the shipped `tokenizer.json`: `python -m modeling.tiny.build_tokenizer`.
 
 A byte-level BPE of 512 tokens trained on a generated corpus, so the embedded model needs no
 download. Digits are split one per pre-token, so an answer digit is always a single token and
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from executors.embedded.task import NAMES, NOUNS, VERBS, embedded_prompts
+from modeling.tiny.task import NAMES, NOUNS, VERBS, embedded_prompts
 
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 512

@@ -1,11 +1,12 @@
 """The options of a model trained on prompt groups (one pydantic class, defaults a user can run with),
-shared by the trainer and the critic, and the lr schedule."""
+shared by the trainer and the critic."""
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from modeling.optim_config import OptimConfig
 
 
 class LearnerConfig(BaseModel):
@@ -55,11 +56,11 @@ class LearnerConfig(BaseModel):
                                          "cannot change a bit; off: float32, half the memory, and sync and "
                                          "periodic may differ in the last bits")
 
+    @property
+    def optim(self) -> OptimConfig:
+        """What the optimizer reads of these options (modeling/optim.py)."""
+        return OptimConfig(lr=self.lr, betas=self.betas, eps=self.adam_eps, weight_decay=self.weight_decay,
+                           warmup_steps=self.warmup_steps, schedule=self.lr_schedule, min_lr_ratio=self.min_lr_ratio,
+                           grad_clip=self.grad_clip, fp64_accumulation=self.fp64_grad_accumulation)
 
-def lr_factor(step: int, *, warmup: int, schedule: str, total: int, floor: float) -> float:
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup) / max(1, total - warmup)
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+

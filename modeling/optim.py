@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from executors.parallel import clip_grad_norm_, copy_params_, local
-from executors.training.config import LearnerConfig, lr_factor
+from modeling.optim_config import OptimConfig, lr_factor
+from modeling.parallel import clip_grad_norm_, copy_params_, local
 
 
 class Gradients:
@@ -56,7 +56,7 @@ class Gradients:
 class Optimizer:
     """AdamW with warm-up / cosine schedule and shard-aware clipping over a model's parameters."""
 
-    def __init__(self, model: torch.nn.Module, *, cfg: LearnerConfig, total_steps: int, mesh, dp_group,
+    def __init__(self, model: torch.nn.Module, *, cfg: OptimConfig, total_steps: int, mesh, dp_group,
                  passes: tuple[Hashable, ...], replicated_dp: bool, compute: torch.nn.Module | None = None,
                  tp_partial: list[bool] | None = None, zero: bool = False, experts: list[bool] | None = None,
                  edp_group: dist.ProcessGroup | None = None):
@@ -66,14 +66,14 @@ class Optimizer:
         partial sum over mesh["tp"] (megatron's q/k norms). zero: shard AdamW's state over dp (ZeRO-1:
         each dp rank steps a share of the parameters and broadcasts them); its checkpoint is per rank.
         experts: per trainable parameter, whether it is split over expert-parallel ranks; its replicas
-        are `edp_group`, over which alone its gradient sums (executors/parallel/ep.py)."""
+        are `edp_group`, over which alone its gradient sums (modeling/parallel/ep.py)."""
         self.model, self.compute = model, compute if compute is not model else None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.cfg, self.mesh, self.dp_group = cfg, mesh, dp_group
         self.replicated_dp = replicated_dp  # dp replicas hold full copies: their gradients need a sum
         self.tp_partial = tp_partial or [False] * len(self.params)
         self.experts, self.edp_group = experts, edp_group
-        kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.per_rank = zero
         if zero and dp_group is not None and dist.get_world_size(dp_group) > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -83,10 +83,10 @@ class Optimizer:
         else:
             self.opt = torch.optim.AdamW(self.params, **kwargs)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(
-            s, warmup=cfg.warmup_steps, schedule=cfg.lr_schedule, total=total_steps, floor=cfg.min_lr_ratio))
+            s, warmup=cfg.warmup_steps, schedule=cfg.schedule, total=total_steps, floor=cfg.min_lr_ratio))
         compute_params = [p for p in self.compute.parameters() if p.requires_grad] if self.compute else self.params
         self.grads = Gradients(compute_params, passes=passes,
-                               dtype=torch.float64 if cfg.fp64_grad_accumulation else torch.float32)
+                               dtype=torch.float64 if cfg.fp64_accumulation else torch.float32)
 
     def reduce_(self, passes) -> None:
         """Sum the accumulators of `passes` over dp replicas (FSDP reduce-scattered each micro-step's already)."""
@@ -164,7 +164,8 @@ class Optimizer:
     # ---- per-rank checkpoints (zero=True: megatron's plain tp-sharded tensors and ZeRO's share of the
     # state carry no global layout dcp could reshard): each rank its own file; a resume keeps the layout
     def _layout(self, group) -> dict:
-        return {"ranks": dist.get_world_size(group), "dp": self.cfg.dp, "tp": self.cfg.tp}
+        tp = self.mesh["tp"].size() if self.mesh is not None and "tp" in (self.mesh.mesh_dim_names or ()) else 1
+        return {"ranks": dist.get_world_size(group), "dp": dist.get_world_size(group) // tp, "tp": tp}
 
     def _local(self) -> torch.optim.Optimizer:
         return getattr(self.opt, "optim", self.opt)  # ZeRO's own share, or the whole AdamW

@@ -8,9 +8,9 @@ In each routed layer a rank sends every (token, chosen expert) pair to the exper
 outputs back, where the router's weights mix them. Both are autograd all-to-alls, so the backward
 runs the same exchange in reverse: an expert's gradient gathers every token routed to it, from
 every rank of its group, on its owner; the replicas of one expert (dp / ep of them) are summed at
-the barrier like the replicated weights are over dp (executors/training/optim.py).
+the barrier like the replicated weights are over dp (modeling/optim.py).
 Every forward is a collective over the group, so its ranks take their micro-steps in lockstep
-(executors/training/order.py), as FSDP's do.
+(executors/learner/order.py), as FSDP's do.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from executors.moe import FAMILIES, check_ep, moe_shape
-from executors.parallel.mesh import build_mesh
+from modeling.moe import FAMILIES, check_ep, moe_shape
+from modeling.parallel.mesh import build_mesh
 
 
 def expert_mesh(ranks, *, ep: int, device_type: str, parent: dist.ProcessGroup | None) -> DeviceMesh:

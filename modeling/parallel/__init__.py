@@ -16,10 +16,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from executors.parallel.ac import apply_ac, has_ac
-from executors.parallel.fsdp import apply_fsdp
-from executors.parallel.mesh import build_mesh, mesh_ranks
-from executors.parallel.tp import apply_tp, check_divisible, param_specs, tp_plan
+from modeling.parallel.ac import apply_ac, has_ac
+from modeling.parallel.fsdp import apply_fsdp
+from modeling.parallel.mesh import build_mesh, mesh_ranks
+from modeling.parallel.tp import apply_tp, check_divisible, param_specs, tp_plan
 
 __all__ = ["apply_ac", "apply_fsdp", "has_ac", "apply_tp", "build_mesh", "check_divisible", "clip_grad_norm_", "copy_params_",
            "full_state_dict", "local", "local_shards", "mesh_ranks", "param_specs", "parallelize",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from executors.embedded import MODEL_SIZES
+from modeling.tiny import MODEL_SIZES
 
 # the embedded Qwen3's attention and sizes; each MLP is 8 experts of 64 (2 per token: 128 active, as
 # many MLP parameters per token as a dense model with intermediate_size 128)
@@ -17,7 +17,7 @@ def write_embedded_moe(path: str | Path, *, seed: int = 0, **sizes) -> Path:
     import torch
     import transformers
 
-    from executors.hf import ATTN_IMPL, load_tokenizer, save_hf
+    from modeling.hf import ATTN_IMPL, load_tokenizer, save_hf
 
     tok = load_tokenizer(None)
     config = transformers.Qwen3MoeConfig(**{**MODEL_SIZES, **MOE_SIZES, "vocab_size": len(tok), **sizes},

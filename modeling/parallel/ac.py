@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from executors.parallel.fsdp import decoder_layers
+from modeling.parallel.fsdp import decoder_layers
 
 
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):

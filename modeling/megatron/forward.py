@@ -1,5 +1,5 @@
 """A micro-batch's response log-probs through megatron-core's GPTModel: the same MicroBatch /
-PackedMicroBatch the torch backend takes, the same chunked LM head (executors/training/head.py).
+PackedMicroBatch the torch backend takes, the same chunked LM head (modeling/head.py).
 
 - padded rows [prompt, r_i]: a causal mask (right padding sits after every real token);
 - packed rows (varlen, shared prompt): the row's PackMask, which each layer's core attention hands
@@ -19,11 +19,11 @@ import functools
 
 import torch
 
-from executors.megatron.vocab_parallel import chunk_logprobs
-from executors.training.batching import MicroBatch, ResponseLogprobs
-from executors.training.head import head_logprobs
-from executors.training.packed_attention import PackMask, attend
-from executors.training.packing import PackedMicroBatch
+from modeling.megatron.vocab_parallel import chunk_logprobs
+from modeling.batching import MicroBatch, ResponseLogprobs
+from modeling.head import head_logprobs
+from modeling.packed_attention import PackMask, attend
+from modeling.packing import PackedMicroBatch
 
 
 def _inputs(mb) -> tuple[torch.Tensor, torch.Tensor | PackMask]:
@@ -37,7 +37,7 @@ def _inputs(mb) -> tuple[torch.Tensor, torch.Tensor | PackMask]:
 
 
 def install_packed_attention(model) -> None:
-    """Each layer's core attention runs a packed row with executors/training/packed_attention.py's kernels
+    """Each layer's core attention runs a packed row with modeling/packed_attention.py's kernels
     when it is handed the row's PackMask as its mask (blocks by default: ~P² + Σ R_i (P + R_i) scores, not
     a dense [L, L] over the whole row), and megatron's own attention otherwise. Persistent and
     idempotent: megatron's activation recompute replays a layer with the same arguments later."""

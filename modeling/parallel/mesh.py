@@ -63,7 +63,7 @@ def build_mesh(*, ranks: Sequence[int], tp: int, device_type: str = "cpu", membe
         dist.all_gather_object(counts, _group_count(), group=parent)
         if len(set(counts)) != 1:
             raise RuntimeError(f"mesh ranks {list(ranks)} hold different numbers of process groups "
-                               f"{counts}; members-only groups would not pair up (see executors/parallel/mesh.py)")
+                               f"{counts}; members-only groups would not pair up (see modeling/parallel/mesh.py)")
     d, t = (grid_DT == rank).nonzero()[0].tolist()
     # the same order on every member: tp row first, then dp column
     tp_group = dist.new_group(grid_DT[d].tolist(), use_local_synchronization=True)

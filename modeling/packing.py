@@ -16,10 +16,10 @@ from typing import Literal
 
 import torch
 
-from executors import moe
-from executors.training.batching import MicroBatch, ResponseLogprobs, Routes, check_loss_masks, split_group
-from executors.training.head import chunked_head
-from executors.training.packed_attention import BACKENDS, Backend, PackMask, install, packed_forward
+from modeling import moe
+from modeling.batching import MicroBatch, ResponseLogprobs, Routes, check_loss_masks, split_group
+from modeling.head import chunked_head
+from modeling.packed_attention import BACKENDS, Backend, PackMask, install, packed_forward
 
 Mode = Literal["on", "off", "auto", "padded"]
 MODES = ("on", "off", "auto", "padded")
@@ -39,7 +39,7 @@ class PackedMicroBatch:
     targets_NT: torch.Tensor  # response tokens, padded with 0
     mask_NT: torch.Tensor  # bool, True on the response tokens trained (real, and the model's)
     rows_K: torch.Tensor  # the row position whose logits predict each trained response token, in mask_NT order
-    # an MoE model's recorded expert ids of each row token, [L, routed layers, k] (executors/moe.py); None: not recorded
+    # an MoE model's recorded expert ids of each row token, [L, routed layers, k] (modeling/moe.py); None: not recorded
     routes: torch.Tensor | None = None
 
     @property
@@ -52,7 +52,7 @@ class PackedMicroBatch:
 
     def forward(self, model, *, temperature: float, chunk: int = 0, entropy: bool = False) -> ResponseLogprobs:
         """Log-probs (and entropy) of the response tokens, [N, T] float32, 0 where masked; the LM head
-        runs on `chunk` tokens at a time (executors/training/head.py)."""
+        runs on `chunk` tokens at a time (modeling/head.py)."""
         install(model)
         out = []
         head = chunked_head(model, select=lambda h_1KH: h_1KH[0], targets_K=self.targets_NT[self.mask_NT],
@@ -188,7 +188,7 @@ def make_micro_batches(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor]
                        routes: Routes | None = None) -> list[MicroBatch] | list[PackedMicroBatch]:
     """trainer.shared_prompt: on | off | auto pack under `token_budget`; padded is the reference `split_group`.
     loss_masks: the group's (RolloutGroup.loss_masks), None for a single-turn group. routes: an MoE
-    model's recorded routing, replayed (or compared) in every forward (executors/moe.py)."""
+    model's recorded routing, replayed (or compared) in every forward (modeling/moe.py)."""
     if mode == "padded":
         return split_group(prompt_ids_P, responses, micro_batch_size=micro_batch_size, pad_id=pad_id, device=device,
                            loss_masks=loss_masks, routes=routes)

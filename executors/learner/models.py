@@ -13,13 +13,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from executors import moe
+from modeling import moe
 from executors.base import ExecutorEnv
-from executors.hf import cast_parameters, save_hf
-from executors.parallel import apply_ac, build_mesh, full_state_dict, parallelize
-from executors.training.batching import Routes
-from executors.training.config import LearnerConfig
-from executors.training.packing import auto_shared_prompt, make_micro_batches
+from modeling.hf import cast_parameters, save_hf
+from modeling.parallel import apply_ac, build_mesh, full_state_dict, parallelize
+from modeling.batching import Routes
+from executors.learner.config import LearnerConfig
+from modeling.packing import auto_shared_prompt, make_micro_batches
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # the compute dtype; None: the weights' own
 
@@ -48,7 +48,7 @@ def lay_out(models: list[tuple[nn.Module | None, bool]], *, mesh: DeviceMesh | N
     of one learner share its layout, so one micro-batch feeds all of them on the same ranks."""
     for model, forward_only in models:
         if model is not None and ep_mesh is not None:
-            from executors.parallel.ep import apply_ep
+            from modeling.parallel.ep import apply_ep
 
             apply_ep(model, mesh=ep_mesh["ep"])
         if model is not None and (cfg.tp > 1 or cfg.fsdp):
@@ -66,7 +66,7 @@ def micro_batches(cfg: LearnerConfig, prompt_ids_P: torch.Tensor, responses: lis
                   routes: Routes | None = None) -> list:
     """A group's micro-batches: fixed by the group alone (sample index order), never by arrival
     (DESIGN.md determinism rule 2). loss_masks: the tokens trained (RolloutGroup.loss_masks). routes:
-    an MoE model's recorded routing (executors/moe.py)."""
+    an MoE model's recorded routing (modeling/moe.py)."""
     return make_micro_batches(prompt_ids_P, responses, mode=cfg.shared_prompt, token_budget=cfg.token_budget,
                               micro_batch_size=cfg.micro_batch_size, pad_id=pad_id, device=device,
                               loss_masks=loss_masks, routes=routes)

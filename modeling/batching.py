@@ -10,12 +10,12 @@ from typing import NamedTuple
 
 import torch
 
-from executors import moe
-from executors.training.head import TokenLogprobs, chunked_head
+from modeling import moe
+from modeling.head import TokenLogprobs, chunked_head
 
 
 class Routes(NamedTuple):
-    """A group's recorded routing (executors/moe.py unpack): long expert ids, UNRECORDED where none."""
+    """A group's recorded routing (modeling/moe.py unpack): long expert ids, UNRECORDED where none."""
 
     prompt: torch.Tensor  # [P, routed layers, k]
     responses: list[torch.Tensor]  # G x [R_i, routed layers, k]
@@ -32,7 +32,7 @@ class MicroBatch:
     mask_NT: torch.Tensor
     prompt_len: int
     # an MoE model's recorded expert ids of each input token, [N, P + T, routed layers, k]
-    # (UNRECORDED on padding; executors/moe.py); None: not recorded
+    # (UNRECORDED on padding; modeling/moe.py); None: not recorded
     routes: torch.Tensor | None = None
 
     @property
@@ -45,7 +45,7 @@ class MicroBatch:
 
     def forward(self, model, *, temperature: float, chunk: int = 0, entropy: bool = False) -> ResponseLogprobs:
         """Log-probs (and entropy) of the response tokens, [N, T] float32, 0 where masked; the LM head
-        runs on `chunk` tokens at a time (executors/training/head.py)."""
+        runs on `chunk` tokens at a time (modeling/head.py)."""
         T = self.targets_NT.shape[1]
         out = []
         # the token at position P + t is predicted by the hidden state at P + t - 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from executors.megatron.convert import Layout, shard, to_megatron
+from modeling.megatron.convert import Layout, shard, to_megatron
 
 
 def check_supported(config) -> None:
@@ -40,7 +40,7 @@ def transformer_config(config, *, tp: int, dtype: torch.dtype = torch.float32):
 
 def build(config, *, tp: int = 1, groups=None, parallel_output: bool = True, dtype: torch.dtype = torch.float32):
     """A GPTModel with config's shape, on this rank's tensor-parallel part. groups: a
-    ProcessGroupCollection (executors/megatron/groups.py) whose tp group has tp ranks; None: megatron's
+    ProcessGroupCollection (modeling/megatron/groups.py) whose tp group has tp ranks; None: megatron's
     own parallel_state. parallel_output: logits stay vocab-sharded (for a vocab-parallel
     log-softmax); False gathers them whole. dtype: the parameters' (bf16 also runs attention's
     softmax in fp32)."""

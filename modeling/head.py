@@ -103,7 +103,7 @@ def head_logprobs(head: nn.Module, h_KH: torch.Tensor, targets_K: torch.Tensor, 
                   chunk: int, entropy: bool = False, per_chunk: Callable = _chunk) -> TokenLogprobs:
     """The head on `chunk` tokens at a time (chunk 0: all at once, no recompute). per_chunk: one
     chunk's (logp, entropy) from (head, h_CH, targets_C, temperature, entropy); default: a head whose
-    output is the whole vocabulary (executors/megatron/vocab_parallel.py has a vocabulary-parallel one)."""
+    output is the whole vocabulary (modeling/megatron/vocab_parallel.py has a vocabulary-parallel one)."""
     K = h_KH.shape[0]
     if chunk <= 0 or K <= chunk:  # one chunk: nothing to save by recomputing it
         return TokenLogprobs(*per_chunk(head, h_KH, targets_K, temperature, entropy))

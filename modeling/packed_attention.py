@@ -229,7 +229,7 @@ _KERNELS = {"blocks": _blocks, "dense": _dense, "flex": _flex, "npu": _npu}
 def attend(q_1HLD: torch.Tensor, k_1KLD: torch.Tensor, v_1KLD: torch.Tensor, pack: PackMask, *, scaling: float,
            dropout: float = 0.0) -> torch.Tensor:
     """Attention over one packed row (H query heads over K key/value heads) with the pack's kernel: [1, H, L, D].
-    The HF hook below and the megatron backend (executors/megatron/forward.py) both call it."""
+    The HF hook below and the megatron backend (modeling/megatron/forward.py) both call it."""
     return _KERNELS[pack.resolved_backend(q_1HLD.device)](
         q_1HLD, k_1KLD, v_1KLD, q_1HLD.shape[1] // k_1KLD.shape[1], pack, scaling=scaling, dropout=dropout)
 _COMPILED: dict = {}

@@ -67,7 +67,7 @@ def entropy(z_CV: torch.Tensor, *, group) -> torch.Tensor:
 
 def chunk_logprobs(head, h_CH: torch.Tensor, targets_C: torch.Tensor, temperature: float, entropy_too: bool, *,
                    start: int, group) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """executors/training/head.py's per-chunk step on a vocabulary-parallel head: `head(h_CH)` gives
+    """modeling/head.py's per-chunk step on a vocabulary-parallel head: `head(h_CH)` gives
     this rank's logits [C, V/tp] of vocabulary ids from `start`."""
     z_CV = head(h_CH).float() / temperature
     return target_logprobs(z_CV, targets_C, start=start, group=group), entropy(z_CV, group=group) if entropy_too else None

@@ -7,15 +7,15 @@ from typing import Iterable, Iterator
 import torch
 
 from executors.base import Executor
-from executors.training.config import LearnerConfig
-from executors.training.order import Work, in_index_order, work_units
+from executors.learner.config import LearnerConfig
+from executors.learner.order import Work, in_index_order, work_units
 
 
 class Learner(Executor):
     """A dp x tp layout of one model (and its copies), training each group as it is handed over.
 
     Subclasses set `self.models` in `init`: an object with `micro_batches(group)` and `dp_group`
-    (executors/training/models.py LearnerModels).
+    (executors/learner/models.py LearnerModels).
     """
 
     def __init__(self, *, name: str, config: LearnerConfig):
