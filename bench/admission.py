@@ -29,7 +29,8 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from modeling.tiny.task import embedded_prompts  # noqa: E402
-from executors.generator.engine import ADMISSIONS, NativeEngine, PromptRequest, SamplingParams  # noqa: E402
+from executors.generator.contract import PromptRequest, SamplingParams  # noqa: E402
+from executors.generator.native_engine import ADMISSIONS, NativeEngine  # noqa: E402
 from modeling.hf import load_model, load_tokenizer  # noqa: E402
 
 

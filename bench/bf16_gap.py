@@ -32,7 +32,8 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 sys.path[:] = [_ROOT] + [p for p in sys.path if Path(p or ".").resolve() != Path(_ROOT, "bench") and p != _ROOT]
 
 from executors.data import _ChatForm, _tokenize
-from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams
+from executors.generator.contract import PromptRequest, SamplingParams
+from executors.generator.native_engine import NativeEngine
 from modeling.hf import load_model, load_tokenizer
 from executors.trainer.accumulate import Mismatch
 from executors.trainer.config import TrainerConfig

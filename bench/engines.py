@@ -31,7 +31,8 @@ import transformers  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 from executors.generator.config import VllmConfig  # noqa: E402
-from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams  # noqa: E402
+from executors.generator.contract import PromptRequest, SamplingParams  # noqa: E402
+from executors.generator.native_engine import NativeEngine  # noqa: E402
 from executors.generator.vllm_engine import VllmEngine, receive_buffers  # noqa: E402
 from modeling.hf import load_model, load_tokenizer, save_hf  # noqa: E402
 from tests.spawn import free_port  # noqa: E402

@@ -89,7 +89,8 @@ def part_decode(shape: str, device: torch.device, *, tiny: bool) -> list[dict]:
     """Native engine vs HF `generate`, each sample to `new` tokens (random weights seldom sample EOS)."""
     import transformers
 
-    from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams
+    from executors.generator.contract import PromptRequest, SamplingParams
+    from executors.generator.native_engine import NativeEngine
 
     new = 8 if tiny else 64
     with torch.device(device):

@@ -92,7 +92,8 @@ def engine(args) -> None:
 
     import torch
 
-    from executors.generator.engine import NativeEngine, PromptRequest, Resume, SamplingParams
+    from executors.generator.contract import PromptRequest, Resume, SamplingParams
+    from executors.generator.native_engine import NativeEngine
     from modeling.hf import load_model, load_tokenizer
 
     torch.set_num_threads(2)

@@ -5,7 +5,8 @@ import torch
 
 from channels.payloads import ScoredGroup
 from modeling.tiny.task import embedded_prompts, embedded_reward
-from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams
+from executors.generator.contract import PromptRequest, SamplingParams
+from executors.generator.native_engine import NativeEngine
 from modeling.hf import load_model, load_tokenizer
 from recipes.config import RunConfig
 

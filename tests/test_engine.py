@@ -3,14 +3,9 @@ import pytest
 import torch
 
 from modeling.tiny.task import embedded_prompts
-from executors.generator.engine import (
-    NativeEngine,
-    PromptRequest,
-    SamplingParams,
-    _top_k_mask,
-    _top_p_mask,
-    sample_tokens,
-)
+from executors.generator.contract import PromptRequest, SamplingParams
+from executors.generator.native_engine import NativeEngine
+from executors.generator.sampling import _top_k_mask, _top_p_mask, sample_tokens
 from modeling.hf import load_model, load_tokenizer
 
 torch.set_num_threads(1)
@@ -206,7 +201,7 @@ def test_sampling_uses_no_float64():
     the noise of a row is the same computed alone or in a batch, and is Gumbel(0, 1)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from executors.generator.engine import gumbel_noise
+    from executors.generator.sampling import gumbel_noise
 
     class Dtypes(TorchDispatchMode):
         seen = set()

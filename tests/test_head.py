@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 
-from executors.generator.engine import NativeEngine
+from executors.generator.native_engine import NativeEngine
 from modeling.head import Fp32Head, fp32_logits
 from modeling.packing import make_micro_batches
 from tests.test_parallel import tiny

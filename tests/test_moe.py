@@ -11,7 +11,8 @@ import torch
 from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
 from modeling import moe
 from modeling.tiny.moe import write_embedded_moe
-from executors.generator.engine import NativeEngine, PromptRequest, SamplingParams
+from executors.generator.contract import PromptRequest, SamplingParams
+from executors.generator.native_engine import NativeEngine
 from modeling.hf import load_model, load_tokenizer
 from modeling.parallel.tp import param_specs
 from modeling.batching import Routes

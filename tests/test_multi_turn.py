@@ -13,7 +13,7 @@ from executors.data import PromptRow
 from modeling.tiny.task import embedded_prompts, hide_digit
 from executors.environments.base import EnvStep
 from executors.generator.config import MultiTurnConfig
-from executors.generator.engine import PromptRequest, SamplingParams
+from executors.generator.contract import PromptRequest, SamplingParams
 from executors.generator.rollouts import EnvError, MultiTurn, ObservationRenderer
 
 from tests.test_engine import _engine, model, tok  # noqa: F401 (fixtures: the embedded model and tokenizer)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from modeling.tiny.task import embedded_prompts
-from executors.generator.engine import NativeEngine, PromptRequest, Resume, SamplingParams
+from executors.generator.contract import PromptRequest, Resume, SamplingParams
+from executors.generator.native_engine import NativeEngine
 from modeling.hf import load_model, load_tokenizer
 from recipes.grpo import build
 from tests.e2e import launch, max_abs_diff, metrics, weights

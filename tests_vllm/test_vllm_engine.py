@@ -40,7 +40,7 @@ def _checks(tp: int) -> dict:
     from channels.payloads import chunk
     from controller.devices import detect_device, init_distributed
     from executors.generator.config import VllmConfig
-    from executors.generator.engine import PromptRequest, Resume, SamplingParams
+    from executors.generator.contract import PromptRequest, Resume, SamplingParams
     from executors.generator.vllm_engine import VllmEngine, engine_model_dir, receive_buffers
     from modeling.hf import load_model, load_tokenizer
 
@@ -201,7 +201,7 @@ def _streaming() -> dict:
 
     from controller.devices import detect_device, init_distributed
     from executors.generator.config import VllmConfig
-    from executors.generator.engine import PromptRequest, SamplingParams
+    from executors.generator.contract import PromptRequest, SamplingParams
     from executors.generator.vllm_engine import VllmEngine, engine_model_dir
     from modeling.hf import load_tokenizer
 

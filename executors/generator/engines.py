@@ -1,52 +1,23 @@
 """The generator's engines (`generator.engine`): one `register` line each, with what the rest of the
 run needs to know of them (checks before any rank starts, their decode-slot knob, their memory).
-Light on purpose: model code and vLLM load in `build`, on the generator's ranks only.
-
-Every engine is an `Engine`: token ids in (never text), each sample seeded from (run seed, step,
-prompt index, sample index), groups streamed out as their G samples finish, with the log-probs of
-the sampled tokens; a multi-turn rollout's `turns` get each sample's turn ends and hand back the
-observation's ids, which the engine appends to that sample's KV."""
+Light on purpose: model code and vLLM load in `build`, on the generator's ranks only. What every
+engine speaks, and what it is built from, is executors/generator/contract.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Literal, Mapping, Protocol
+from typing import TYPE_CHECKING, Callable, Literal
 
 from common.registry import Registry
-from executors.base import ExecutorEnv
 from executors.generator.config import GeneratorConfig, VllmConfig
 
 if TYPE_CHECKING:
-    import torch
-
-    from channels.payloads import ParamSpec
-    from executors.generator.engine import GroupCompletion, PromptRequest, SamplingParams, Turns
-
-
-class Engine(Protocol):
-    def generate(self, requests: list[PromptRequest], params: SamplingParams, *, step: int,
-                 stop: Callable[[], bool] = ..., turns: Turns | None = None,
-                 budget: int | None = None) -> Iterator[GroupCompletion]:
-        """Each request's G-sample group as soon as it is done; `stop()` True abandons the rest;
-        `budget`: tokens per sample in this call, past which a group comes back cut (partial rollouts)."""
-
-    def load_weights(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> None:
-        """The WEIGHTS channel's push has landed in `shards`: make the engine sample with it."""
-
-    def release(self) -> None:
-        """Give the device's memory back between generations (placement=colocated: the trainer runs
-        next on this device): at least the KV cache; the weights may stay."""
-
-    def wake(self) -> None:
-        """Take the memory `release` gave back, before the next generation or weight load."""
-
-    def close(self) -> None:
-        """Release what the engine holds, while the world is still up."""
+    from executors.generator.contract import EngineSpec
 
 
 @dataclass(frozen=True)
 class EngineKind:
-    # (generator, env) -> (Engine, {name: spec}, {name: local shard}): the WEIGHTS channel's view of it
-    build: Callable
+    # EngineSpec -> (Engine, {name: spec}, {name: local shard}): the WEIGHTS channel's view of it
+    build: Callable[[EngineSpec], tuple]
     # (generator config, model path) -> None, or ValueError naming the field: before any rank starts
     check: Callable[[GeneratorConfig, str | None], None]
     slots_key: str  # the config key of its decode slots (recipes/defaults.py, --plan)
@@ -108,56 +79,50 @@ def _vllm_no_release(device_type: str) -> str:
     return ""
 
 
-def _build_native(gen, env: ExecutorEnv):
-    from executors.generator.engine import NativeEngine
+def _build_native(spec: EngineSpec):
+    from executors.generator.native_engine import NativeEngine
     from modeling.hf import load_model
     from modeling.parallel import apply_tp, build_mesh, local_shards, param_specs
 
     # same seed as the trainer's init, so step 0 samples with exactly the trainer's weights; a
     # resumed run starts from the checkpoint's, which the trainer saved at the step before
-    lora = gen.lora
-    # with LoRA the base is the model's and a resumed run's checkpoint holds the adapters alone
-    model = load_model(gen.model_cfg.path if lora.on else gen.weights_path, dtype=gen.model_cfg.torch_dtype,
-                       seed=env.seed).to(env.device)
-    if lora.on:
+    model = load_model(spec.weights, dtype=spec.dtype, seed=spec.seed).to(spec.device)
+    if spec.lora is not None:
         from pathlib import Path
 
         from modeling.lora import apply_lora, load_adapter
 
-        apply_lora(model, lora, seed=env.seed)  # B = 0: the base's outputs until the first push
-        if gen.resumes_weights:
-            load_adapter(model, Path(gen.weights_path))
-    if gen.cfg.tp > 1:
+        apply_lora(model, spec.lora, seed=spec.seed)  # B = 0: the base's outputs until the first push
+        if spec.adapter is not None:
+            load_adapter(model, Path(spec.adapter))
+    if spec.config.tp > 1:
         # a replica's tp ranks decode in lockstep: the lm_head all-gathers the logits, so each
         # samples the same tokens from the same per-sample seeds; its first rank sends the groups
-        mesh = build_mesh(ranks=env.ranks, tp=gen.cfg.tp, device_type=env.device.type, parent=env.group)
+        mesh = build_mesh(ranks=spec.ranks, tp=spec.config.tp, device_type=spec.device.type, parent=spec.group)
         apply_tp(model, mesh=mesh["tp"])
-    engine = NativeEngine(model, eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
-                          max_batch_prompts=gen.cfg.max_batch_prompts, admission=gen.cfg.admission)
+    engine = NativeEngine(model, eos_token_id=spec.tokenizer.eos_token_id, pad_token_id=spec.tokenizer.pad_token_id,
+                          max_batch_prompts=spec.config.max_batch_prompts, admission=spec.config.admission)
     specs, shards = param_specs(model), local_shards(model)  # pushes land in the model itself
-    if lora.on:  # ... the adapters alone
+    if spec.lora is not None:  # ... the adapters alone
         from modeling.lora import is_adapter
 
         specs, shards = ({k: v for k, v in d.items() if is_adapter(k)} for d in (specs, shards))
     return engine, specs, shards
 
-def _build_vllm(gen, env: ExecutorEnv):
+
+def _build_vllm(spec: EngineSpec):
     from executors.generator.vllm_engine import VllmEngine, engine_model_dir, receive_buffers
 
-    tp_rank = env.units[env.unit_index].index(env.rank)
     # LoRA: vLLM holds the base (the model's), and the adapters go in by its LoRA requests
-    lora = gen.lora if gen.lora.on else None
-    adapter = gen.weights_path if lora is not None and gen.resumes_weights else None
-    with engine_model_dir(gen.model_cfg.path if lora else gen.weights_path, seed=env.seed,
-                          tokenizer=gen.tokenizer) as model_dir:
-        specs, shards = receive_buffers(model_dir, dtype=gen.model_cfg.torch_dtype, tp=gen.cfg.tp,
-                                        tp_rank=tp_rank, device=env.device, lora=lora)
+    with engine_model_dir(spec.weights, seed=spec.seed, tokenizer=spec.tokenizer) as model_dir:
+        specs, shards = receive_buffers(model_dir, dtype=spec.dtype, tp=spec.config.tp, tp_rank=spec.tp_rank,
+                                        device=spec.device, lora=spec.lora)
         engine = VllmEngine(
-            model_dir=model_dir, ranks=env.ranks, tp=gen.cfg.tp, tp_rank=tp_rank,
-            dtype=gen.model_cfg.dtype, eos_token_id=gen.tokenizer.eos_token_id, seed=env.seed,
-            max_model_len=gen.cfg.vllm.max_model_len or gen.data_cfg.max_prompt_tokens + gen.longest_response,
-            config=gen.cfg.vllm, device_type=env.device.type, sleep_mode=env.time_shared, lora=lora, adapter=adapter)
-    if env.is_leader:
+            model_dir=model_dir, ranks=spec.ranks, tp=spec.config.tp, tp_rank=spec.tp_rank,
+            dtype=str(spec.dtype).removeprefix("torch."), eos_token_id=spec.tokenizer.eos_token_id, seed=spec.seed,
+            max_model_len=spec.config.vllm.max_model_len or spec.max_tokens, config=spec.config.vllm,
+            device_type=spec.device.type, sleep_mode=spec.time_shared, lora=spec.lora, adapter=spec.adapter)
+    if spec.leader:
         print(f"tidal: vLLM engine ready in {engine.init_s:.1f} s", flush=True)
     return engine, specs, shards
 

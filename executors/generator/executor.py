@@ -13,7 +13,7 @@ from executors.base import Executor, ExecutorEnv, Input, Output, StepContext, un
 from executors.data import PromptRow, PromptSet, load_prompts
 from modeling.tiny.task import embedded_prompts
 from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, MultiTurnConfig
-from executors.generator.engine import GroupCompletion, SamplingParams
+from executors.generator.contract import EngineSpec, SamplingParams
 from executors.generator.engines import ENGINES
 from executors.generator.partial import PartialRollouts
 from executors.generator.rollouts import ROLLOUTS
@@ -79,7 +79,7 @@ class Generator(Executor):
         # the engine, and the WEIGHTS channel's view of it: {name: spec} and {name: local shard}
         self.rollout = self.rollout_cls(tokenizer=self.tokenizer, config=self.multi_turn,
                                         max_new_tokens=self.cfg.max_new_tokens)
-        self.engine, self.specs, self.shards = ENGINES.get(self.cfg.engine).build(self, env)
+        self.engine, self.specs, self.shards = ENGINES.get(self.cfg.engine).build(self._engine_spec(env))
         self._released = False  # time-shared: the engine gave its memory back (release), until wake
         rows = (load_prompts(self.data_cfg.path, self.data_cfg.columns) if self.data_cfg.path else
                 [self.embedded_row(r) for r in embedded_prompts(self.data_cfg.embedded_prompts, seed=env.seed)])
@@ -95,9 +95,20 @@ class Generator(Executor):
         self.partial = None
         if self.cfg.partial_rollout_tokens is not None:
             self.partial = PartialRollouts(unit=env.unit_index, units=self.units,
-                                           prompts_per_step=self.data_cfg.prompts_per_step)
+                                           prompts_per_step=self.data_cfg.prompts_per_step,
+                                           budget=self.cfg.partial_rollout_tokens)
             if env.resume is not None:
                 self.partial.load(env.resume / "generator", prompt_of=self._prompt_of)
+
+    def _engine_spec(self, env: ExecutorEnv) -> EngineSpec:
+        lora = self.lora if self.lora.on else None
+        # with LoRA the engine holds the model's base, and a resumed run's checkpoint the adapters alone
+        return EngineSpec(weights=self.model_cfg.path if lora else self.weights_path,
+                          adapter=self.weights_path if lora and self.resumes_weights else None, lora=lora,
+                          dtype=self.model_cfg.torch_dtype, tokenizer=self.tokenizer,
+                          max_tokens=self.data_cfg.max_prompt_tokens + self.longest_response, config=self.cfg,
+                          device=env.device, ranks=env.ranks, unit=env.units[env.unit_index], rank=env.rank,
+                          group=env.group, seed=env.seed, time_shared=env.time_shared, leader=env.is_leader)
 
     def embedded_row(self, row: dict) -> PromptRow:
         """An embedded-task prompt as this generator's rollout poses it (also an evaluation's way to it)."""
@@ -200,27 +211,20 @@ class Generator(Executor):
         B = self.data_cfg.prompts_per_step
         mine = self.prompts.prompts(ctx.step, [i for i in indices if i % self.units == self.env.unit_index],
                                     batch_size=B, seed=self.env.seed, max_topups=B * self.max_rounds)
-        resumes = {}
-        if self.partial is not None:  # the groups cut in the step before go first
-            resumed, resumes = self.partial.begin(ctx.step)
-            mine = resumed + mine
+        if self.partial is not None:  # partial rollouts: the keeper runs the step (its cut groups first)
+            groups = self.partial.run(self.engine, mine, self.params, step=ctx.step, stop=self._stop_now,
+                                      version=self.policy_version)
+        else:
+            groups = self.rollout.run(self.engine, mine, self.params, step=ctx.step, stop=self._stop_now)
         out, tokens = ctx.outbound[self.rollouts], 0
-        rows = {i: row for i, row, _ in mine}
-        for group in self.rollout.run(self.engine, mine, self.params, step=ctx.step, stop=self._stop_now,
-                                      resumes=resumes, budget=self.cfg.partial_rollout_tokens):
-            if isinstance(group, GroupCompletion):  # cut at the step's budget: the next step resumes it
-                tokens += self.partial.written(group.index, group.response_ids)
-                self.partial.cut(group, row=rows[group.index], step=ctx.step, version=self.policy_version)
-                continue
-            tokens += (self.partial.written(group.index, group.responses) if self.partial is not None else
-                       sum(group.model_tokens(i) for i in range(len(group.responses))))
+        for group in groups:
+            tokens += sum(group.model_tokens(i) for i in range(len(group.responses)))
             self.episodes += group.episodes or []
             ctx.timeline.mark("generated", index=group.index)
             group.policy_version = self.policy_version
-            if self.partial is not None:
-                group.versions = self.partial.versions(group.index, group.responses, self.policy_version)
             out.send(group)
-        return tokens
+        # partial rollouts: what the step wrote, in the groups it ended and in those it cut
+        return self.partial.written_tokens if self.partial is not None else tokens
 
     def sample(self, prompts: list[tuple[int, PromptRow, list[int]]], params: SamplingParams, *,
                step: int) -> Iterator[RolloutGroup]:

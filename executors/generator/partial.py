@@ -17,11 +17,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
+from channels.payloads import RolloutGroup
 from executors.data import PromptRow
-from executors.generator.engine import GroupCompletion, Resume
+from executors.generator.contract import GroupCompletion, PromptRequest, Resume, SamplingParams
+from executors.generator.rollouts import rollout_group
 
 Prompt = tuple[int, PromptRow, list[int]]  # (index in the step, data row, token ids)
 
@@ -41,24 +44,37 @@ def max_cuts(*, max_new_tokens: int, budget: int) -> int:
 
 
 class PartialRollouts:
-    """One replica's cut groups, step by step."""
+    """One replica's cut groups, step by step; the single-turn rollout of a step under partial rollouts."""
 
-    def __init__(self, *, prompts_per_step: int, unit: int, units: int):
-        self.B, self.unit, self.units = prompts_per_step, unit, units
+    def __init__(self, *, prompts_per_step: int, unit: int, units: int, budget: int):
+        self.B, self.unit, self.units, self.budget = prompts_per_step, unit, units, budget
         self.carried: list[Carried] = []  # in (start step, index) order
         self._after: dict[int, list[Carried]] = {}  # the carry after each recent step, for its checkpoint
         self._resumed: dict[int, Carried] = {}  # this step's: {index in the step: carried group}
         self._cut: list[Carried] = []
+        self.written_tokens = 0  # this step's, by the groups it ended and those it cut
 
     def index(self, carried: Carried, step: int) -> int:
         return self.B * (step - carried.resume.step) + carried.resume.index
 
-    def begin(self, step: int) -> tuple[list[Prompt], dict[int, Resume]]:
-        """This step's resumed groups, as prompts (the step's indices) and their resume state."""
+    def run(self, engine, prompts: list[Prompt], params: SamplingParams, *, step: int, stop,
+            version: int) -> Iterator[RolloutGroup]:
+        """The step's groups: those cut in the step before first (resumed: their seeds and tokens kept),
+        then `prompts`; every sample writes at most `budget` tokens. A group whose samples all ended comes
+        out, each token's policy version with it (`version`: this step's weights'); one cut again is kept."""
         self._resumed = {self.index(c, step): c for c in self.carried}
-        self._cut = []
-        return ([(i, c.row, c.prompt_ids) for i, c in self._resumed.items()],
-                {i: c.resume for i, c in self._resumed.items()})
+        self._cut, self.written_tokens = [], 0
+        rows = {i: c.row for i, c in self._resumed.items()} | {i: row for i, row, _ in prompts}
+        requests = [PromptRequest(index=i, prompt_ids=c.prompt_ids, resume=c.resume) for i, c in self._resumed.items()]
+        requests += [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in prompts]
+        for done in engine.generate(requests, params, step=step, stop=stop, budget=self.budget):
+            self.written_tokens += self.written(done.index, done.response_ids)
+            if done.cut:  # the next step resumes it
+                self.cut(done, row=rows[done.index], step=step, version=version)
+                continue
+            group = rollout_group(step, rows[done.index], done)
+            group.versions = self.versions(done.index, done.response_ids, version)
+            yield group
 
     def versions(self, index: int, responses: list[torch.Tensor], version: int) -> list[torch.Tensor]:
         """Each token's policy version: a resumed group's earlier tokens keep theirs, the rest are `version`'s."""

@@ -27,7 +27,7 @@ from executors.data import PromptRow
 from modeling.tiny.task import hide_digit
 from executors.environments.base import EnvStep, ModelTurn, env_class
 from executors.generator.config import MultiTurnConfig
-from executors.generator.engine import GroupCompletion, PromptRequest, Resume, SamplingParams
+from executors.generator.contract import GroupCompletion, PromptRequest, SamplingParams
 
 Prompts = list[tuple[int, PromptRow, list[int]]]  # (index in the step, data row, token ids)
 
@@ -43,12 +43,10 @@ class Rollout(Protocol):
     def embedded(self, row: dict) -> dict:
         """An embedded-task row as this rollout poses it (the multi-turn task hides its digit)."""
 
-    def run(self, engine, prompts: Prompts, params: SamplingParams, *, step: int, stop: Callable[[], bool],
-            resumes: dict[int, Resume] | None = None, budget: int | None = None
-            ) -> Iterator[RolloutGroup | GroupCompletion]:
-        """Each prompt's group, the moment its G samples are done. Partial rollouts (single-turn):
-        `budget` tokens per sample; a group cut there comes back as the engine's GroupCompletion
-        (cut=True) for the generator to keep; `resumes` continue the groups cut before (by index)."""
+    def run(self, engine, prompts: Prompts, params: SamplingParams, *, step: int,
+            stop: Callable[[], bool]) -> Iterator[RolloutGroup]:
+        """Each prompt's group, the moment its G samples are done (partial rollouts wrap the single-turn
+        one: executors/generator/partial.py)."""
 
 
 class EnvError(ValueError):
@@ -69,14 +67,15 @@ class SingleTurn:
     def embedded(self, row: dict) -> dict:
         return row
 
-    def run(self, engine, prompts, params, *, step, stop, resumes=None, budget=None):
-        rows, resumes = {i: row for i, row, _ in prompts}, resumes or {}
-        requests = [PromptRequest(index=i, prompt_ids=ids, resume=resumes.get(i)) for i, _, ids in prompts]
-        for done in engine.generate(requests, params, step=step, stop=stop, budget=budget):
-            yield done if done.cut else _group(step, rows[done.index], done)
+    def run(self, engine, prompts, params, *, step, stop):
+        rows = {i: row for i, row, _ in prompts}
+        requests = [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in prompts]
+        for done in engine.generate(requests, params, step=step, stop=stop):
+            yield rollout_group(step, rows[done.index], done)
 
 
-def _group(step: int, row: PromptRow, done, **multi_turn) -> RolloutGroup:
+def rollout_group(step: int, row: PromptRow, done: GroupCompletion, **multi_turn) -> RolloutGroup:
+    """The engine's finished group as the channel's payload, with its data row."""
     return RolloutGroup(step=step, index=done.index, prompt=row.prompt, extras=row.extras, prompt_ids=done.prompt_ids_P,
                         responses=done.response_ids, logprobs=done.logprobs, finished=done.finished_G,
                         data_row=row.line, loss_masks=done.loss_masks, routing=done.routing, **multi_turn)
@@ -119,9 +118,7 @@ class MultiTurn:
     def embedded(self, row: dict) -> dict:
         return hide_digit(row)  # the embedded multi-turn task: its digit is behind a tool
 
-    def run(self, engine, prompts, params, *, step, stop, resumes=None, budget=None):
-        # an environment's state cannot be kept across steps (nor checkpointed): config.py refuses it
-        assert not resumes and budget is None, "partial rollouts are single-turn"
+    def run(self, engine, prompts, params, *, step, stop):
         episodes, requests, rows = {}, [], {}
         for index, row, ids in prompts:
             where = f"step {step}, prompt {index}" + (f" (data row {row.line})" if row.line else "")
@@ -135,7 +132,7 @@ class MultiTurn:
             requests.append(PromptRequest(index=index, prompt_ids=list(ids) + list(firsts.pop())))
         turns = _Turns(self, episodes)
         for done in engine.generate(requests, params, step=step, stop=stop, turns=turns):
-            yield _group(step, rows[done.index], done,
+            yield rollout_group(step, rows[done.index], done,
                          episodes=[episodes.pop((done.index, j)).record() for j in range(params.n)])
 
     def _start(self, row: PromptRow, where: str, max_new_tokens: int) -> tuple[_Episode, list[int]]:
@@ -226,7 +223,7 @@ class _Failed(Exception):
 
 @dataclass
 class _Turns:
-    """The engine's side of a multi-turn rollout (executors/generator/engine.py Turns)."""
+    """The engine's side of a multi-turn rollout (executors/generator/contract.py Turns)."""
 
     rollout: MultiTurn
     episodes: dict

@@ -30,7 +30,8 @@ import torch
 
 from channels.payloads import ParamSpec, chunk, local_shape
 from executors.generator.config import VllmConfig
-from executors.generator.engine import GroupCompletion, PromptRequest, SamplingParams, Turns, sample_seed
+from executors.generator.contract import GroupCompletion, PromptRequest, SamplingParams, Turns
+from executors.generator.sampling import sample_seed
 from executors.generator.vllm_world import generator_world, keep_default_group
 
 if TYPE_CHECKING:

@@ -3,10 +3,8 @@
 Shaped like vLLM's offline API (SamplingParams, one request per prompt, n samples each) so the
 generator executor can swap engines. Two properties matter more than speed here:
 
-* Per-sample randomness (DESIGN.md determinism rule 1). Sample j of prompt i at step k draws its
-  t-th token with Gumbel-max noise that is a counter-based hash of (its 63-bit seed, t, token id).
-  No RNG stream is shared across rows, so a sample does not depend on batching, chunking, or on
-  how prompts are split over generator ranks. Integer hashing is exact on every device.
+* Per-sample randomness: each token is drawn by sampling.py from its sample's seed and position, so a
+  sample does not depend on batching, chunking, or on how prompts are split over generator ranks.
 * Streaming: a prompt group is yielded as soon as its G samples are finished.
 
 Layout: up to `max_batch_prompts` groups decode together. A prompt is prefilled once and its KV
@@ -21,170 +19,26 @@ there on the default shape, 2% faster with a longer tail (bench/admission.py), w
 from __future__ import annotations
 
 import collections
-import hashlib
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from modeling import moe
+from executors.generator.contract import GroupCompletion, PromptRequest, Resume, SamplingParams, Turns
+from executors.generator.routing import recorder_for
+from executors.generator.sampling import sample_seed, sample_tokens
 
 if TYPE_CHECKING:  # transformers loads with the first chunk: building a graph stays light
     import transformers
-
-_MASK32 = 0xFFFFFFFF
-
-
-@dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    n: int  # G samples per prompt
-    temperature: float = 1.0  # 0 means greedy (log-probs are then those of the raw logits)
-    top_p: float = 1.0
-    top_k: int = 0  # 0: every token
-    max_new_tokens: int
-    seed: int  # run seed
-
-    def __post_init__(self):
-        if self.n < 1 or self.max_new_tokens < 1:
-            raise ValueError(f"n and max_new_tokens must be >= 1, got {self.n}, {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0: every token), got {self.top_k}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Resume:
-    """A group cut at an earlier call's token budget (partial rollouts), to be continued: its samples
-    keep their seeds (those of `step`, `index`) and their tokens so far, and go on from there."""
-    step: int  # the step that seeded its samples
-    index: int  # its prompt index in that step
-    response_ids: list[torch.Tensor]  # G x [R_i]: an unfinished sample's every token so far
-    logprobs: list[torch.Tensor]
-    finished_G: torch.Tensor  # samples that already ended (EOS): they write nothing more
-
-    @property
-    def t(self) -> int:
-        """Tokens decoded so far: an unfinished sample's length (the group's samples decode together)."""
-        return max(r.numel() for r in self.response_ids)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PromptRequest:
-    index: int  # prompt index within the call; part of every sample's seed (unless resumed)
-    prompt_ids: list[int] | torch.Tensor
-    resume: Resume | None = None  # continue a cut group instead of starting the prompt afresh
-
-
-@dataclass(kw_only=True)
-class GroupCompletion:
-    index: int
-    prompt_ids_P: torch.Tensor
-    response_ids: list[torch.Tensor]  # G ragged LongTensors, each ends with EOS if one was sampled
-    logprobs: list[torch.Tensor]  # float32 log_softmax(logits / T) at the sampled tokens, before top-p
-    finished_G: torch.Tensor  # bool, True where the sample hit EOS (with turns: its episode ended)
-    loss_masks: list[torch.Tensor] | None = None  # with turns: G x [R_i] bool, True on sampled tokens
-    # an MoE model's expert ids per token and routed layer, [prompt, response_1..G] (modeling/moe.py
-    # pack); None for a dense model, and for multi-turn and partial rollouts (not recorded there)
-    routing: list[torch.Tensor] | None = None
-    # the call's token budget ran out before every sample ended: a partial group, continued by a
-    # later call (PromptRequest.resume) rather than trained
-    cut: bool = False
-
-
-class Turns(Protocol):
-    """A multi-turn rollout's side of the engine (executors/generator/rollouts.py). With it, a sample's
-    response is its turns and the observations between them; `max_tokens` caps each turn (at most
-    `SamplingParams.max_new_tokens`), `max_total_tokens` the whole response."""
-
-    max_total_tokens: int
-
-    def max_tokens(self, *, index: int, sample: int) -> int:
-        """The token cap of the current turn of sample `sample` of prompt `index` (asked again after
-        every turn: the environment may change it)."""
-
-    def __call__(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> list[int] | None:
-        """Sample `sample` of prompt `index` ended a turn (`ended`: with EOS, else at the turn's cap):
-        the observation's token ids to append before its next turn, or None: its episode is over."""
-
-
-def sample_seed(*, run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
-    """The 63-bit seed of one sample; a cryptographic hash so nearby tuples share nothing."""
-    key = f"{run_seed}/{step}/{prompt_index}/{sample_index}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    # (x * c) mod 2^32 without int64 overflow: split x into 16-bit halves so no product passes 2^48.
-    return (((x & 0xFFFF) * c) + ((((x >> 16) * c) & 0xFFFF) << 16)) & _MASK32
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's finaliser: a bijection on 32-bit values with full avalanche."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def gumbel_noise(seeds_R: torch.Tensor, t: int | torch.Tensor, vocab: int) -> torch.Tensor:
-    """float32 Gumbel(0, 1) noise [R, vocab]: a pure function of (each row's seed, t, token id); t is
-    the token's position in the response, one for all rows or one per row.
-
-    The hash is integer arithmetic, exact on every device; only the two logs after it are float32
-    (no float64 anywhere: Ascend kernels often lack it, and [R, V] float64 per token was the
-    sampler's largest tensor). 23 hash bits make u: (k + 0.5) / 2^23 is exact in float32 and lies
-    strictly inside (0, 1), so the noise is finite, in [-2.81, 16.6]."""
-    lo_R, hi_R = seeds_R & _MASK32, seeds_R >> 32
-    t_R = t.to(lo_R) if isinstance(t, torch.Tensor) else torch.full_like(lo_R, t)
-    step_R = _fmix32(_fmix32(lo_R ^ _fmix32(t_R)) ^ hi_R)
-    tok_V = _fmix32(_mul32(torch.arange(vocab, device=seeds_R.device), 0x9E3779B9))
-    h_RV = _fmix32(_fmix32(step_R[:, None] ^ tok_V) ^ hi_R[:, None])
-    u_RV = ((h_RV >> 9).float() + 0.5) / 2.0**23
-    return -torch.log(-torch.log(u_RV))
-
-
-def _top_p_mask(z_RV: torch.Tensor, top_p: float) -> torch.Tensor:
-    """True on tokens outside each row's nucleus: the smallest set with probability >= top_p."""
-    probs_RV, order_RV = torch.softmax(z_RV, dim=-1).sort(dim=-1, descending=True)
-    before_RV = probs_RV.cumsum(dim=-1) - probs_RV  # mass strictly ahead of each token; 0 for the top one
-    return torch.zeros_like(z_RV, dtype=torch.bool).scatter_(-1, order_RV, before_RV >= top_p)
-
-
-def _top_k_mask(z_RV: torch.Tensor, top_k: int) -> torch.Tensor:
-    """True on tokens below each row's k-th largest logit (ties with it stay in)."""
-    kth_R1 = z_RV.topk(min(top_k, z_RV.shape[-1]), dim=-1).values[:, -1:]
-    return z_RV < kth_R1
-
-
-def sample_tokens(
-    logits_RV: torch.Tensor, *, seeds_R: torch.Tensor, t: int | torch.Tensor, temperature: float, top_p: float, top_k: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [R] and their float32 sampling log-probs [R] (before top-p / top-k renormalisation,
-    which is what the trainer computes)."""
-    z_RV = logits_RV.float() / (temperature if temperature > 0 else 1.0)
-    logp_RV = torch.log_softmax(z_RV, dim=-1)
-    if temperature == 0:
-        tok_R = z_RV.argmax(dim=-1)
-    else:
-        score_RV = z_RV + gumbel_noise(seeds_R, t, z_RV.shape[-1])
-        if top_p < 1.0:
-            score_RV = score_RV.masked_fill(_top_p_mask(z_RV, top_p), float("-inf"))
-        if top_k > 0:
-            score_RV = score_RV.masked_fill(_top_k_mask(z_RV, top_k), float("-inf"))
-        tok_R = score_RV.argmax(dim=-1)
-    return tok_R, logp_RV.gather(-1, tok_R[:, None])[:, 0]
-
 
 ADMISSIONS = ("continuous", "chunked")
 
 
 class NativeEngine:
     def __init__(self, model: transformers.PreTrainedModel, *, eos_token_id: int, pad_token_id: int,
-                 max_batch_prompts: int = 16, admission: str = "chunked"):
+                 max_batch_prompts: int = 16, admission: str = "chunked", routing=None):
+        """routing: the recorder of an MoE model's routing (executors/generator/routing.py); None: the
+        model's own (recorder_for), NO_ROUTING for a dense one."""
         if max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts must be >= 1, got {max_batch_prompts}")
         if admission not in ADMISSIONS:
@@ -201,10 +55,8 @@ class NativeEngine:
             install(model)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
-        # an MoE model records the experts each token was routed to, for the trainer to replay (modeling/moe.py)
-        self.routing = moe.install(model)
-        if self.routing is not None:
-            self.routing.mode = "record"
+        # an MoE model records the experts each token was routed to, for the trainer to replay
+        self.routing = routing if routing is not None else recorder_for(model)
         self.max_batch_prompts = max_batch_prompts
         self.admission = admission
 
@@ -279,7 +131,6 @@ class _Rows:
     sampled_BT: torch.Tensor  # bool, True where the model sampled the token (not an observation)
     turn_start_B: torch.Tensor  # with turns: where the row's current turn began in its response
     stop_B: torch.Tensor  # t at which the row's call budget ends (max_new_tokens without one)
-    routes_BTLk: torch.Tensor  # the expert ids each fed response token was routed to ([R, 0] when not recorded)
 
     def _tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
@@ -305,11 +156,8 @@ class _Batch:
         # a response holds every turn and observation under turns; one turn's tokens otherwise
         self.T = params.max_new_tokens if turns is None else turns.max_total_tokens
         self.budget = budget
-        # an MoE model's routing is recorded for single-turn groups generated whole (a resumed group's
-        # tokens and an observation are fed in other shapes; their routing is the trainer's own)
-        recording = engine.routing is not None and turns is None and budget is None
-        self.moe_shape = engine.routing.shape if recording else None
-        self.prompt_routes: dict[int, torch.Tensor] = {}  # prompt index -> [P, L, k]
+        self.routing = engine.routing
+        self.routing.start(whole_single_turn=turns is None and budget is None, max_new_tokens=params.max_new_tokens)
         self.groups: list[tuple[int, torch.Tensor]] = []  # (prompt index, prompt ids) per live group
         self.rows: _Rows | None = None
         self.cache = self.mask_BS = None
@@ -328,8 +176,7 @@ class _Batch:
         return self.params.max_new_tokens if self.budget is None else min(t + self.budget, self.params.max_new_tokens)
 
     def _prefill(self, ids: list[torch.Tensor]):
-        """Prefill the sequences left-padded together: (cache, mask, last logits, each sequence's
-        routing [P_c, L, k] or None)."""
+        """Prefill the sequences left-padded together: (cache, mask, last logits)."""
         from transformers import DynamicCache
 
         eng, dev = self.engine, self.engine.device
@@ -343,29 +190,14 @@ class _Batch:
         cache = DynamicCache(config=eng.model.config)
         out = eng.model(input_ids=ids_CP.to(dev), attention_mask=mask_CP.to(dev), position_ids=pos_CP.to(dev),
                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        routes_CPLk = self._routes(len(ids), P)
-        routes = None if routes_CPLk is None else [routes_CPLk[c, P - len(p):] for c, p in enumerate(ids)]
-        return cache, mask_CP.to(dev), out.logits[:, -1].float(), routes
-
-    def _routes(self, B: int, W: int) -> torch.Tensor | None:
-        """The expert ids the forward just run chose for its [B, W] tokens, [B, W, L, k] compact, on the
-        CPU; None when this batch records none (the hooks' lists are emptied either way)."""
-        routing = self.engine.routing
-        if routing is None:
-            return None
-        recorded, routing.recorded = routing.recorded, []
-        if self.moe_shape is None:
-            return None
-        return torch.stack(recorded, dim=1).view(B, W, len(self.moe_shape.layers), -1).to(self.moe_shape.id_dtype).cpu()
+        return cache, mask_CP.to(dev), out.logits[:, -1].float()
 
     def _new_rows(self, R: int, **given) -> _Rows:
         eng, T = self.engine, self.T
         empty = dict(t_B=torch.zeros(R, dtype=torch.long), len_B=torch.zeros(R, dtype=torch.long),
                      eos_B=torch.zeros(R, dtype=torch.bool), tokens_BT=torch.full((R, T), eng.pad_token_id, dtype=torch.long),
                      logp_BT=torch.zeros(R, T), sampled_BT=torch.zeros(R, T, dtype=torch.bool),
-                     turn_start_B=torch.zeros(R, dtype=torch.long), stop_B=torch.full((R,), self._stop_at(0)),
-                     routes_BTLk=torch.zeros(R, 0, dtype=torch.uint8) if (m := self.moe_shape) is None else
-                     torch.full((R, T, len(m.layers), m.top_k), moe.UNRECORDED).to(m.id_dtype))
+                     turn_start_B=torch.zeros(R, dtype=torch.long), stop_B=torch.full((R,), self._stop_at(0)))
         return _Rows(**{**empty, **given})
 
     @torch.inference_mode()
@@ -373,9 +205,8 @@ class _Batch:
         """Prefill the new prompts together, once each, and give each of its G samples a copy of its
         cache rows; they join the batch with their first logits."""
         G, dev = self.params.n, self.engine.device
-        cache, mask_CP, logits_CV, routes = self._prefill([p for _, p in prompts])
-        if routes is not None:
-            self.prompt_routes.update({i: r for (i, _), r in zip(prompts, routes)})
+        cache, mask_CP, logits_CV = self._prefill([p for _, p in prompts])
+        self.routing.prefilled([(i, len(p)) for i, p in prompts], width=mask_CP.shape[1], samples=G)
         cache.batch_repeat_interleave(G)
         rows = self._new_rows(
             len(prompts) * G, logits_BV=logits_CV.repeat_interleave(G, dim=0),
@@ -391,7 +222,7 @@ class _Batch:
         0 before them). An ended sample writes nothing more: it feeds one pad, its row only keeps the
         group together."""
         G, eng, dev = self.params.n, self.engine, self.engine.device
-        cache, mask_CP, _, _ = self._prefill([p for _, p, _ in prompts])
+        cache, mask_CP, _ = self._prefill([p for _, p, _ in prompts])
         cache.batch_repeat_interleave(G)
         samples = [(p, res, j) for _, p, res in prompts for j in range(G)]
         chunks = [[] if bool(res.finished_G[j]) else res.response_ids[j].tolist() for _, res, j in samples]
@@ -400,7 +231,6 @@ class _Batch:
         mask_BS = torch.cat([mask_CP.repeat_interleave(G, dim=0), mask_BW.to(dev)], dim=1)
         out = eng.model(input_ids=ids_BW.to(dev), attention_mask=mask_BS, position_ids=pos_BW.to(dev),
                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        self._routes(*ids_BW.shape)  # not recorded for a resumed group
         t0 = torch.tensor([res.t for _, res, _ in samples])
         rows = self._new_rows(len(samples), logits_BV=out.logits[:, -1].float(), pos_B=(pos_BW[:, -1] + 1).to(dev),
                               seeds_B=torch.tensor([sample_seed(run_seed=self.params.seed, step=res.step,
@@ -439,9 +269,7 @@ class _Batch:
                                   [rows.sampled_BT[j, :n].clone() for j, n in enumerate(lengths)],
                                   cut=self.budget is not None and
                                   bool((~rows.eos_B & (rows.t_B < self.params.max_new_tokens)).any()),
-                                  routing=None if self.moe_shape is None else moe.pack(
-                                      self.prompt_routes.pop(index),
-                                      [rows.routes_BTLk[j, :n] for j, n in enumerate(lengths)], self.moe_shape))
+                                  routing=self.routing.group(index, lengths))
 
     @torch.inference_mode()
     def _decode_one(self) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
@@ -466,10 +294,8 @@ class _Batch:
         done_B = done_B[self._kept] if finished else done_B
         feed_B = torch.where(done_B, eng.pad_token_id, tok_B[self._kept] if finished else tok_B).to(eng.device)
         self._feed(feed_B[:, None], torch.ones_like(feed_B[:, None]), self.rows.pos_B[:, None])
-        routes_B1Lk = self._routes(len(feed_B), 1)
-        if routes_B1Lk is not None:  # a row that fed its new token (not a pad): that token's experts
-            fed = (~done_B).nonzero()[:, 0]
-            self.rows.routes_BTLk[fed, self.rows.t_B[fed] - 1] = routes_B1Lk[fed, 0]
+        # a row that fed its new token (not a pad): that token's experts
+        self.routing.decoded([i for i, _ in self.groups], fed_B=~done_B, t_B=self.rows.t_B)
         return finished
 
     @torch.inference_mode()
@@ -513,7 +339,6 @@ class _Batch:
         # a row whose episode is over feeds a pad, as in _decode_one
         ids_BW, mask_BW, pos_BW = _right_aligned(chunks, self.rows.pos_B.cpu(), pad=eng.pad_token_id)
         self._feed(ids_BW.to(eng.device), mask_BW.to(eng.device), pos_BW.to(eng.device))
-        self._routes(*ids_BW.shape)  # not recorded under turns
         return finished
 
     def _leave(self, done_B: torch.Tensor) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
