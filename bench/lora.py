@@ -107,12 +107,12 @@ def main() -> None:
                 rows[name] += metrics[1:]
                 peaks[name].append(peak)
     full = "full fine-tuning"
-    base_bytes = statistics.median(x["push_bytes"] for x in rows[full])
-    base_push = statistics.median(x["push_s"] for x in rows[full])
+    base_bytes = statistics.median(x["trainer/push_bytes"] for x in rows[full])
+    base_push = statistics.median(x["trainer/push_s"] for x in rows[full])
     base_rss = statistics.median(peaks[full])
     table = []
     for name, xs in rows.items():
-        nbytes, push, rss = (statistics.median(x["push_bytes"] for x in xs), statistics.median(x["push_s"] for x in xs),
+        nbytes, push, rss = (statistics.median(x["trainer/push_bytes"] for x in xs), statistics.median(x["trainer/push_s"] for x in xs),
                              statistics.median(peaks[name]))
         table.append([name, f"{nbytes / 1e6:.2f}", f"{nbytes / base_bytes:.4f}", f"{push * 1e3:.1f}",
                       f"{push / base_push:.3f}", f"{rss / 2**20:.0f}", f"{rss / base_rss:.2f}",

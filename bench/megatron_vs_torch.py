@@ -51,10 +51,10 @@ def main() -> None:
             for k in range(args.repeats):
                 for backend in runs:
                     runs[backend].append(run(nproc, overrides, backend, args.steps, Path(tmp) / f"{backend}{k}"))
-            same = all([r["rollout_digest"] for r in runs["torch"][0]] == [r["rollout_digest"] for r in rows]
+            same = all([r["trainer/rollout_digest"] for r in runs["torch"][0]] == [r["trainer/rollout_digest"] for r in rows]
                        for rows in runs["megatron"])
             t, m = (med(runs[b], "step_s") for b in ("torch", "megatron"))
-            tt, mt = (med(runs[b], "train_s") for b in ("torch", "megatron"))
+            tt, mt = (med(runs[b], "trainer/train_s") for b in ("torch", "megatron"))
             table.append([name, f"{t:.3f}", f"{m:.3f}", f"{m / t:.2f}x", f"{tt:.3f}", f"{mt:.3f}", f"{mt / tt:.2f}x",
                           "yes" if same else "no"])
             print(tabulate(table[-1:], tablefmt="plain"), flush=True)

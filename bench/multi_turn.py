@@ -56,15 +56,15 @@ def part1(args, tmp: Path) -> None:
     mt_tps, st_tps, env_s, mt_gen, st_gen, lengths = [], [], [], [], [], []
     for i in range(args.repeats):
         mt = run_job(tmp / "mt", steps=args.steps, overrides=[*MULTI_TURN, *engine], args=("--schedule", "sync"))
-        length = round(med(mt, lambda r: r["response_len_mean"]))
+        length = round(med(mt, lambda r: r["trainer/response_len_mean"]))
         st = run_job(tmp / "st", steps=args.steps, overrides=[f"generator.max_new_tokens={length}", *engine,
                                                              "logging.samples_every=1"], args=("--schedule", "sync"))
         # response tokens (model turns and observations) per second of generation
-        mt_tps.append(med(mt, lambda r: r["response_len_mean"] * r["groups"] * 16 / r["gen_s"]))
-        st_tps.append(med(st, lambda r: r["response_len_mean"] * r["groups"] * 16 / r["gen_s"]))
-        env_s.append(med(mt, lambda r: r["env_s"]))
-        mt_gen.append(med(mt, lambda r: r["gen_s"]))
-        st_gen.append(med(st, lambda r: r["gen_s"]))
+        mt_tps.append(med(mt, lambda r: r["trainer/response_len_mean"] * r["trainer/groups"] * 16 / r["generator/gen_s"]))
+        st_tps.append(med(st, lambda r: r["trainer/response_len_mean"] * r["trainer/groups"] * 16 / r["generator/gen_s"]))
+        env_s.append(med(mt, lambda r: r["generator/env_s"]))
+        mt_gen.append(med(mt, lambda r: r["generator/gen_s"]))
+        st_gen.append(med(st, lambda r: r["generator/gen_s"]))
         lengths.append(length)
     m = {k: statistics.median(v) for k, v in dict(mt=mt_tps, st=st_tps, env=env_s, mg=mt_gen, sg=st_gen).items()}
     table.append([args.engine, statistics.median(lengths), m["st"], m["mt"], m["mt"] / m["st"], m["sg"], m["mg"], m["env"],
@@ -99,12 +99,12 @@ def part2(args, tmp: Path) -> None:
         shapes = [shape for step, shape in sorted(shapes_of(tmp / "sync").items()) if step >= 1]
         ps, pp, _ = predict(shapes, rates, replicas=1, dp=1)
         q = run_job(tmp / "periodic", steps=args.steps, overrides=chain, args=("--schedule", "periodic"))
-        same &= [r["rollout_digest"] for r in s] == [r["rollout_digest"] for r in q]
+        same &= [r["trainer/rollout_digest"] for r in s] == [r["trainer/rollout_digest"] for r in q]
         sync_s.append(med(s, lambda r: r["step_s"]))
         per_s.append(med(q, lambda r: r["step_s"]))
         pred_s.append(ps)
         pred_p.append(pp)
-        turns.append(med(s, lambda r: r["turns_mean"]))
+        turns.append(med(s, lambda r: r["generator/turns_mean"]))
     ms, mp, qs, qp = (statistics.median(x) for x in (sync_s, per_s, pred_s, pred_p))
     print(f"part 2: multi-turn with 1-4 looks per prompt (Chain), medians of {args.repeats} runs x {args.steps - 1} steps")
     print(tabulate([[statistics.median(turns), ms, qs, f"{(qs / ms - 1) * 100:+.0f}%", mp, qp, f"{(qp / mp - 1) * 100:+.0f}%",

@@ -87,7 +87,7 @@ def part2(args, tmp: Path) -> None:
     for name, sets in ABLATION.items():
         flags = ("--schedule", "offpolicy") if name != "periodic" else ()
         rows = run_job(tmp / "run", steps=args.ablation_steps, overrides=[*task, *sets], args=flags)
-        rewards = [r["reward_mean"] for r in rows]
+        rewards = [r["trainer/reward_mean"] for r in rows]
         curves[name] = rewards
         first, last = statistics.mean(rewards[:20]), statistics.mean(rewards[-20:])
         table.append([name, f"{first:.3f}", f"{last:.3f}", f"{last - first:+.3f}",

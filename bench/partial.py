@@ -78,7 +78,7 @@ def main() -> None:
                       f"{base / g:.2f}x", f"{statistics.mean(r['groups'] for r in steps):.1f}",
                       f"{statistics.mean(r['response_len_mean'] for r in steps if r['groups']):.1f}",
                       f"{statistics.mean(r['staleness_mean'] for r in steps if r['groups']):.2f}",
-                      max(r["staleness_max"] for r in steps)])
+                      max(r["trainer/staleness_max"] for r in steps)])
     print(f"\nlong-tail job (the embedded model after {args.tail_steps} steps of short answers, max_new_tokens=64, "
           f"B=8, G=16): {args.repeats} runs x {args.steps - SKIP} steps per configuration (the first {SKIP} skipped)")
     print(tabulate(table, headers=["configuration", "median step s", "s / trained group", "runs",
@@ -125,7 +125,7 @@ def engine(args) -> None:
 
 def group_s(rows: list[dict]) -> float:
     """The steps' seconds over the groups they trained."""
-    return sum(r["step_s"] for r in rows) / max(1, sum(r["groups"] for r in rows))
+    return sum(r["step_s"] for r in rows) / max(1, sum(r["trainer/groups"] for r in rows))
 
 
 def per_group(repeats: list[list[dict]]) -> float:

@@ -108,11 +108,11 @@ def main() -> None:
                 for preds, value in zip((pred_sync, pred_per), predicted(tmp / "sync", rates)):
                     preds.append(value)
                 q = run(overrides, "periodic", args.steps, tmp / "periodic")
-                digests_equal &= [r["rollout_digest"] for r in s] == [r["rollout_digest"] for r in q]
+                digests_equal &= [r["trainer/rollout_digest"] for r in s] == [r["trainer/rollout_digest"] for r in q]
                 sync_step.append(med(s, lambda r: r["step_s"]))
                 per_step.append(med(q, lambda r: r["step_s"]))
-                t_gen.append(med(s, lambda r: r["gen_s"]))
-                t_train.append(med(s, lambda r: r["train_s"] + r["push_s"]))
+                t_gen.append(med(s, lambda r: r["generator/gen_s"]))
+                t_train.append(med(s, lambda r: r["trainer/train_s"] + r["trainer/push_s"]))
             tg, tt = statistics.median(t_gen), statistics.median(t_train)
             ms, mp, ps, pp = (statistics.median(x) for x in (sync_step, per_step, pred_sync, pred_per))
             table.append([name, tg, tt, ms, ps, f"{(ps / ms - 1) * 100:+.0f}%", mp, pp, f"{(pp / mp - 1) * 100:+.0f}%",

@@ -89,7 +89,7 @@ def collect(out: Path) -> dict:
     """A finished run's steps (the first, warming up, left out), digests and decode slots."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     slots = json.loads((out / "config.json").read_text())["generator"]["max_batch_prompts"]
-    return {"rows": rows[1:], "digests": [r["rollout_digest"] for r in rows], "slots": slots}
+    return {"rows": rows[1:], "digests": [r["trainer/rollout_digest"] for r in rows], "slots": slots}
 
 
 def forward_cost(model_dir: str, *, rows=(4, 8, 16), context: int = 150, repeats: int = 9) -> None:
@@ -167,7 +167,7 @@ def table(results: dict, configs: list, args, load: list[tuple]) -> None:
         return statistics.median(key(r) if callable(key) else r[key] for run in results[name] for r in run["rows"])
 
     def busy_share(r: dict) -> float:  # 1: generation and training one after the other; 0.5: fully overlapped
-        return r["step_s"] / (r["gen_s"] + r["train_s"] + r["push_s"])
+        return r["step_s"] / (r["generator/gen_s"] + r["trainer/train_s"] + r["trainer/push_s"])
 
     base = med(configs[0][0], "step_s")
     digests = {tuple(run["digests"]) for runs in results.values() for run in runs}

@@ -292,9 +292,10 @@ def run(system: str, *, args, job: dict, out: Path) -> dict:
                 for k in range(args.steps)]
         later = rows[1:]
         step_s = [r["step_s"] for r in later]
-        trained = [r["tokens"] for r in later]
-        completion = [r["response_len_mean"] * job["B"] * job["G"] for r in later]
-        phases = {k: [r.get(k, 0.0) for r in later] for k in ("gen_s", "score_s", "train_s", "push_s")}
+        trained = [r["trainer/tokens"] for r in later]
+        completion = [r["trainer/response_len_mean"] * job["B"] * job["G"] for r in later]
+        phases = {k.split("/", 1)[1]: [r.get(k, 0.0) for r in later]
+                  for k in ("generator/gen_s", "reward/score_s", "trainer/train_s", "trainer/push_s")}
         extra = {"overlap_s": statistics.median(r.get("overlap_s", 0.0) for r in later)}
         # a rank's own subprocesses (e.g. a reward that runs code) inherit RANK: a rank is a process with
         # RANK whose parent has none (their CPU is in the total, and in the rank's once reaped)

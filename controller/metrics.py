@@ -3,8 +3,7 @@
 A row of metrics.jsonl (`build_row`) is every executor's record, each field namespaced by its
 executor (`trainer/loss`, `generator/gen_s`, the evaluation's `eval/pass@1`; a field already
 holding a "/" as it is), `<executor>_s` (the controller's wall time of that executor's
-step) and what `derive` computes from the records (step-level, unprefixed). Until the next release
-the rows also keep the flat names they had before (`loss`, `gen_s`, ...): see FLAT_ALIASES.
+step) and what `derive` computes from the records (step-level, unprefixed: `step_s`, `tpspd`, ...).
 
 The writer is a thread on global rank 0, so collecting metrics never adds a barrier between
 executors (a world-wide gather at the step end would stall periodic asynchrony).
@@ -69,30 +68,24 @@ def _key(step: int, executor: str) -> str:
     return f"metrics/{step}/{executor}"
 
 
-# Kept for one release (until the next): the executors whose fields a row also holds under the flat
-# name it had before the keys were namespaced, prefix + field (`loss` beside `trainer/loss`; the
-# evaluation sampler's `gen_s` as `eval_gen_s`, once the generator's). executor -> prefix. An executor
-# not listed (a new one, e.g. "eval", whose `reward_mean` would overwrite the trainer's) gets none.
-FLAT_ALIASES: dict[str, str] = {"generator": "", "reward": "", "trainer": "", "critic": "", "reward_model": "",
-                                "combine": "", "eval_sampler": "eval_"}
-
-
 def build_row(step: int, records: Mapping[str, Mapping[str, object]], walls: Mapping[str, float],
-              derived: Mapping[str, object], *, aliases: Mapping[str, str] = FLAT_ALIASES) -> dict:
+              derived: Mapping[str, object]) -> dict:
     """One row of metrics.jsonl from the executors' records (in graph order), their wall times and
     the derived figures: `<executor>/<field>` for every field (one with a "/" in it as it is), then
-    `<executor>_s`, the flat aliases and the derived keys, in that order, a later key overwriting
-    an earlier one of the same name (as the rows were made before: an executor's field overwrote
-    an earlier executor's of the same name, and the derived figures overwrote both)."""
+    `<executor>_s` and the derived keys."""
     row: dict = {"step": step}
     for name, record in records.items():
         row.update({field if "/" in field else f"{name}/{field}": value for field, value in record.items()})
     row.update({f"{name}_s": walls[name] for name in records})
-    for name, record in records.items():
-        if name in aliases:
-            row.update({aliases[name] + field: value for field, value in record.items() if "/" not in field})
     row.update(derived)
     return row
+
+
+def headers(keys: Sequence[str]) -> list[str]:
+    """The console's column titles: a key without its executor (`reward_mean` for trainer/reward_mean)
+    where no other shown key ends the same, else the whole key (eval/reward_mean beside it)."""
+    short = [k.split("/", 1)[-1] for k in keys]
+    return [s if short.count(s) == 1 else k for k, s in zip(keys, short)]
 
 
 class MetricsWriter:
@@ -139,7 +132,7 @@ class MetricsWriter:
                         board.write(row, tags=tags_of(row, executors=self.executors, derived=derived))
                     bar.update(1)
                     keys = [k for k in (self.console_keys or row) if k in row]
-                    bar.write(tabulate([[row[k] for k in keys]], headers=keys, floatfmt=".4g"))
+                    bar.write(tabulate([[row[k] for k in keys]], headers=headers(keys), floatfmt=".4g"))
                     # the trainer appended the step's samples before it posted its record
                     sample, self._samples_offset = first_sample(self.samples_path, step, self._samples_offset)
                     if sample is not None:
@@ -158,12 +151,11 @@ class MetricsWriter:
 
 def reward_warning(row: Mapping[str, object], *, limit: int = 300) -> str | None:
     """One console line when more than half of a step's rewards failed: under reward.on_error=zero
-    they score 0 and the run looks like any other (reward 0), so say it, with the first error.
-    Reads the trainer's flat aliases (reward_failures, samples, reward_first_error)."""
-    failed, samples = row.get("reward_failures") or 0, row.get("samples") or 0
+    they score 0 and the run looks like any other (reward 0), so say it, with the first error."""
+    failed, samples = row.get("trainer/reward_failures") or 0, row.get("trainer/samples") or 0
     if not samples or 2 * failed <= samples:
         return None
-    first = str(row.get("reward_first_error") or "")
+    first = str(row.get("trainer/reward_first_error") or "")
     first = first if len(first) <= limit else first[:limit - 3] + "..."
     return (f"warning: step {row['step']}: {failed} of {samples} rewards failed and scored 0 "
             f"(reward.on_error=zero); the first: {first}")

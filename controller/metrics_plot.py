@@ -7,22 +7,22 @@ from pathlib import Path
 
 # panel title -> the row keys drawn in it
 PANELS = {
-    "reward": ("reward_mean", "eval/reward_mean"),
+    "reward": ("trainer/reward_mean", "eval/reward_mean"),
     "eval pass rate": ("eval/pass@1",),  # + eval/pass@k, added from the rows
-    "response length (tokens)": ("response_len_mean", "eval/response_len_mean"),
-    "loss": ("loss",),
-    "critic: value loss": ("value_loss",),  # PPO's critic
-    "critic: explained variance": ("explained_variance",),
-    "KL to the reference": ("kl", "reward_kl"),
-    "entropy (nats)": ("entropy",),
-    "grad norm (before clipping)": ("grad_norm",),
-    "step time split (s)": ("step_s", "gen_s", "train_s", "push_s", "eval_gen_s"),
-    "staleness (policy versions)": ("staleness_mean", "staleness_max"),  # the offpolicy schedule's
+    "response length (tokens)": ("trainer/response_len_mean", "eval/response_len_mean"),
+    "loss": ("trainer/loss",),
+    "critic: value loss": ("critic/value_loss",),  # PPO's critic
+    "critic: explained variance": ("critic/explained_variance",),
+    "KL to the reference": ("trainer/kl", "critic/reward_kl"),
+    "entropy (nats)": ("trainer/entropy",),
+    "grad norm (before clipping)": ("trainer/grad_norm",),
+    "step time split (s)": ("step_s", "generator/gen_s", "trainer/train_s", "trainer/push_s", "eval_sampler/gen_s"),
+    "staleness (policy versions)": ("trainer/staleness_mean", "trainer/staleness_max"),  # the offpolicy schedule's
 }
 
 
 # 0 in every row: the KL is off (beta = 0), or the schedule is on-policy: no panel to draw
-OFF_WHEN_ZERO = {"kl", "reward_kl", "staleness_mean", "staleness_max"}
+OFF_WHEN_ZERO = {"trainer/kl", "critic/reward_kl", "trainer/staleness_mean", "trainer/staleness_max"}
 
 
 def _panels(rows: list[dict]) -> dict[str, list[str]]:

@@ -1,6 +1,6 @@
 """TensorBoard event files of the metrics rows (`logging.tensorboard`), written by rank 0's metrics
 thread: every number of a row as a scalar at its step, tagged by the executor that reported it
-(the row's namespaced keys); the row's flat aliases are not written, so no curve is drawn twice."""
+(the row's namespaced keys)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,7 +29,7 @@ class TensorBoardLog:
 
 def tags_of(row: Mapping[str, object], *, executors: Iterable[str], derived: Mapping[str, object]) -> dict[str, str]:
     """row key -> tag: the namespaced keys as they are (trainer/loss, generator/gen_s, eval/pass@1),
-    time/<executor>_s, step/<derived>; none for the flat aliases (loss, gen_s, ...)."""
+    time/<executor>_s, step/<derived>."""
     tags = {k: k for k in row if "/" in k}
     tags.update({f"{name}_s": f"time/{name}_s" for name in executors})
     tags.update({k: f"step/{k}" for k in derived})

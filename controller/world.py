@@ -297,13 +297,13 @@ def build_world(graph: Graph, *, device: torch.device, seed: int, output_dir: Pa
         unit = next(u for u in mine if rank in u)
         return ExecutorEnv(name=ex.name, ranks=tuple(r for u in mine for r in u), units=mine, rank=rank,
                            group=local_group, device=device, seed=seed, output_dir=output_dir, resume=resume,
-                           unit_group=unit_groups.get(unit), time_shared=time_shared)
+                           weights_from=resume, unit_group=unit_groups.get(unit), time_shared=time_shared)
 
     envs = {ex.name: env(ex) for ex in local}
     world = World(graph=graph, units=units, rank=rank, host=host, envs=envs, store=store_client(timeout),
                   control_group=control_group, resume=resume)
     world.bind_channels()
-    if world.runs_ahead and world.samples_before_pushes():
-        # offpolicy resumed within its first max_lag steps: they sample with the model's own weights
-        world.envs = {name: dataclasses.replace(env, model_start=True) for name, env in envs.items()}
+    if world.samples_before_pushes():
+        # e.g. offpolicy resumed within its first max_lag steps: they sample with the model's own weights
+        world.envs = {name: dataclasses.replace(env, weights_from=None) for name, env in envs.items()}
     return world

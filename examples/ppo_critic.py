@@ -66,7 +66,8 @@ def main() -> int:
     try:
         graph = build_graph(steps=args.steps)
         run_job(graph, steps=args.steps, seed=args.seed, output_dir=args.output_dir,
-                console_keys=["step", "reward_mean", "loss", "value_loss", "explained_variance", "grad_norm"])
+                console_keys=["step", "trainer/reward_mean", "trainer/loss", "critic/value_loss", "critic/explained_variance",
+                              "trainer/grad_norm"])
     except ValueError as exc:  # a wiring or world-size mistake: one line, before any rank blocks
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)

@@ -62,7 +62,8 @@ def main() -> int:
     try:
         graph = build_graph(steps=args.steps)
         run_job(graph, steps=args.steps, seed=args.seed, output_dir=args.output_dir,
-                console_keys=["step", "reward_mean", "rule_reward_mean", "model_reward_mean", "loss", "grad_norm"])
+                console_keys=["step", "trainer/reward_mean", "combine/rule_reward_mean", "combine/model_reward_mean",
+                              "trainer/loss", "trainer/grad_norm"])
     except ValueError as exc:  # a wiring or world-size mistake: one line, before any rank blocks
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)

@@ -45,9 +45,10 @@ class ExecutorEnv:
     seed: int
     output_dir: Path
     resume: Path | None = None  # a checkpoint directory to continue from (its parts, as each executor saved them)
-    # a resumed generator that samples its first steps with the model's weights, not the checkpoint's
-    # (offpolicy resumed within its first max_lag steps, as the whole run did); its other state resumes
-    model_start: bool = False
+    # where this rank's model starts: a resumed run's checkpoint (an HF directory), or None: the model's
+    # own weights (a fresh run, and a resumed rank fed by WEIGHTS pushes none of which will have landed
+    # by its first step: it samples with the weights the run started from; controller/world.py)
+    weights_from: Path | None = None
     # a gloo group over this rank's unit, when the unit has several ranks: for small agreements (e.g.
     # "stop decoding now") that must not interleave with the unit's own collectives on device
     unit_group: dist.ProcessGroup | None = None

@@ -228,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
             from launch.dryrun import describe
             from launch.memory import Shape, describe_memory
 
+            from controller.job import with_schedule
+
             memory = describe_memory(cfg, Shape.of(cfg.model.path), executors=tuple(e.name for e in graph.executors))
-            print(describe(graph, cfg, recipe, memory=memory))
+            print(describe(with_schedule(graph, cfg.schedule.build()), cfg, recipe, memory=memory))
             return 0
         from launch.selflaunch import under_launcher
 

@@ -74,12 +74,12 @@ def summary(out: Path, *, steps: int, wall_s: float) -> str:
     if rows:
         walls = sorted(r["step_s"] for r in rows if isinstance(r.get("step_s"), (int, float)))
         # a step that trained no group (partial rollouts) has no reward_mean
-        rewarded = [r for r in rows if isinstance(r.get("reward_mean"), (int, float))]
-        tail = [r["reward_mean"] for r in rewarded[-20:]]
+        rewarded = [r for r in rows if isinstance(r.get("trainer/reward_mean"), (int, float))]
+        tail = [r["trainer/reward_mean"] for r in rewarded[-20:]]
         if walls:
             lines.append(f"  median step {walls[len(walls) // 2]:.3g} s over {len(walls)} steps")
         if tail:
-            lines.append(f"  reward_mean: {rewarded[0]['reward_mean']:.4g} at step {rewarded[0]['step']}, "
+            lines.append(f"  reward_mean: {rewarded[0]['trainer/reward_mean']:.4g} at step {rewarded[0]['step']}, "
                          f"{sum(tail) / len(tail):.4g} over the last {len(tail)} steps")
         evals = [(r["eval/reward_mean"], r["step"]) for r in rows if isinstance(r.get("eval/reward_mean"), (int, float))]
         if evals:

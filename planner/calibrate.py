@@ -40,7 +40,7 @@ def shapes_of(run_dir: Path) -> dict[int, StepShape]:
     lengths: dict[int, dict[int, dict[int, int]]] = collections.defaultdict(lambda: collections.defaultdict(dict))
     for s in _lines(run_dir / "samples.jsonl"):
         lengths[s["step"]][s["prompt_index"]][s["sample"]] = s["length"]
-    tokens = {row["step"]: row["tokens"] for row in _lines(run_dir / "metrics.jsonl")}
+    tokens = {row["step"]: row["trainer/tokens"] for row in _lines(run_dir / "metrics.jsonl")}
     shared = trainer.get("shared_prompt", "auto") != "off"
     engine = ENGINES.get(gen.get("engine", "native"))  # vLLM: max_num_seqs sample rows, taken as whole groups
     slots, admission = engine.slots(gen), engine.admission or gen.get("admission", "chunked")

@@ -94,9 +94,9 @@ def build(cfg: RunConfig) -> Graph:
 
 
 def weights_channel(cfg: RunConfig) -> Channel:
-    """What the trainer pushes at step k's barrier, the generator receives at step k+1's start (lag 1),
-    or under the offpolicy schedule at step k+1+max_lag's."""
-    return Channel("weights", "trainer", "generator", Kind.WEIGHTS, WeightsUpdate, lag=cfg.schedule.weights_lag)
+    """What the trainer pushes at step k's barrier, the generator receives at step k+1's start, or under
+    the offpolicy schedule at step k+1+max_lag's: the schedule sets the lag (controller/job.py with_schedule)."""
+    return Channel("weights", "trainer", "generator", Kind.WEIGHTS, WeightsUpdate)
 
 
 def generator(cfg: RunConfig, *, dynamic_sampling: bool = False) -> Generator:
@@ -181,6 +181,6 @@ def step_figures(records: dict, world_size: int, run: dict | None = None) -> dic
 
 
 RECIPE = Recipe(name="grpo", build=build, phases=PHASES + EVAL_PHASES, derive=step_figures,
-                console=("step", "reward_mean", "reward_std", "response_len_mean", "loss", "kl", "entropy", "grad_norm",
-                         "gen_s", "train_s", "push_s", "step_s", "first_group_s", "tpspd", "eval/reward_mean",
-                         "eval/pass@1"))
+                console=("step", "trainer/reward_mean", "trainer/reward_std", "trainer/response_len_mean", "trainer/loss",
+                         "trainer/kl", "trainer/entropy", "trainer/grad_norm", "generator/gen_s", "trainer/train_s",
+                         "trainer/push_s", "step_s", "first_group_s", "tpspd", "eval/reward_mean", "eval/pass@1"))

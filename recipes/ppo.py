@@ -36,6 +36,7 @@ PHASES = (
 
 # the GRPO family's graph: the algorithm's advantage source (the critic) puts its stage in (recipes/advantages.py)
 RECIPE = Recipe(name="ppo", build=grpo.build, phases=PHASES + grpo.EVAL_PHASES, derive=grpo.step_figures,
-                console=("step", "reward_mean", "response_len_mean", "loss", "value_loss", "explained_variance",
-                         "kl", "entropy", "grad_norm", "gen_s", "train_s", "step_s", "first_group_s", "tpspd",
-                         "eval/reward_mean", "eval/pass@1"))
+                console=("step", "trainer/reward_mean", "trainer/response_len_mean", "trainer/loss", "critic/value_loss",
+                         "critic/explained_variance", "trainer/kl", "trainer/entropy", "trainer/grad_norm",
+                         "generator/gen_s", "trainer/train_s", "step_s", "first_group_s", "tpspd", "eval/reward_mean",
+                         "eval/pass@1"))

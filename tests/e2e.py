@@ -15,8 +15,9 @@ from tests.spawn import free_port
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--set", "data.prompts_per_step=4", "--set", "generator.samples_per_prompt=4",
          "--set", "generator.max_new_tokens=4", "--set", "generator.max_batch_prompts=2"]  # 2 inference chunks
-REQUIRED = {"step", "reward_mean", "reward_std", "response_len_mean", "loss", "kl", "grad_norm", "gen_s",
-            "train_s", "push_s", "step_s", "tokens", "tpspd", "rollout_digest"}
+REQUIRED = {"step", "trainer/reward_mean", "trainer/reward_std", "trainer/response_len_mean", "trainer/loss", "trainer/kl",
+            "trainer/grad_norm", "generator/gen_s", "trainer/train_s", "trainer/push_s", "step_s", "trainer/tokens", "tpspd",
+            "trainer/rollout_digest"}
 
 
 def launch(out: Path, *args: str, nproc: int = 3, steps: int = 3, timeout: float = 240,

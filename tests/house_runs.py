@@ -59,7 +59,7 @@ def record(name: str, out: Path, *, steps: int = 3) -> dict:
     proc = launch(out, *run["args"], nproc=run["nproc"], steps=steps, algo=run["algo"], timeout=600)
     assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
     rows = metrics(out)
-    return {"rollout_digests": [r["rollout_digest"] for r in rows],
+    return {"rollout_digests": [r["trainer/rollout_digest"] for r in rows],
             "eval": [{k: r[k] for k in EVAL_KEYS if k in r} for r in rows],
             "eval_samples_sha": _eval_samples_sha(out), "keys": sorted(rows[0]), "weights_sha": weights_sha(out)}
 

@@ -130,13 +130,13 @@ def test_corrections_end_to_end(tmp_path):
         proc = launch(tmp_path / name, *tis, *extra, nproc=nproc, steps=2)
         assert proc.returncode == 0, proc.stderr[-3000:]
     one, dp2 = metrics(tmp_path / "one"), metrics(tmp_path / "dp2")
-    assert [r["rollout_digest"] for r in one] == [r["rollout_digest"] for r in dp2]
+    assert [r["trainer/rollout_digest"] for r in one] == [r["trainer/rollout_digest"] for r in dp2]
     assert max_abs_diff(weights(tmp_path / "one/final"), weights(tmp_path / "dp2/final")) < 1e-5
     for r in one + dp2:  # fp32 engines agree to ~1e-6 in log-prob: weights within 1e-4 of 1, nothing dropped
-        assert abs(r["is_weight_mean"] - 1) < 1e-4 and r["is_dropped_frac"] == 0 and r["optimizer_steps"] == 2
+        assert abs(r["trainer/is_weight_mean"] - 1) < 1e-4 and r["trainer/is_dropped_frac"] == 0 and r["trainer/optimizer_steps"] == 2
 
     proc = launch(tmp_path / "none", "--set", "algorithm.correction.kind=mis", "--set", "algorithm.correction.low=3",
                   "--set", "algorithm.correction.high=4", steps=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in metrics(tmp_path / "none"):
-        assert r["is_dropped_frac"] == 1 and r["loss"] == 0 and r["grad_norm"] == 0
+        assert r["trainer/is_dropped_frac"] == 1 and r["trainer/loss"] == 0 and r["trainer/grad_norm"] == 0

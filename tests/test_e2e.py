@@ -25,16 +25,16 @@ def test_run_outputs(periodic_run):
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows:
         assert REQUIRED <= row.keys(), REQUIRED - row.keys()
-        assert row["tokens"] > 0 and row["tpspd"] > 0 and row["groups"] == 4
+        assert row["trainer/tokens"] > 0 and row["tpspd"] > 0 and row["trainer/groups"] == 4
         # the paper's whole-run TPSPD: every token so far over the time since step 0 began, 3 ranks
         done = rows[:row["step"] + 1]
-        run_s = row["push_end_t"] - rows[0]["gen_start_t"]
-        assert row["run_tpspd"] == pytest.approx(sum(r["tokens"] for r in done) / run_s / 3, rel=1e-9)
-        assert row["logp_mismatch_max"] < 1e-4  # the trainer recomputes what the generator sampled
-        assert row["ratio_mean"] == pytest.approx(1.0) and row["ratio_max"] == pytest.approx(1.0)  # one pass: on-policy
-        assert row["staleness_mean"] == 0 and row["staleness_max"] == 0  # sampled by the weights it trains
-        assert 0 < row["entropy"] < 6.3  # nats, below log(512) of the embedded vocabulary
-    assert len({r["rollout_digest"] for r in rows}) == 3
+        run_s = row["trainer/push_end_t"] - rows[0]["generator/gen_start_t"]
+        assert row["run_tpspd"] == pytest.approx(sum(r["trainer/tokens"] for r in done) / run_s / 3, rel=1e-9)
+        assert row["trainer/logp_mismatch_max"] < 1e-4  # the trainer recomputes what the generator sampled
+        assert row["trainer/ratio_mean"] == pytest.approx(1.0) and row["trainer/ratio_max"] == pytest.approx(1.0)  # one pass: on-policy
+        assert row["trainer/staleness_mean"] == 0 and row["trainer/staleness_max"] == 0  # sampled by the weights it trains
+        assert 0 < row["trainer/entropy"] < 6.3  # nats, below log(512) of the embedded vocabulary
+    assert len({r["trainer/rollout_digest"] for r in rows}) == 3
     config = json.loads((periodic_run / "config.json").read_text())
     assert config["algo"] == "grpo" and config["algorithm"]["clip_low"] == 0.2 and config["steps"] == 3
     sources = config["_sources"]  # where each value came from
@@ -46,7 +46,7 @@ def test_run_outputs(periodic_run):
 
 
 def _same_run(a: Path, b: Path) -> None:
-    assert [r["rollout_digest"] for r in metrics(a)] == [r["rollout_digest"] for r in metrics(b)]
+    assert [r["trainer/rollout_digest"] for r in metrics(a)] == [r["trainer/rollout_digest"] for r in metrics(b)]
     assert (a / "final/model.safetensors").read_bytes() == (b / "final/model.safetensors").read_bytes()
 
 
@@ -78,8 +78,8 @@ def test_samples_log(periodic_run):
         [(s, i, j) for s in range(3) for i in range(4) for j in range(4)]
     for step, row in enumerate(metrics(periodic_run)):
         mine = [r for r in lines if r["step"] == step]
-        assert sum(r["reward"] for r in mine) / 16 == pytest.approx(row["reward_mean"], abs=1e-6)
-        assert sum(r["length"] for r in mine) / 16 == pytest.approx(row["response_len_mean"], abs=1e-6)
+        assert sum(r["reward"] for r in mine) / 16 == pytest.approx(row["trainer/reward_mean"], abs=1e-6)
+        assert sum(r["length"] for r in mine) / 16 == pytest.approx(row["trainer/response_len_mean"], abs=1e-6)
         for i in range(4):  # GRPO: a group's advantages are its rewards, centred (and scaled)
             group = [r for r in mine if r["prompt_index"] == i]
             assert sum(r["advantage"] for r in group) == pytest.approx(0, abs=1e-5)
@@ -115,7 +115,7 @@ def test_evaluation_metrics(sync_eval_run):
         assert evals[step]["eval/pass@1"] == pytest.approx(sum(sum(s) / 2 for s in solved.values()) / 8)
         assert evals[step]["eval/pass@2"] == pytest.approx(sum(any(s) for s in solved.values()) / 8)
     board = scalars(sync_eval_run / "tensorboard")  # what TensorBoard shows
-    assert board["trainer/loss"] == pytest.approx({s: r["loss"] for s, r in enumerate(metrics(sync_eval_run))},
+    assert board["trainer/loss"] == pytest.approx({s: r["trainer/loss"] for s, r in enumerate(metrics(sync_eval_run))},
                                                   rel=1e-6, abs=1e-12)  # stored as float32
     assert board["eval/pass@2"].keys() == {0, 2} and board["time/trainer_s"].keys() == {0, 1, 2}
     assert (sync_eval_run / "metrics.png").stat().st_size > 10_000
@@ -173,8 +173,8 @@ def test_reward_errors_can_score_zero_and_count(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = metrics(tmp_path)[0]
     # NaN for odd-length responses (scored 0 and counted), 1.0 otherwise: 16 samples in all
-    assert row["reward_failures"] > 0
-    assert row["reward_failures"] == round(16 * (1 - row["reward_mean"]))
+    assert row["trainer/reward_failures"] > 0
+    assert row["trainer/reward_failures"] == round(16 * (1 - row["trainer/reward_mean"]))
 
 
 @pytest.mark.parametrize("algo,extra", [
@@ -188,7 +188,7 @@ def test_every_algorithm_runs_end_to_end(tmp_path, algo, extra):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
     assert len(rows) == 2 and all(REQUIRED <= r.keys() for r in rows)
-    assert all(r["grad_norm"] == r["grad_norm"] for r in rows)  # finite, not NaN
+    assert all(r["trainer/grad_norm"] == r["trainer/grad_norm"] for r in rows)  # finite, not NaN
     assert json.loads((tmp_path / "config.json").read_text())["algo"] == algo
 
 
@@ -201,8 +201,8 @@ def test_several_optimizer_steps_per_batch_keep_schedules_identical(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
     _same_run(tmp_path / "sync", tmp_path / "periodic")
     rows = metrics(tmp_path / "periodic")
-    assert all(r["optimizer_steps"] == 4 and r["clip_frac"] > 0 for r in rows)
-    assert all(r["ratio_max"] > 1.0 and r["ratio_mean"] != 1.0 for r in rows)  # later passes move off-policy
+    assert all(r["trainer/optimizer_steps"] == 4 and r["trainer/clip_frac"] > 0 for r in rows)
+    assert all(r["trainer/ratio_max"] > 1.0 and r["trainer/ratio_mean"] != 1.0 for r in rows)  # later passes move off-policy
 
 
 def test_dynamic_sampling_tops_up_to_full_batches(tmp_path):
@@ -215,9 +215,9 @@ def test_dynamic_sampling_tops_up_to_full_batches(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
     _same_run(tmp_path / "sync", tmp_path / "periodic")
     rows = metrics(tmp_path / "periodic")
-    assert all(r["groups"] == 4 for r in rows)  # data.prompts_per_step
-    assert any(r["prompts_generated"] > 4 for r in rows)  # the untrained model does give flat groups
-    assert all(r["reward_std"] > 0 for r in rows)
+    assert all(r["trainer/groups"] == 4 for r in rows)  # data.prompts_per_step
+    assert any(r["generator/prompts_generated"] > 4 for r in rows)  # the untrained model does give flat groups
+    assert all(r["trainer/reward_std"] > 0 for r in rows)
 
 
 def test_shared_prompt_on_off_and_padded_train_the_same(tmp_path):
@@ -236,8 +236,8 @@ def test_shared_prompt_on_off_and_padded_train_the_same(tmp_path):
         proc = launch(tmp_path / mode, "--set", f"trainer.shared_prompt={mode}", steps=2)
         assert proc.returncode == 0, proc.stderr[-3000:]
     runs = {mode: metrics(tmp_path / mode) for mode in ("on", "off", "padded")}
-    assert len({tuple(r["rollout_digest"] for r in rows) for rows in runs.values()}) == 1
-    assert runs["on"][0]["tokens"] < runs["off"][0]["tokens"]  # the prompt is trained once per group
+    assert len({tuple(r["trainer/rollout_digest"] for r in rows) for rows in runs.values()}) == 1
+    assert runs["on"][0]["trainer/tokens"] < runs["off"][0]["trainer/tokens"]  # the prompt is trained once per group
     weights = {m: safetensors.torch.load_file(tmp_path / m / "final/model.safetensors") for m in runs}
     init = load_model(None, seed=0).state_dict()
 

@@ -29,7 +29,7 @@ def _run(out, *args, nproc: int, **kw):
 
 
 def _digests(out) -> list[str]:
-    return [r["rollout_digest"] for r in metrics(out)]
+    return [r["trainer/rollout_digest"] for r in metrics(out)]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_fsdp_lockstep_rounds_equal_replicated_dp(tmp_path, algo, extra):
         (runs["fsdp_sync"] / "final/model.safetensors").read_bytes()
     assert max_abs_diff(weights(runs["fsdp"] / "final"), weights(runs["replicated"] / "final")) < TOL
     rows = metrics(runs["fsdp"])
-    assert all(r["groups"] == 5 and r["optimizer_steps"] == 4 and r["kl"] != 0 for r in rows)
+    assert all(r["trainer/groups"] == 5 and r["trainer/optimizer_steps"] == 4 and r["trainer/kl"] != 0 for r in rows)
 
 
 def test_megatron_trainer_equals_the_torch_backend(single, tmp_path):
@@ -108,7 +108,7 @@ def test_the_demo_learns_with_the_megatron_backend(tmp_path):
     """The embedded job (make demo), 80 steps, trainer.backend=megatron: the reward rises."""
     proc = launch(tmp_path, "--set", "trainer.backend=megatron", steps=80, timeout=900, defaults=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rewards = [r["reward_mean"] for r in metrics(tmp_path)]
+    rewards = [r["trainer/reward_mean"] for r in metrics(tmp_path)]
     first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
     assert last > 2 * first + 0.05, (first, last)
 

@@ -155,12 +155,12 @@ def test_lora_jobs_sample_with_the_pushed_adapters(runs):
     """Every step's log-probs agree with the trainer's (the generator applied each push); co-located on
     one rank gives the split placement's bits; the push is the adapters' size, every step."""
     split, colocated, full = metrics(runs / "split"), metrics(runs / "colocated"), metrics(runs / "full")
-    assert max(r["logp_mismatch_max"] for r in split + colocated) < 1e-5
-    assert [r["rollout_digest"] for r in split] == [r["rollout_digest"] for r in colocated]
-    assert len({r["rollout_digest"] for r in split}) == 4
+    assert max(r["trainer/logp_mismatch_max"] for r in split + colocated) < 1e-5
+    assert [r["trainer/rollout_digest"] for r in split] == [r["trainer/rollout_digest"] for r in colocated]
+    assert len({r["trainer/rollout_digest"] for r in split}) == 4
     adapter = load_file(runs / "split" / "final" / "adapter_model.safetensors")
-    assert {r["push_bytes"] for r in split + colocated} == {sum(t.numel() * 4 for t in adapter.values())}
-    assert {r["push_bytes"] for r in full} == {sum(t.numel() * 4 for t in load_model(None).parameters())}
+    assert {r["trainer/push_bytes"] for r in split + colocated} == {sum(t.numel() * 4 for t in adapter.values())}
+    assert {r["trainer/push_bytes"] for r in full} == {sum(t.numel() * 4 for t in load_model(None).parameters())}
     a, b = (load_file(runs / name / "final" / "adapter_model.safetensors") for name in ("split", "colocated"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     merged = load_file(runs / "split" / "final" / "merged" / "model.safetensors")
@@ -176,8 +176,8 @@ def test_a_lora_run_resumes_bit_for_bit(runs, tmp_path):
     whole = load_file(runs / "colocated" / "final" / "adapter_model.safetensors")
     resumed = load_file(tmp_path / "final" / "adapter_model.safetensors")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
-    assert [r["rollout_digest"] for r in metrics(tmp_path)][-2:] == \
-        [r["rollout_digest"] for r in metrics(runs / "colocated")][-2:]
+    assert [r["trainer/rollout_digest"] for r in metrics(tmp_path)][-2:] == \
+        [r["trainer/rollout_digest"] for r in metrics(runs / "colocated")][-2:]
 
 
 # ---- bad input ------------------------------------------------------------------------------------

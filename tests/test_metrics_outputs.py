@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from controller import metrics
 from controller.control import Decision, _decision_key
-from controller.metrics import FLAT_ALIASES, MetricsWriter, build_row, post_metrics
+from controller.metrics import MetricsWriter, build_row, headers, post_metrics
 from controller.metrics_plot import _panels, plot_metrics
 from controller.timeline import _BUSY, figure, plot, utilisation
 from controller.tensorboard import TensorBoardLog, tags_of
@@ -26,12 +26,13 @@ def scalars(log_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def test_metrics_png_draws_the_panels_present(tmp_path):
-    rows = [{"step": s, "reward_mean": 0.1 * s, "kl": None if s == 1 else 0.01, "gen_s": 0.2, "train_s": 0.3,
-             "rollout_digest": "ab"} for s in range(4)]
+    rows = [{"step": s, "trainer/reward_mean": 0.1 * s, "trainer/kl": None if s == 1 else 0.01, "generator/gen_s": 0.2,
+             "trainer/train_s": 0.3, "trainer/rollout_digest": "ab"} for s in range(4)]
     rows[0]["eval/pass@1"], rows[2]["eval/pass@1"], rows[2]["eval/pass@4"] = 0.0, 0.5, 0.75
-    assert _panels(rows) == {"reward": ["reward_mean"], "eval pass rate": ["eval/pass@1", "eval/pass@4"],
-                             "KL to the reference": ["kl"], "step time split (s)": ["gen_s", "train_s"]}
-    assert "KL to the reference" not in _panels([{**row, "kl": 0.0} for row in rows])  # beta = 0: no KL panel
+    assert _panels(rows) == {"reward": ["trainer/reward_mean"], "eval pass rate": ["eval/pass@1", "eval/pass@4"],
+                             "KL to the reference": ["trainer/kl"],
+                             "step time split (s)": ["generator/gen_s", "trainer/train_s"]}
+    assert "KL to the reference" not in _panels([{**row, "trainer/kl": 0.0} for row in rows])  # beta = 0: no KL panel
     assert plot_metrics(rows, tmp_path / "metrics.png")
     image = matplotlib.image.imread(tmp_path / "metrics.png")
     assert image.shape[:2] == (560, 1100)  # 2 rows of 2 panels at 100 dpi
@@ -39,46 +40,40 @@ def test_metrics_png_draws_the_panels_present(tmp_path):
     assert not (tmp_path / "none.png").exists()
 
 
-def test_a_row_namespaces_every_field_and_keeps_the_listed_executors_flat_names():
+def test_a_row_namespaces_every_field_and_the_step_level_keys_stay_flat():
     records = {"generator": {"gen_s": 1.0, "sampled": 3},
                "reward": {"score_s": 0.1, "eval/pass@1": 0.5},  # a field with a "/": namespaced already
                "trainer": {"loss": 0.2, "sampled": 4, "tpspd": 1.0},
                "eval_sampler": {"gen_s": 0.7},
-               "eval": {"reward_mean": 0.9, "loss": 9.0}}  # not listed: no flat names
+               "eval": {"reward_mean": 0.9, "loss": 9.0}}
     walls = {name: float(i) for i, name in enumerate(records)}
-    aliases = {"generator": "", "reward": "", "trainer": "", "eval_sampler": "eval_"}
-    row = build_row(3, records, walls, {"step_s": 5.0, "tpspd": 2.0}, aliases=aliases)
+    row = build_row(3, records, walls, {"step_s": 5.0, "tpspd": 2.0})
     assert row == {"step": 3,
                    "generator/gen_s": 1.0, "generator/sampled": 3, "reward/score_s": 0.1, "eval/pass@1": 0.5,
                    "trainer/loss": 0.2, "trainer/sampled": 4, "trainer/tpspd": 1.0, "eval_sampler/gen_s": 0.7,
                    "eval/reward_mean": 0.9, "eval/loss": 9.0,
                    "generator_s": 0.0, "reward_s": 1.0, "trainer_s": 2.0, "eval_sampler_s": 3.0, "eval_s": 4.0,
-                   "eval_gen_s": 0.7,  # the prefix: eval_sampler's gen_s under its old name
-                   "gen_s": 1.0, "score_s": 0.1, "loss": 0.2,  # not eval's loss: eval has no flat names
-                   "sampled": 4,  # the later executor's, as before
-                   "step_s": 5.0, "tpspd": 2.0}  # the derived figures, over any field of the same name
-    assert "reward_mean" not in row
-    # the shipped executors keep their flat names for one release; a new one gets none
-    assert FLAT_ALIASES.keys() >= {"generator", "reward", "trainer", "critic"} and "eval" not in FLAT_ALIASES
-    assert build_row(0, {"eval": {"reward_mean": 0.9}}, {"eval": 1.0}, {}) == \
-        {"step": 0, "eval/reward_mean": 0.9, "eval_s": 1.0}
+                   "step_s": 5.0, "tpspd": 2.0}  # the derived figures: step-level, flat
+    # the console's titles: the field's name where it is the only one of that name shown
+    assert headers(["step", "trainer/loss", "trainer/reward_mean", "eval/reward_mean", "step_s"]) == \
+        ["step", "loss", "trainer/reward_mean", "eval/reward_mean", "step_s"]
 
 
 def test_tensorboard_tags_and_a_resumed_run_writes_each_step_once(tmp_path):
     records = {"trainer": {"loss": 0.0}, "reward": {"score_s": 0.0, "eval/pass@1": 0.0}}
     row = build_row(0, records, {"trainer": 1.0, "reward": 1.0}, {"step_s": 0.0})
     tags = tags_of(row, executors=records, derived={"step_s": 0.0})
-    # the namespaced keys, the wall times and the derived figures; no tag for the flat aliases
+    # the namespaced keys, the wall times and the derived figures
     assert tags == {"trainer_s": "time/trainer_s", "reward_s": "time/reward_s", "step_s": "step/step_s",
                     "trainer/loss": "trainer/loss", "reward/score_s": "reward/score_s", "eval/pass@1": "eval/pass@1"}
     first = TensorBoardLog(tmp_path, first_step=0)
     for step in range(3):
-        first.write({"step": step, "trainer/loss": float(step), "loss": float(step), "trainer/done": True,
+        first.write({"step": step, "trainer/loss": float(step), "trainer/done": True,
                      "trainer/rollout_digest": "x", "trainer/push_end_t": 1e9}, tags=tags)
     first.close()
     resumed = TensorBoardLog(tmp_path, first_step=1)  # steps 1 and 2 are redone, with other values
     for step in (1, 2, 3):
-        resumed.write({"step": step, "trainer/loss": 10.0 + step, "loss": 10.0 + step}, tags=tags)
+        resumed.write({"step": step, "trainer/loss": 10.0 + step}, tags=tags)
     resumed.close()
     assert scalars(tmp_path) == {"trainer/loss": {0: 0.0, 1: 11.0, 2: 12.0, 3: 13.0}}
 
@@ -97,8 +92,7 @@ class _Store:
 
 
 def test_metrics_writer_rows_and_tensorboard_are_namespaced(tmp_path, monkeypatch):
-    """The writer's thread on posted records: rows with the namespaced keys and the flat aliases,
-    equal; TensorBoard with the namespaced tags only (no alias drawn twice)."""
+    """The writer's thread on posted records: rows with the namespaced keys; TensorBoard with the same tags."""
     store = _Store()
     monkeypatch.setattr(metrics, "store_client", lambda timeout: store)
     for step in range(2):
@@ -109,16 +103,16 @@ def test_metrics_writer_rows_and_tensorboard_are_namespaced(tmp_path, monkeypatc
                      record={"loss": 0.25 * step, "reward_mean": 0.5, "push_end_t": 103.0})
         post_metrics(store, step=step, executor="eval", wall_s=0.1, record={"reward_mean": 0.75} if step == 0 else {})
     writer = MetricsWriter(executors=["generator", "trainer", "eval"], steps=range(2), path=tmp_path / "metrics.jsonl",
-                           console_keys=["step", "loss", "eval/reward_mean"], timeout=timedelta(seconds=5),
+                           console_keys=["step", "trainer/loss", "eval/reward_mean"], timeout=timedelta(seconds=5),
                            derive=lambda r: {"step_s": r["trainer"]["push_end_t"] - r["generator"]["gen_start_t"]},
                            tensorboard=tmp_path / "tensorboard").start()
     writer.join()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for step, row in enumerate(rows):
-        assert row["trainer/loss"] == row["loss"] == 0.25 * step
-        assert row["generator/gen_s"] == row["gen_s"] == 0.5 + step
-        assert row["reward_mean"] == 0.5 and row["step_s"] == 3.0 and row["trainer_s"] == 2.0
+        assert row["trainer/loss"] == 0.25 * step and "loss" not in row
+        assert row["generator/gen_s"] == 0.5 + step
+        assert row["trainer/reward_mean"] == 0.5 and row["step_s"] == 3.0 and row["trainer_s"] == 2.0
     assert rows[0]["eval/reward_mean"] == 0.75 and "eval/reward_mean" not in rows[1]
     board = scalars(tmp_path / "tensorboard")
     assert board.keys() == {"generator/gen_s", "trainer/loss", "trainer/reward_mean", "eval/reward_mean",

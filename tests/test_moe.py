@@ -234,8 +234,8 @@ def test_expert_parallel_equals_one_set_of_experts(runs, tiny):
     same samples every step (the pushes put the experts back together) and the same final weights
     within float noise (another order of the experts' sums)."""
     a, b = metrics(runs / "ep1"), metrics(runs / "ep2")
-    assert [r["rollout_digest"] for r in a] == [r["rollout_digest"] for r in b]
-    assert len({r["rollout_digest"] for r in a}) == 4
+    assert [r["trainer/rollout_digest"] for r in a] == [r["trainer/rollout_digest"] for r in b]
+    assert len({r["trainer/rollout_digest"] for r in a}) == 4
     wa, wb = weights(runs / "ep1" / "final"), weights(runs / "ep2" / "final")
     assert wb["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 128, 128)  # every expert, in the HF layout
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
@@ -246,7 +246,7 @@ def test_expert_parallel_equals_one_set_of_experts(runs, tiny):
 def test_expert_parallel_streams_like_the_sync_schedule(runs):
     """periodic hands groups over as they finish; the lockstep rounds keep the bits of sync."""
     a, b = metrics(runs / "ep2"), metrics(runs / "ep2 periodic")
-    assert [r["rollout_digest"] for r in a] == [r["rollout_digest"] for r in b]
+    assert [r["trainer/rollout_digest"] for r in a] == [r["trainer/rollout_digest"] for r in b]
     wa, wb = weights(runs / "ep2" / "final"), weights(runs / "ep2 periodic" / "final")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -254,9 +254,9 @@ def test_expert_parallel_streams_like_the_sync_schedule(runs):
 def test_every_step_reports_the_routing_mismatch(runs):
     """The native engine and the trainer route alike here: 0, and replaying that routing changes no bit."""
     for name in RUNS:
-        assert [r["routing_mismatch_frac"] for r in metrics(runs / name)] == [0.0] * 4, name
+        assert [r["trainer/routing_mismatch_frac"] for r in metrics(runs / name)] == [0.0] * 4, name
     a, b = metrics(runs / "ep2"), metrics(runs / "ep2 replay")
-    assert [r["rollout_digest"] for r in a] == [r["rollout_digest"] for r in b]
+    assert [r["trainer/rollout_digest"] for r in a] == [r["trainer/rollout_digest"] for r in b]
     wa, wb = weights(runs / "ep2" / "final"), weights(runs / "ep2 replay" / "final")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -269,8 +269,8 @@ def test_lora_on_an_moe_model_with_expert_parallel(runs):
     rows = metrics(runs / "ep2 lora")
     adapter = load_file(runs / "ep2 lora" / "final" / "adapter_model.safetensors")
     assert all(".self_attn." in k for k in adapter) and not (runs / "ep2 lora" / "final" / "model.safetensors").exists()
-    assert {r["push_bytes"] for r in rows} == {sum(t.numel() * 4 for t in adapter.values())}
-    assert all(r["logp_mismatch_max"] < 1e-5 for r in rows) and len({r["rollout_digest"] for r in rows}) == 4
+    assert {r["trainer/push_bytes"] for r in rows} == {sum(t.numel() * 4 for t in adapter.values())}
+    assert all(r["trainer/logp_mismatch_max"] < 1e-5 for r in rows) and len({r["trainer/rollout_digest"] for r in rows}) == 4
 
 
 def test_expert_parallel_resumes_bit_for_bit(runs, tmp_path, tiny):
@@ -280,7 +280,7 @@ def test_expert_parallel_resumes_bit_for_bit(runs, tmp_path, tiny):
     assert proc.returncode == 0, proc.stderr[-3000:]
     whole, resumed = weights(runs / "ep2" / "final"), weights(tmp_path / "final")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
-    assert [r["rollout_digest"] for r in metrics(tmp_path)][-2:] == [r["rollout_digest"] for r in metrics(runs / "ep2")][-2:]
+    assert [r["trainer/rollout_digest"] for r in metrics(tmp_path)][-2:] == [r["trainer/rollout_digest"] for r in metrics(runs / "ep2")][-2:]
 
 
 def test_an_expert_parallel_checkpoint_resumes_under_another_ep(runs, tmp_path, tiny):
@@ -290,7 +290,7 @@ def test_an_expert_parallel_checkpoint_resumes_under_another_ep(runs, tmp_path, 
     proc = launch(tmp_path, "--set", f"model.path={tiny}", *TWO, "--resume", str(ckpt), nproc=4, steps=4,
                   timeout=600, env=SAME_THREADS)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["rollout_digest"] for r in metrics(tmp_path)][-2:] == [r["rollout_digest"] for r in metrics(runs / "ep2")][-2:]
+    assert [r["trainer/rollout_digest"] for r in metrics(tmp_path)][-2:] == [r["trainer/rollout_digest"] for r in metrics(runs / "ep2")][-2:]
     assert max_abs_diff(weights(runs / "ep2" / "final"), weights(tmp_path / "final")) < 1e-5
 
 

@@ -32,7 +32,7 @@ def sync(tmp_path_factory):
 
 
 def test_sync_equals_periodic_bit_for_bit(periodic, sync):
-    assert [r["rollout_digest"] for r in metrics(periodic)] == [r["rollout_digest"] for r in metrics(sync)]
+    assert [r["trainer/rollout_digest"] for r in metrics(periodic)] == [r["trainer/rollout_digest"] for r in metrics(sync)]
     assert (periodic / "final/model.safetensors").read_bytes() == (sync / "final/model.safetensors").read_bytes()
 
 
@@ -40,9 +40,9 @@ def test_turns_in_metrics_samples_and_console(periodic):
     rows = metrics(periodic)
     for row in rows:
         # a random-init model rarely writes a digit, so it looks, reads, and answers: 2 or 3 turns
-        assert 1.5 < row["turns_mean"] <= 3 and row["generator/turns_mean"] == row["turns_mean"]
-        assert row["env_s"] > 0 and row["env_errors"] == 0
-        assert row["logp_mismatch_max"] < 1e-4  # the trainer's log-probs of the model's tokens, as sampled
+        assert 1.5 < row["generator/turns_mean"] <= 3 and row["generator/turns_mean"] == row["generator/turns_mean"]
+        assert row["generator/env_s"] > 0 and row["generator/env_errors"] == 0
+        assert row["trainer/logp_mismatch_max"] < 1e-4  # the trainer's log-probs of the model's tokens, as sampled
     lines = [json.loads(line) for line in (periodic / "samples.jsonl").read_text().splitlines()]
     for line in lines:
         roles = [t["role"] for t in line["turns"]]
@@ -61,7 +61,7 @@ def test_turns_in_metrics_samples_and_console(periodic):
 def test_ppo_trains_multi_turn_responses(tmp_path):
     """The critic's values and GAE over responses whose observations are holes in the loss mask."""
     rows = metrics(_run(tmp_path, algo="ppo", nproc=4))
-    assert all(r["turns_mean"] > 1.5 for r in rows)
+    assert all(r["generator/turns_mean"] > 1.5 for r in rows)
     assert all(0 < r["critic/value_loss"] < float("inf") for r in rows)
 
 
@@ -71,7 +71,7 @@ ENV_FAILS = ["--set", "multi_turn.env=tests.envs:BreaksOnSomePrompts"]
 def test_a_failing_environment_scores_zero_and_is_counted(tmp_path):
     out = _run(tmp_path, *ENV_FAILS, "--steps", "2")
     rows = metrics(out)
-    assert sum(r["env_errors"] for r in rows) > 0
+    assert sum(r["generator/env_errors"] for r in rows) > 0
     lines = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     failed = [line for line in lines if line["env_error"]]
     assert failed and all(line["reward"] == 0 for line in failed)

@@ -48,26 +48,26 @@ def runs(tmp_path_factory):
 
 def test_max_lag_zero_is_periodic_bit_for_bit(runs):
     a, b = metrics(runs["periodic"]), metrics(runs["lag0"])
-    assert [r["rollout_digest"] for r in a] == [r["rollout_digest"] for r in b]
+    assert [r["trainer/rollout_digest"] for r in a] == [r["trainer/rollout_digest"] for r in b]
     assert _final(runs["periodic"]) == _final(runs["lag0"])
-    assert all(r["staleness_max"] == 0 for r in b)
+    assert all(r["trainer/staleness_max"] == 0 for r in b)
 
 
 def test_every_trained_token_is_exactly_min_step_k_versions_old(runs):
     rows = metrics(runs["lag2"])
     assert [r["step"] for r in rows] == list(range(6))
     # every group of a step was sampled by one version, so the token mean equals the max
-    assert [(r["staleness_mean"], r["staleness_max"]) for r in rows] == [(min(s, 2), min(s, 2)) for s in range(6)]
+    assert [(r["trainer/staleness_mean"], r["trainer/staleness_max"]) for r in rows] == [(min(s, 2), min(s, 2)) for s in range(6)]
     # step 0 is the same computation in both schedules; later steps sample with older weights
     periodic = metrics(runs["periodic"])
-    assert rows[0]["rollout_digest"] == periodic[0]["rollout_digest"]
-    assert rows[1]["rollout_digest"] != periodic[1]["rollout_digest"]
+    assert rows[0]["trainer/rollout_digest"] == periodic[0]["trainer/rollout_digest"]
+    assert rows[1]["trainer/rollout_digest"] != periodic[1]["trainer/rollout_digest"]
 
 
 def test_two_generator_replicas_sample_the_same(runs):
     """The lagged push relays from the first replica to the second: both sample what one would."""
     a, b = metrics(runs["lag2"]), metrics(runs["lag2_replicas2"])
-    assert [r["rollout_digest"] for r in a] == [r["rollout_digest"] for r in b]
+    assert [r["trainer/rollout_digest"] for r in a] == [r["trainer/rollout_digest"] for r in b]
     assert _final(runs["lag2"]) == _final(runs["lag2_replicas2"])
 
 
@@ -79,8 +79,8 @@ def test_resume_takes_the_pushes_in_flight_and_equals_the_whole_run(runs, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [4, 5]
-    assert [r["staleness_max"] for r in rows] == [2, 2]  # the versions of steps 2 and 3, as in the whole run
-    assert [r["rollout_digest"] for r in rows] == [r["rollout_digest"] for r in metrics(runs["lag2"])[4:]]
+    assert [r["trainer/staleness_max"] for r in rows] == [2, 2]  # the versions of steps 2 and 3, as in the whole run
+    assert [r["trainer/rollout_digest"] for r in rows] == [r["trainer/rollout_digest"] for r in metrics(runs["lag2"])[4:]]
     assert _final(tmp_path) == _final(runs["lag2"])
 
 
@@ -92,7 +92,7 @@ def test_resume_under_another_layout_starts_from_the_checkpoint_weights(runs, tm
                   steps=6, nproc=4, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "kept the pushes of channel 'weights' in flight for another layout" in proc.stdout + proc.stderr
-    assert [r["staleness_max"] for r in metrics(tmp_path)] == [0, 1]  # versions 4 (the checkpoint's) and 4
+    assert [r["trainer/staleness_max"] for r in metrics(tmp_path)] == [0, 1]  # versions 4 (the checkpoint's) and 4
 
 
 STALL = ["--set", "reward.functions=[tests.rewards:length_parity_then_stall]", "--set", "reward.timeout_s=2000"]
@@ -110,7 +110,7 @@ def test_a_stop_in_a_stalled_step_ends_at_once_and_resumes_equal(runs, tmp_path)
     assert [r["step"] for r in metrics(out)] == [0]
     resumed = launch(out, *args, "--resume", steps=6, timeout=400)  # no stall now
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [r["rollout_digest"] for r in metrics(out)] == [r["rollout_digest"] for r in metrics(runs["lag2"])]
+    assert [r["trainer/rollout_digest"] for r in metrics(out)] == [r["trainer/rollout_digest"] for r in metrics(runs["lag2"])]
     assert _final(out) == _final(runs["lag2"])
 
 
@@ -138,7 +138,7 @@ def test_ppo_and_an_evaluation_run_ahead_with_the_generator(tmp_path):
                   "--set", "eval.temperature=1", algo="ppo", nproc=4, steps=4, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
-    assert [r["staleness_max"] for r in rows] == [0, 1, 1, 1]
+    assert [r["trainer/staleness_max"] for r in rows] == [0, 1, 1, 1]
     assert [r["step"] for r in rows if "eval/reward_mean" in r] == [0, 2]
     assert (tmp_path / "checkpoints/step_000003/weights_in_flight/weights.json").is_file()
 
@@ -164,17 +164,19 @@ def test_cli_keeps_max_lag_beside_the_schedule_flag():
 
 
 def test_a_weights_lag_is_the_schedules():
+    """The recipe leaves the WEIGHTS lag unset and the schedule sets it (controller/job.py with_schedule,
+    the one place); a lag set otherwise than the schedule's is refused."""
     from recipes.grpo import build
 
     cfg = RunConfig.model_validate({"schedule": {"kind": "offpolicy", "max_lag": 2}}).with_algorithm("grpo")
-    graph = build(cfg)
+    unset = build(cfg)
+    assert [ch.lag for ch in unset.channels if ch.kind is Kind.WEIGHTS] == [None]
+    graph = with_schedule(unset, cfg.schedule.build())
     assert [ch.step_lag for ch in graph.channels if ch.kind is Kind.WEIGHTS] == [3]
     assert with_schedule(graph, OffPolicy(2)) == graph
     with pytest.raises(ValueError, match=r"channel 'weights': WEIGHTS lag 3, but the periodic schedule pushes "
                                          r"weights with lag 1; run --schedule offpolicy --set schedule.max_lag=2"):
         with_schedule(graph, Periodic())
-    unset = Graph(graph.executors, [ch if ch.kind is not Kind.WEIGHTS else Channel(
-        ch.name, ch.src, ch.dst, ch.kind, ch.payload) for ch in graph.channels])
     assert [ch.step_lag for ch in with_schedule(unset, OffPolicy(1)).channels if ch.kind is Kind.WEIGHTS] == [2]
 
 
@@ -191,6 +193,7 @@ def test_only_weights_may_lag_more_than_one_step():
 def test_metrics_png_plots_the_staleness_of_an_offpolicy_run(runs):
     from controller.metrics_plot import _panels
 
-    assert _panels(metrics(runs["lag2"]))["staleness (policy versions)"] == ["staleness_mean", "staleness_max"]
+    assert _panels(metrics(runs["lag2"]))["staleness (policy versions)"] == ["trainer/staleness_mean",
+                                                                                  "trainer/staleness_max"]
     assert "staleness (policy versions)" not in _panels(metrics(runs["periodic"]))
     assert (runs["lag2"] / "metrics.png").stat().st_size > 10_000

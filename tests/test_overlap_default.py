@@ -41,14 +41,14 @@ def test_every_sample_hits_the_cap_and_the_default_makes_waves(runs):
                                                                          device_type="cpu")
     assert config["_sources"]["generator.max_batch_prompts"] == "pretrained default"
     for row in metrics(runs["sync"]) + metrics(runs["periodic"]):
-        assert row["response_len_mean"] == 32  # the case that overlapped nothing at 16 slots
+        assert row["trainer/response_len_mean"] == 32  # the case that overlapped nothing at 16 slots
 
 
 def test_periodic_overlaps_with_the_rollouts_of_sync(runs):
     sync, periodic = metrics(runs["sync"]), metrics(runs["periodic"])
-    assert [r["rollout_digest"] for r in sync] == [r["rollout_digest"] for r in periodic]
+    assert [r["trainer/rollout_digest"] for r in sync] == [r["trainer/rollout_digest"] for r in periodic]
     # the first wave is trained while the second decodes (about half of generation), in every step
     # after the first (its trainer warms up: 0.0 s of a 0.06 s generation once on a busy CI machine);
     # at 16 slots all 4 groups left in the last decode call: 0.0-0.01 s of 0.2 s here
-    assert all(r["overlap_s"] > 0.2 * r["gen_s"] for r in periodic[1:]), [(r["overlap_s"], r["gen_s"]) for r in periodic]
+    assert all(r["overlap_s"] > 0.2 * r["generator/gen_s"] for r in periodic[1:]), [(r["overlap_s"], r["generator/gen_s"]) for r in periodic]
     assert all(r["overlap_s"] == 0 for r in sync)

@@ -128,7 +128,7 @@ def _final(out: Path) -> bytes:
 
 
 def _digests(out: Path) -> list[str]:
-    return [r["rollout_digest"] for r in metrics(out)]
+    return [r["trainer/rollout_digest"] for r in metrics(out)]
 
 
 @pytest.fixture(scope="module")
@@ -153,14 +153,14 @@ def test_every_prompt_is_trained_once_when_its_group_ends(runs):
     """Groups cut in a step are resumed in the next; every step's B prompts are trained exactly once,
     in the step their last sample ends; a step in which none ended trains nothing."""
     rows = metrics(runs["periodic"])
-    cut, resumed, groups = ([r[k] for r in rows] for k in ("partial_groups", "resumed_groups", "groups"))
+    cut, resumed, groups = ([r[k] for r in rows] for k in ("generator/partial_groups", "generator/resumed_groups", "trainer/groups"))
     assert any(cut) and resumed == [0] + cut[:-1]
     assert [g + c for g, c in zip(groups, cut)] == [B + r for r in resumed]  # nothing lost, nothing twice
     assert sum(groups) == B * len(rows) - cut[-1]
     for r in rows:
-        assert 0 <= r["staleness_max"] <= 2  # periodic: a token is behind only by the cuts of its group
-        assert (r["reward_mean"] is None) == (r["groups"] == 0) and (r["optimizer_steps"] == 0) == (r["groups"] == 0)
-    assert max(r["staleness_max"] for r in rows) >= 1
+        assert 0 <= r["trainer/staleness_max"] <= 2  # periodic: a token is behind only by the cuts of its group
+        assert (r["trainer/reward_mean"] is None) == (r["trainer/groups"] == 0) and (r["trainer/optimizer_steps"] == 0) == (r["trainer/groups"] == 0)
+    assert max(r["trainer/staleness_max"] for r in rows) >= 1
 
 
 def test_samples_say_which_versions_wrote_them(runs):
@@ -195,8 +195,8 @@ def test_two_trainer_dp_ranks_train_what_one_does(runs):
 
 def test_offpolicy_staleness_adds_the_cuts_to_the_lag(runs):
     rows = metrics(runs["off1"])
-    assert all(r["staleness_max"] <= 1 + 2 for r in rows)
-    assert max(r["staleness_max"] for r in rows) > 1
+    assert all(r["trainer/staleness_max"] <= 1 + 2 for r in rows)
+    assert max(r["trainer/staleness_max"] for r in rows) > 1
 
 
 @pytest.mark.parametrize("run,extra,nproc", [("periodic", [], 3), ("periodic", ["--set", "generator.replicas=2"], 4),
@@ -207,7 +207,7 @@ def test_resume_with_groups_in_flight_equals_the_whole_run(runs, tmp_path, run, 
     generator was a step ahead when step 3 was saved; it saves its groups as they were after step 3."""
     ckpt = runs[run] / "checkpoints/step_000003"
     assert [p.name for p in (ckpt / "generator").iterdir()] == ["partial_rollouts.unit0.pt"]
-    assert metrics(runs[run])[3]["partial_groups"] > 0  # groups are in flight at the checkpoint
+    assert metrics(runs[run])[3]["generator/partial_groups"] > 0  # groups are in flight at the checkpoint
     args = [*PART, *EVERY2, *(OFF1 if run == "off1" else []), *extra]
     proc = launch(tmp_path, *args, "--resume", str(ckpt), steps=6, nproc=nproc, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -167,8 +167,8 @@ def test_colocated_gives_the_split_placements_bits(runs, split, colocated):
     """The same sync job on one process (or 2 ranks of trainer dp=2 / generator replicas=2) and split
     over 3 (5; PPO: 4 with its critic): the same rollouts every step and the same final weights."""
     a, b = metrics(runs / split), metrics(runs / colocated)
-    assert [r["rollout_digest"] for r in a] == [r["rollout_digest"] for r in b]
-    assert len({r["rollout_digest"] for r in a}) == 4  # the policy changed: each step sampled anew
+    assert [r["trainer/rollout_digest"] for r in a] == [r["trainer/rollout_digest"] for r in b]
+    assert len({r["trainer/rollout_digest"] for r in a}) == 4  # the policy changed: each step sampled anew
     wa, wb = weights(runs / split / "final"), weights(runs / colocated / "final")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -199,7 +199,7 @@ def test_colocated_resume_equals_the_whole_run(runs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     whole, resumed = weights(runs / "colocated" / "final"), weights(tmp_path / "final")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
-    assert [r["rollout_digest"] for r in metrics(tmp_path)][-2:] == [r["rollout_digest"] for r in metrics(runs / "colocated")][-2:]
+    assert [r["trainer/rollout_digest"] for r in metrics(tmp_path)][-2:] == [r["trainer/rollout_digest"] for r in metrics(runs / "colocated")][-2:]
 
 
 # ---- bad input ------------------------------------------------------------------------------------------

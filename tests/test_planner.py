@@ -122,7 +122,7 @@ def _write_run(run: Path, shape: StepShape, rates: Rates, *, steps: int = 3) -> 
                        "t1": t + rates.train.barrier_s + rates.train.push_s})
         for i, lengths in enumerate(shape.lengths):
             samples += [{"step": step, "prompt_index": i, "sample": j, "length": n} for j, n in enumerate(lengths)]
-        metrics.append({"step": step, "tokens": sum(shape.group_tokens(i) for i in range(len(shape.lengths))),
+        metrics.append({"step": step, "trainer/tokens": sum(shape.group_tokens(i) for i in range(len(shape.lengths))),
                         "step_s": t + rates.train.barrier_s + rates.train.push_s - t0})
     for name, events in (("rank000", gen_ev), ("rank001", rwd_ev), ("rank002", trn_ev)):
         (run / "timeline" / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))

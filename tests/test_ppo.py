@@ -29,8 +29,9 @@ CASES = {  # name: (options, ranks)
     "fsdp_mini_batches": (["--set", "critic.mini_batches=2", "--set", "critic.epochs=2", "--set", "critic.dp=2",
                            "--set", "critic.fsdp=true"], 5),
 }
-KEYS = {"value_loss", "value_clipfrac", "explained_variance", "values_mean", "returns_mean", "value_grad_norm",
-        "value_lr", "reward_mean", "loss", "rollout_digest"}
+KEYS = {"critic/value_loss", "critic/value_clipfrac", "critic/explained_variance", "critic/values_mean",
+        "critic/returns_mean", "critic/value_grad_norm", "critic/value_lr", "trainer/reward_mean", "trainer/loss",
+        "trainer/rollout_digest"}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def _bytes(run, part: str) -> bytes:
 def test_a_ppo_run_writes_policy_critic_and_metrics(runs):
     run, rows = runs["periodic"], metrics(runs["periodic"])
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(KEYS <= r.keys() for r in rows)
-    assert all(r["logp_mismatch_max"] < 1e-4 and r["value_clipfrac"] == 0 for r in rows)  # one pass: nothing clips
+    assert all(r["trainer/logp_mismatch_max"] < 1e-4 and r["critic/value_clipfrac"] == 0 for r in rows)  # one pass: nothing clips
     assert json.loads((run / "config.json").read_text())["critic"]["adam_eps"] == 1e-3
     critic = AutoModelForTokenClassification.from_pretrained(run / "final/critic")
     assert type(critic).__name__ == "Qwen3ForTokenClassification" and critic.config.num_labels == 1
@@ -68,7 +69,7 @@ def test_a_ppo_run_writes_policy_critic_and_metrics(runs):
 
 def test_sync_equals_periodic_bit_for_bit_policy_and_critic(runs):
     a, b = runs["periodic"], runs["sync"]
-    assert [r["rollout_digest"] for r in metrics(a)] == [r["rollout_digest"] for r in metrics(b)]
+    assert [r["trainer/rollout_digest"] for r in metrics(a)] == [r["trainer/rollout_digest"] for r in metrics(b)]
     assert _bytes(a, "final") == _bytes(b, "final") and _bytes(a, "final/critic") == _bytes(b, "final/critic")
 
 
@@ -77,7 +78,7 @@ def test_critic_layouts_equal_one_rank(runs, layout):
     """dp: replicas summing gradients; tp: the trainer's plan, with the value head replicated and an
     untied embedding whose gradient must be resharded (modeling/parallel/tp.py)."""
     one, two = runs["periodic"], runs[layout]
-    assert [r["rollout_digest"] for r in metrics(one)][:2] == [r["rollout_digest"] for r in metrics(two)][:2]
+    assert [r["trainer/rollout_digest"] for r in metrics(one)][:2] == [r["trainer/rollout_digest"] for r in metrics(two)][:2]
     start = weights(one / "checkpoints/step_000001/critic")
     assert max_abs_diff(weights(one / "final/critic"), start) > 2e-4  # 20x the bound below: it can fail
     assert max_abs_diff(weights(two / "final/critic"), weights(one / "final/critic")) < 1e-5
@@ -89,7 +90,7 @@ def test_critic_fsdp_mini_batches_and_epochs_equal_replicas(runs):
     clipped value loss after the first step) against the same passes on two replicas (a mini-batch
     holds groups (i // dp) % mini_batches, so dp fixes the partition)."""
     one, two = runs["mini_batches"], runs["fsdp_mini_batches"]
-    assert all(r["value_clipfrac"] > 0 for r in metrics(one))  # later passes clip against the start values
+    assert all(r["critic/value_clipfrac"] > 0 for r in metrics(one))  # later passes clip against the start values
     assert max_abs_diff(weights(two / "final/critic"), weights(one / "final/critic")) < 1e-5
     assert max_abs_diff(weights(two / "final"), weights(one / "final")) < 1e-5
 
@@ -97,7 +98,7 @@ def test_critic_fsdp_mini_batches_and_epochs_equal_replicas(runs):
 def test_resume_equals_uninterrupted_run_for_policy_and_critic(runs):
     whole, resumed = runs["periodic"], runs["resumed"]
     assert [r["step"] for r in metrics(resumed)] == [2, 3]
-    assert ([r["rollout_digest"] for r in metrics(resumed)] == [r["rollout_digest"] for r in metrics(whole)][2:])
+    assert ([r["trainer/rollout_digest"] for r in metrics(resumed)] == [r["trainer/rollout_digest"] for r in metrics(whole)][2:])
     assert _bytes(resumed, "final") == _bytes(whole, "final")
     assert _bytes(resumed, "final/critic") == _bytes(whole, "final/critic")
 
@@ -112,7 +113,7 @@ def test_the_hand_written_example_is_the_recipe(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     recipe = launch(tmp_path / "recipe", nproc=4, steps=2, algo="ppo", timeout=600)
     assert recipe.returncode == 0, recipe.stderr[-3000:]
-    assert [r["rollout_digest"] for r in metrics(example)] == [r["rollout_digest"] for r in metrics(tmp_path / "recipe")]
+    assert [r["trainer/rollout_digest"] for r in metrics(example)] == [r["trainer/rollout_digest"] for r in metrics(tmp_path / "recipe")]
     assert _bytes(example, "final") == _bytes(tmp_path / "recipe", "final")
     assert _bytes(example, "final/critic") == _bytes(tmp_path / "recipe", "final/critic")
 
@@ -130,6 +131,6 @@ def test_ppo_learns_the_embedded_task(tmp_path):
         return sum(values) / len(values)
 
     first, last = rows[:20], rows[-20:]
-    assert mean("reward_mean", last) > 2 * mean("reward_mean", first) + 0.03, (mean("reward_mean", first),
-                                                                                  mean("reward_mean", last))
-    assert mean("explained_variance", last) > mean("explained_variance", first)
+    assert mean("trainer/reward_mean", last) > 2 * mean("trainer/reward_mean", first) + 0.03, (mean("trainer/reward_mean", first),
+                                                                                  mean("trainer/reward_mean", last))
+    assert mean("critic/explained_variance", last) > mean("critic/explained_variance", first)

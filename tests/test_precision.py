@@ -178,7 +178,7 @@ def bf16_fsdp_runs(tmp_path_factory):
 
 def test_bf16_fsdp_sync_equals_periodic_bit_for_bit(bf16_fsdp_runs):
     sync, periodic = bf16_fsdp_runs / "sync", bf16_fsdp_runs / "periodic"
-    assert [r["rollout_digest"] for r in metrics(sync)] == [r["rollout_digest"] for r in metrics(periodic)]
+    assert [r["trainer/rollout_digest"] for r in metrics(sync)] == [r["trainer/rollout_digest"] for r in metrics(periodic)]
     a, b = load_file(sync / "final/model.safetensors"), load_file(periodic / "final/model.safetensors")
     assert all(t.dtype == torch.float32 and torch.equal(t, b[n]) for n, t in a.items())  # fp32 master saved
     rows = metrics(periodic)
@@ -186,9 +186,10 @@ def test_bf16_fsdp_sync_equals_periodic_bit_for_bit(bf16_fsdp_runs):
     # with the head and attention in float32 on both sides and the same RoPE buffers, most tokens of
     # this small model agree to the bit (a step may have none that differ); a stale float32 head on
     # the generator after a push measured a mean of 4.6e-3 here
-    figures = ("logp_mismatch_mean", "logp_mismatch_p99", "logp_mismatch_max", "logp_mismatch_kl")
-    assert all(0 <= r["logp_mismatch_mean"] <= r["logp_mismatch_p99"] <= r["logp_mismatch_max"] < 0.1
-               and r["logp_mismatch_mean"] < 1e-3 and r["logp_mismatch_kl"] >= 0 for r in rows), \
+    figures = ("trainer/logp_mismatch_mean", "trainer/logp_mismatch_p99", "trainer/logp_mismatch_max",
+               "trainer/logp_mismatch_kl")
+    assert all(0 <= r["trainer/logp_mismatch_mean"] <= r["trainer/logp_mismatch_p99"] <= r["trainer/logp_mismatch_max"] < 0.1
+               and r["trainer/logp_mismatch_mean"] < 1e-3 and r["trainer/logp_mismatch_kl"] >= 0 for r in rows), \
         [[r[k] for k in figures] for r in rows]
     # gathered over both dp ranks and sorted: the same figures whichever order the groups arrived in
     assert [[r[k] for k in figures] for r in metrics(sync)] == [[r[k] for k in figures] for r in rows]

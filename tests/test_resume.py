@@ -44,7 +44,7 @@ def _run(out: Path, *args: str, nproc: int, steps: int = 4, algo: str = "grpo") 
 
 
 def _same(a: Path, b: Path, *, steps: range) -> None:
-    da, db = ({r["step"]: r["rollout_digest"] for r in metrics(x)} for x in (a, b))
+    da, db = ({r["step"]: r["trainer/rollout_digest"] for r in metrics(x)} for x in (a, b))
     assert [db[s] for s in steps] == [da[s] for s in steps]  # the same prompts and samples
     assert (a / "final/model.safetensors").read_bytes() == (b / "final/model.safetensors").read_bytes()
 
@@ -67,10 +67,10 @@ def test_resume_equals_uninterrupted_run(whole, tmp_path, name):
     assert run.returncode == 0, run.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path)] == [2, 3]
     # the resumed generator's first weights are the checkpoint's: the version the trainer holds
-    assert all(r["staleness_max"] == 0 for r in metrics(tmp_path))
+    assert all(r["trainer/staleness_max"] == 0 for r in metrics(tmp_path))
     _same(whole[name], tmp_path, steps=range(2, 4))
     if name == "dapo_dynamic":  # top-ups happened, so the data position includes them
-        assert any(r["sampling_rounds"] > 1 for r in metrics(whole[name]))
+        assert any(r["generator/sampling_rounds"] > 1 for r in metrics(whole[name]))
 
 
 def test_resume_under_another_layout(whole, tmp_path):

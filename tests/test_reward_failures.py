@@ -18,13 +18,13 @@ FIRST = "reward 'he:score' failed on data row 17 (task_id HumanEval/16), sample 
 
 
 def test_the_warning_needs_more_than_half_failed_and_names_count_first_error_and_setting():
-    row = {"step": 4, "samples": 16, "reward_failures": 12, "reward_first_error": FIRST}
+    row = {"step": 4, "trainer/samples": 16, "trainer/reward_failures": 12, "trainer/reward_first_error": FIRST}
     assert reward_warning(row) == (f"warning: step 4: 12 of 16 rewards failed and scored 0 (reward.on_error=zero); "
                                    f"the first: {FIRST}")
-    assert reward_warning({**row, "reward_failures": 8}) is None  # half is not more than half
-    assert reward_warning({**row, "reward_failures": 0, "reward_first_error": None}) is None
-    assert reward_warning({"step": 0, "groups": 4}) is None  # a graph whose trainer counts no rewards
-    long = reward_warning({**row, "reward_first_error": "E" * 1000})
+    assert reward_warning({**row, "trainer/reward_failures": 8}) is None  # half is not more than half
+    assert reward_warning({**row, "trainer/reward_failures": 0, "trainer/reward_first_error": None}) is None
+    assert reward_warning({"step": 0, "trainer/groups": 4}) is None  # a graph whose trainer counts no rewards
+    long = reward_warning({**row, "trainer/reward_first_error": "E" * 1000})
     assert long.endswith("E" * 297 + "...") and len(long) < 400  # one console line, not a wall
 
 
@@ -72,8 +72,8 @@ def test_a_run_whose_rewards_all_fail_warns_then_stops_naming_row_and_id(tmp_pat
     assert "ZeroDivisionError: grader bug; fix the reward, or set reward.max_failed_steps=0" in proc.stderr
     rows = metrics(out)
     assert rows[0]["step"] == 0 and len(rows) < 4  # stopped at step 1, not run to the end
-    assert (rows[0]["reward_failures"], rows[0]["samples"]) == (16, 16)
-    assert rows[0]["reward_first_error"] == first[1]
+    assert (rows[0]["trainer/reward_failures"], rows[0]["trainer/samples"]) == (16, 16)
+    assert rows[0]["trainer/reward_first_error"] == first[1]
 
 
 def test_a_reward_with_the_wrong_signature_stops_the_launch_before_any_rank(tmp_path):

@@ -48,13 +48,13 @@ def test_example_trains_on_combined_rewards(run_dir):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     for row in rows:
-        assert row["groups"] == 4
+        assert row["trainer/groups"] == 4
         # the example's weights: 1.0 * rule + 0.5 * model, and the model's share is not zero
-        assert row["reward_mean"] == pytest.approx(row["rule_reward_mean"] + 0.5 * row["model_reward_mean"],
+        assert row["trainer/reward_mean"] == pytest.approx(row["combine/rule_reward_mean"] + 0.5 * row["combine/model_reward_mean"],
                                                    abs=1e-6)
-        assert row["model_reward_mean"] != 0.0
+        assert row["combine/model_reward_mean"] != 0.0
         # the rule alone gives multiples of 0.5, so its mean over 16 samples is a multiple of 1/32
-        assert abs(row["reward_mean"] * 32 - round(row["reward_mean"] * 32)) > 1e-4
+        assert abs(row["trainer/reward_mean"] * 32 - round(row["trainer/reward_mean"] * 32)) > 1e-4
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     assert type(model).__name__ == "Qwen3ForCausalLM"
 
@@ -82,10 +82,10 @@ def test_reward_model_section_runs_the_same_graph_from_launch_py(tmp_path):
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1]
     for row in rows:
-        assert row["combine/rule_reward_mean"] == row["rule_reward_mean"]
-        assert row["reward_mean"] == pytest.approx(row["rule_reward_mean"] + row["model_reward_mean"], abs=1e-6)
-        assert row["model_reward_mean"] == pytest.approx(row["reward_model/rm_reward_mean"], abs=1e-6)
-        assert row["model_reward_mean"] != 0.0 and row["reward_mean"] != row["rule_reward_mean"]
+        assert row["combine/rule_reward_mean"] == row["combine/rule_reward_mean"]
+        assert row["trainer/reward_mean"] == pytest.approx(row["combine/rule_reward_mean"] + row["combine/model_reward_mean"], abs=1e-6)
+        assert row["combine/model_reward_mean"] == pytest.approx(row["reward_model/rm_reward_mean"], abs=1e-6)
+        assert row["combine/model_reward_mean"] != 0.0 and row["trainer/reward_mean"] != row["combine/rule_reward_mean"]
 
 
 # ---- CombineRewards ---------------------------------------------------------------------------

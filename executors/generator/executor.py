@@ -122,14 +122,13 @@ class Generator(Executor):
 
     @property
     def resumes_weights(self) -> bool:
-        """The first step samples with a resumed run's checkpoint, not the model's weights (offpolicy
-        resumed within its first max_lag steps samples with the model's, as the whole run did)."""
-        return self.env.resume is not None and not self.env.model_start
+        """The first step samples with a resumed run's checkpoint, not the model's weights."""
+        return self.env.weights_from is not None
 
     @property
     def weights_path(self) -> str | None:
         """The weights of the first step: the model's, or a resumed run's checkpoint (an HF directory)."""
-        return str(self.env.resume) if self.resumes_weights else self.model_cfg.path
+        return str(self.env.weights_from) if self.resumes_weights else self.model_cfg.path
 
     def step(self, ctx: StepContext):
         self.wake(ctx)

@@ -275,7 +275,7 @@ class _Batch:
     def _decode_one(self) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
         """Sample the next token of every row and feed it; return the groups that finished, each
         with its G rows."""
-        p, eng, G, r = self.params, self.engine, self.params.n, self.rows
+        p, eng, r = self.params, self.engine, self.rows
         if self.turns is not None:
             return self._decode_turn()
         tok_B, logp_B = sample_tokens(r.logits_BV, seeds_R=r.seeds_B, t=r.t_B.to(r.seeds_B.device),

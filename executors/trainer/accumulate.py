@@ -10,11 +10,12 @@ arrive and all-reduces them once, at the barrier.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
 
+from algorithms.base import LossOutput
 from algorithms.objective import Pass
 from channels.payloads import ScoredGroup
 from executors.learner.sums import Sums
@@ -63,9 +64,16 @@ class Mismatch:
                 "logp_mismatch_p99": torch.quantile(abs_K, 0.99).item(), "logp_mismatch_kl": k3_K.mean().item()}
 
 
+def _largest() -> float:
+    """A LossSums figure that combines by max (over micro-batches and dp ranks), not by sum."""
+    return field(default=0.0, metadata={"combine": "max"})
+
+
 @dataclass
 class LossSums:
-    """Sums of one optimizer step's micro-batches (NOT divided by the batch denominator)."""
+    """Sums of one optimizer step's micro-batches (NOT divided by the batch denominator). Each figure is
+    declared here once: adding micro-batches, the all-reduce over dp and the barrier's report read these
+    fields, so a new loss statistic is one line here and its line in `add_loss`."""
 
     loss: dict[Pass, float] = field(default_factory=lambda: dict.fromkeys(Pass, 0.0))
     denom: float = 0.0  # the algorithm's batch denominator (Algorithm.normaliser)
@@ -73,46 +81,49 @@ class LossSums:
     clip_sum: float = 0.0
     entropy_sum: float = 0.0  # the policy's token entropy, summed over the response tokens trained on
     entropy_tokens: float = 0.0
-    mismatch: Mismatch = field(default_factory=Mismatch)  # values, not a sum: gathered over dp
     ratio_sum: float = 0.0  # the policy / old-policy ratio summed over tokens (/ entropy_tokens: a mean)
-    ratio_max: float = 0.0  # its largest token (sequence, for GSPO) value: a max
+    ratio_max: float = _largest()  # its largest token (sequence, for GSPO) value
     is_weight_sum: float = 0.0  # a correction's weights over the tokens kept (algorithms/corrections.py)
     dropped_tokens: float = 0.0  # tokens a correction dropped
     routed_tokens: float = 0.0  # MoE: tokens trained with the generator's recorded routing at hand
     routing_differs: float = 0.0  # of them, those whose trainer top-k differed in some layer (modeling/moe.py)
+    mismatch: Mismatch = field(default_factory=Mismatch)  # values, not a sum: gathered over dp
+
+    def add_loss(self, name: Pass, out: LossOutput, *, tokens: int) -> None:
+        """A loss pass of one micro-batch of `tokens` trained tokens; the score pass's statistics too."""
+        self.loss[name] += out.loss_sum.item()
+        if name is not Pass.SCORE:
+            return
+        weights = out.stats.is_weight_token_sum  # None: no correction, every token weighs 1
+        self += LossSums(denom=out.denom, kl_sum=out.stats.kl_sum, clip_sum=out.stats.clip_sum,
+                         ratio_sum=out.stats.ratio_token_sum, ratio_max=out.stats.ratio_max,
+                         is_weight_sum=tokens if weights is None else weights,
+                         dropped_tokens=out.stats.dropped_tokens)
+
+    def _figures(self) -> list:
+        return [f for f in fields(self) if f.name not in ("loss", "mismatch")]
 
     def __iadd__(self, other: "LossSums") -> "LossSums":
         for name in Pass:
             self.loss[name] += other.loss[name]
-        self.denom += other.denom
-        self.kl_sum += other.kl_sum
-        self.clip_sum += other.clip_sum
-        self.entropy_sum += other.entropy_sum
-        self.entropy_tokens += other.entropy_tokens
+        for f in self._figures():
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            setattr(self, f.name, max(mine, theirs) if f.metadata.get("combine") == "max" else mine + theirs)
         self.mismatch += other.mismatch
-        self.ratio_sum += other.ratio_sum
-        self.ratio_max = max(self.ratio_max, other.ratio_max)
-        self.is_weight_sum += other.is_weight_sum
-        self.dropped_tokens += other.dropped_tokens
-        self.routed_tokens += other.routed_tokens
-        self.routing_differs += other.routing_differs
         return self
 
     def all_reduce(self, *, group: dist.ProcessGroup | None) -> "LossSums":
         if group is None or dist.get_world_size(group) == 1:
             return self
-        sums = torch.tensor([*(self.loss[n] for n in Pass), self.denom, self.kl_sum, self.clip_sum,
-                             self.entropy_sum, self.entropy_tokens, self.ratio_sum, self.is_weight_sum,
-                             self.dropped_tokens, self.routed_tokens, self.routing_differs], dtype=torch.float64)
-        maxima = torch.tensor([self.ratio_max], dtype=torch.float64)
+        added = [f.name for f in self._figures() if f.metadata.get("combine") != "max"]
+        largest = [f.name for f in self._figures() if f.metadata.get("combine") == "max"]
+        sums = torch.tensor([*(self.loss[n] for n in Pass), *(getattr(self, n) for n in added)], dtype=torch.float64)
+        maxima = torch.tensor([getattr(self, n) for n in largest], dtype=torch.float64)
         dist.all_reduce(sums, group=group)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-        *loss, denom, kl_sum, clip_sum, entropy_sum, entropy_tokens, ratio_sum, is_weight_sum, dropped, routed, \
-            differs = sums.tolist()
-        (ratio_max,) = maxima.tolist()
-        mismatch = self.mismatch.all_gather(group=group)
-        return LossSums(dict(zip(Pass, loss)), denom, kl_sum, clip_sum, entropy_sum, entropy_tokens, mismatch,
-                        ratio_sum, ratio_max, is_weight_sum, dropped, routed, differs)
+        values = sums.tolist()
+        return LossSums(loss=dict(zip(Pass, values[:len(Pass)])), mismatch=self.mismatch.all_gather(group=group),
+                        **dict(zip(added, values[len(Pass):])), **dict(zip(largest, maxima.tolist())))
 
 
 @dataclass

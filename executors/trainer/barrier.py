@@ -13,29 +13,19 @@ from dataclasses import dataclass
 
 from typing import Callable
 
-from executors.trainer.accumulate import LossSums, Mismatch, Pass
+from executors.trainer.accumulate import LossSums, Pass
 from modeling.optim import Optimizer
 
 
 @dataclass(frozen=True)
 class OptimizerStep:
-    """What one optimizer step reports."""
+    """What one optimizer step reports: its sums over dp (LossSums), the loss as the objective combines
+    its passes, the gradient norm before clipping and the lr stepped with."""
 
+    sums: LossSums
     loss: float  # summed over the batch (batch scope: combined at the batch's mean and scale)
-    denom: float
-    kl_sum: float
-    clip_sum: float
-    entropy_sum: float
-    entropy_tokens: float
-    grad_norm: float  # before clipping
-    mismatch: Mismatch  # every dp rank's values (gathered)
+    grad_norm: float
     lr: float
-    ratio_sum: float = 0.0
-    ratio_max: float = 0.0
-    is_weight_sum: float = 0.0
-    dropped_tokens: float = 0.0
-    routed_tokens: float = 0.0
-    routing_differs: float = 0.0
 
 
 class Barrier(Optimizer):
@@ -52,6 +42,4 @@ class Barrier(Optimizer):
             grads = [combine(dict(zip(by_pass, per_param))) for per_param in zip(*by_pass.values())]
             loss = combine({name: sums.loss[name] for name in by_pass})
         grad_norm, lr = self.apply(grads, denom=sums.denom)
-        return OptimizerStep(loss, sums.denom, sums.kl_sum, sums.clip_sum, sums.entropy_sum, sums.entropy_tokens,
-                             grad_norm, sums.mismatch, lr, sums.ratio_sum, sums.ratio_max, sums.is_weight_sum,
-                             sums.dropped_tokens, sums.routed_tokens, sums.routing_differs)
+        return OptimizerStep(sums, loss, grad_norm, lr)

@@ -74,7 +74,7 @@ class Trainer(Learner):
 
         self.models = BACKENDS.get(self.cfg.backend).models().build(model_path=self.model_path, dtype=self.dtype, env=env, cfg=self.cfg,
                                      temperature=self.temperature, reference=self.objective.needs_reference,
-                                     snapshot=self.passes > 1, policy_path=env.resume)
+                                     snapshot=self.passes > 1, policy_path=env.weights_from)
         self.optim = Barrier(self.models.master, compute=self.models.policy, cfg=self.cfg.optim, total_steps=self.total_steps,
                              mesh=self.models.mesh, dp_group=self.models.dp_group, passes=self.objective.first_passes,
                              replicated_dp=not self.shards_over_units, tp_partial=self.models.tp_partial(),
@@ -187,16 +187,7 @@ class Trainer(Learner):
                                                      mask_NT=mb.mask_NT, behaviour_logp_NT=mu_NT,
                                                      **_advantages(adv, like=logp_NT)))
                 loss = out.loss_sum
-                sums.loss[name] += out.loss_sum.item()
-                if name is Pass.SCORE:
-                    sums.denom += out.denom
-                    sums.kl_sum += out.stats.kl_sum
-                    sums.clip_sum += out.stats.clip_sum
-                    sums.ratio_sum += out.stats.ratio_token_sum
-                    sums.ratio_max = max(sums.ratio_max, out.stats.ratio_max)
-                    weights = out.stats.is_weight_token_sum  # None: no correction, every token weighs 1
-                    sums.is_weight_sum += mb.mask_NT.sum().item() if weights is None else weights
-                    sums.dropped_tokens += out.stats.dropped_tokens
+                sums.add_loss(name, out, tokens=mb.mask_NT.sum().item())
             loss.backward(retain_graph=not recompute and k < len(passes) - 1)
             self.optim.grads.add_from_params_(name)
         return logp_NT, mu_NT

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from channels.payloads import ScoredGroup
-from executors.trainer.accumulate import GroupRecord, LossSums, Mismatch
+from executors.trainer.accumulate import GroupRecord, LossSums
 
 
 @dataclass
@@ -87,37 +87,26 @@ class TrainerMetrics:
                        reward_failures=0,
                        reward_first_error=None, tokens=0, optimizer_steps=0,
                        rollout_digest=hashlib.sha256(b"").hexdigest()[:16])
-        n, denom = record.samples, sum(s.denom for s in steps)
-        tokens, dropped = sum(s.entropy_tokens for s in steps), sum(s.dropped_tokens for s in steps)
+        total = LossSums()  # the step's optimizer steps together (mini-batches and epochs each have one)
+        for s in steps:
+            total += s.sums
+        n, denom, tokens = record.samples, total.denom, total.entropy_tokens
         mean = record.reward_sum / n
         digest = hashlib.sha256("".join(digests[i] for i in sorted(digests)).encode()).hexdigest()[:16]
         return cls(reward_mean=mean, reward_std=math.sqrt(max(0.0, record.reward_sq_sum / n - mean * mean)),
                    response_len_mean=record.len_sum / n, loss=sum(s.loss for s in steps) / denom,
-                   kl=sum(s.kl_sum for s in steps) / denom, clip_frac=sum(s.clip_sum for s in steps) / denom,
-                   ratio_mean=sum(s.ratio_sum for s in steps) / max(1.0, sum(s.entropy_tokens for s in steps)), ratio_max=max(s.ratio_max for s in steps),
-                   is_weight_mean=sum(s.is_weight_sum for s in steps) / max(1.0, tokens - dropped),
-                   is_dropped_frac=dropped / max(1.0, tokens),
+                   kl=total.kl_sum / denom, clip_frac=total.clip_sum / denom,
+                   ratio_mean=total.ratio_sum / max(1.0, tokens), ratio_max=total.ratio_max,
+                   is_weight_mean=total.is_weight_sum / max(1.0, tokens - total.dropped_tokens),
+                   is_dropped_frac=total.dropped_tokens / max(1.0, tokens),
                    staleness_mean=staleness[0], staleness_max=staleness[1],
-                   entropy=sum(s.entropy_sum for s in steps) / max(1.0, sum(s.entropy_tokens for s in steps)),
+                   entropy=total.entropy_sum / max(1.0, tokens),
                    grad_norm=sum(s.grad_norm / len(steps) for s in steps), lr=steps[-1].lr,
-                   **_mismatch(steps), routing_mismatch_frac=_routing(steps), groups=int(record.groups),
-                   samples=int(record.samples),
-                   reward_failures=int(record.reward_failures),
+                   **total.mismatch.summary(),  # only a batch's first pass has values
+                   routing_mismatch_frac=total.routing_differs / total.routed_tokens if total.routed_tokens else None,
+                   groups=int(record.groups), samples=int(record.samples), reward_failures=int(record.reward_failures),
                    reward_first_error=errors[min(errors)] if errors else None, tokens=int(record.tokens),
                    optimizer_steps=len(steps), rollout_digest=digest, **timing)
-
-
-def _routing(steps: list) -> float | None:
-    routed = sum(s.routed_tokens for s in steps)
-    return sum(s.routing_differs for s in steps) / routed if routed else None
-
-
-def _mismatch(steps: list) -> dict[str, float]:
-    """The mismatch figures over the step's optimizer steps (only a batch's first pass has values)."""
-    total = Mismatch()
-    for s in steps:
-        total += s.mismatch
-    return total.summary()
 
 
 def group_digest(group: ScoredGroup) -> str:
