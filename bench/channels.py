@@ -35,7 +35,7 @@ from channels.kinds import Kind  # noqa: E402
 from controller.graph import Graph  # noqa: E402
 from controller.world import build_world  # noqa: E402
 from executors.base import Endpoints, Executor, Input, Output, StepContext
-from tests.spawn import spawn  # noqa: E402
+from common.spawn import spawn  # noqa: E402
 
 WORLD = 3
 REPEATS = 5

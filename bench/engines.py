@@ -35,7 +35,7 @@ from executors.generator.contract import PromptRequest, SamplingParams  # noqa: 
 from executors.generator.native_engine import NativeEngine  # noqa: E402
 from executors.generator.vllm_engine import VllmEngine, receive_buffers  # noqa: E402
 from modeling.hf import load_model, load_tokenizer, save_hf  # noqa: E402
-from tests.spawn import free_port  # noqa: E402
+from common.spawn import free_port  # noqa: E402
 
 REPEATS = 3
 # name -> (B prompts, G samples, prompt tokens, new tokens, model config or None = embedded)

@@ -28,7 +28,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.placement import rank_pids  # noqa: E402
-from tests.spawn import free_port  # noqa: E402
+from launch import jobs  # noqa: E402
 
 SIZES = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
              intermediate_size=2304)
@@ -59,13 +59,10 @@ def peak_rss(pid: int) -> int:
 
 def run(out: Path, model: Path, overrides: list[str], *, steps: int) -> tuple[list[dict], int]:
     """-> the job's metrics rows and the trainer rank's (rank 2) peak RSS in bytes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", f"--master-port={free_port()}",
-           "launch.py", "--algo", "grpo", "--steps", str(steps), "--output-dir", str(out), "--overwrite",
-           "--schedule", "sync", "--set", f"model.path={model}", "--set", "data.prompts_per_step=4",
-           "--set", "generator.samples_per_prompt=4", "--set", "generator.max_new_tokens=32",
-           "--set", "algorithm.beta=0.04", "--set", "logging.samples_every=0", "--set", "checkpoint_minutes=0"]
-    for o in overrides:
-        cmd += ["--set", o]
+    cmd = jobs.command("grpo", "--overwrite", "--schedule", "sync", steps=steps, output_dir=out, nproc=3,
+                       overrides=[f"model.path={model}", "data.prompts_per_step=4", "generator.samples_per_prompt=4",
+                                  "generator.max_new_tokens=32", "algorithm.beta=0.04", "logging.samples_every=0",
+                                  "checkpoint_minutes=0", *overrides])
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "TIDAL_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     peak = [0]

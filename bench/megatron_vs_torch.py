@@ -20,7 +20,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.jobs import run_job  # noqa: E402
+from launch import jobs  # noqa: E402
 
 CONFIGS = {  # name: (ranks, overrides)
     "embedded job (tp=1)": (3, []),
@@ -31,7 +31,8 @@ CONFIGS = {  # name: (ranks, overrides)
 
 
 def run(nproc: int, overrides: list[str], backend: str, steps: int, out: Path) -> list[dict]:
-    return run_job(out, nproc=nproc, steps=steps, overrides=[f"trainer.backend={backend}", *overrides])
+    return jobs.run("grpo", output_dir=out, nproc=nproc,
+                    steps=steps, overrides=[f"trainer.backend={backend}", *overrides]).metrics
 
 
 def med(runs: list[list[dict]], key: str) -> float:

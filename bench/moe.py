@@ -28,7 +28,8 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.spawn import free_port, spawn  # noqa: E402
+from common.spawn import spawn  # noqa: E402
+from launch import jobs  # noqa: E402
 
 SKIP = 2
 CONFIGS = {  # name -> (model, --set overrides)
@@ -57,12 +58,9 @@ def models(root: Path) -> dict[str, Path]:
 
 
 def run(out: Path, model: Path, overrides: list[str], *, steps: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={free_port()}",
-           "launch.py", "--algo", "grpo", "--steps", str(steps), "--output-dir", str(out), "--overwrite",
-           "--schedule", "sync", "--set", f"model.path={model}", "--set", "trainer.dp=2",
-           "--set", "generator.max_new_tokens=64", "--set", "logging.samples_every=0"]
-    for o in overrides:
-        cmd += ["--set", o]
+    cmd = jobs.command("grpo", "--overwrite", "--schedule", "sync", steps=steps, output_dir=out, nproc=4,
+                       overrides=[f"model.path={model}", "trainer.dp=2", "generator.max_new_tokens=64",
+                                  "logging.samples_every=0", *overrides])
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "TIDAL_THREADS": "1"}, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])

@@ -24,7 +24,7 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.jobs import run_job  # noqa: E402
+from launch import jobs  # noqa: E402
 from executors.environments.base import EnvStep  # noqa: E402
 from executors.environments.lookup import Lookup  # noqa: E402
 
@@ -55,10 +55,12 @@ def part1(args, tmp: Path) -> None:
     table = []
     mt_tps, st_tps, env_s, mt_gen, st_gen, lengths = [], [], [], [], [], []
     for i in range(args.repeats):
-        mt = run_job(tmp / "mt", steps=args.steps, overrides=[*MULTI_TURN, *engine], args=("--schedule", "sync"))
+        mt = jobs.run("grpo", "--schedule", "sync", output_dir=tmp / "mt",
+                      steps=args.steps, overrides=[*MULTI_TURN, *engine], nproc=3).metrics
         length = round(med(mt, lambda r: r["trainer/response_len_mean"]))
-        st = run_job(tmp / "st", steps=args.steps, overrides=[f"generator.max_new_tokens={length}", *engine,
-                                                             "logging.samples_every=1"], args=("--schedule", "sync"))
+        st = jobs.run("grpo", "--schedule", "sync", output_dir=tmp / "st",
+                      steps=args.steps, overrides=[f"generator.max_new_tokens={length}", *engine,
+                                                             "logging.samples_every=1"], nproc=3).metrics
         # response tokens (model turns and observations) per second of generation
         mt_tps.append(med(mt, lambda r: r["trainer/response_len_mean"] * r["trainer/groups"] * 16 / r["generator/gen_s"]))
         st_tps.append(med(st, lambda r: r["trainer/response_len_mean"] * r["trainer/groups"] * 16 / r["generator/gen_s"]))
@@ -86,19 +88,21 @@ def part2(args, tmp: Path) -> None:
                 ["generator.max_new_tokens=32", "generator.samples_per_prompt=8", "generator.max_batch_prompts=4"]]
     cal = []
     for i, overrides in enumerate(cal_cfgs):
-        run_job(tmp / f"cal-{i}", steps=args.steps, overrides=["logging.samples_every=1", *overrides],
-                args=("--schedule", "sync"))
+        jobs.run("grpo", "--schedule", "sync", output_dir=tmp / f"cal-{i}",
+                 steps=args.steps, overrides=["logging.samples_every=1", *overrides], nproc=3)
         cal.append(tmp / f"cal-{i}")
-    run_job(tmp / "cal-periodic", steps=args.steps, overrides=["logging.samples_every=1", *cal_cfgs[-1]],
-            args=("--schedule", "periodic"))
+    jobs.run("grpo", "--schedule", "periodic", output_dir=tmp / "cal-periodic",
+             steps=args.steps, overrides=["logging.samples_every=1", *cal_cfgs[-1]], nproc=3)
     rates = calibrate(*cal)
     rates = dataclasses.replace(rates, concurrency=fit_concurrency(rates, tmp / "cal-periodic"))
     sync_s, per_s, pred_s, pred_p, turns, same = [], [], [], [], [], True
     for i in range(args.repeats):
-        s = run_job(tmp / "sync", steps=args.steps, overrides=chain, args=("--schedule", "sync"))
+        s = jobs.run("grpo", "--schedule", "sync", output_dir=tmp / "sync",
+                     steps=args.steps, overrides=chain, nproc=3).metrics
         shapes = [shape for step, shape in sorted(shapes_of(tmp / "sync").items()) if step >= 1]
         ps, pp, _ = predict(shapes, rates, replicas=1, dp=1)
-        q = run_job(tmp / "periodic", steps=args.steps, overrides=chain, args=("--schedule", "periodic"))
+        q = jobs.run("grpo", "--schedule", "periodic", output_dir=tmp / "periodic",
+                     steps=args.steps, overrides=chain, nproc=3).metrics
         same &= [r["trainer/rollout_digest"] for r in s] == [r["trainer/rollout_digest"] for r in q]
         sync_s.append(med(s, lambda r: r["step_s"]))
         per_s.append(med(q, lambda r: r["step_s"]))

@@ -26,7 +26,7 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.jobs import run_job  # noqa: E402
+from launch import jobs  # noqa: E402
 from planner.calibrate import calibrate, fit_concurrency, shapes_of  # noqa: E402
 from planner.plan import predict, predict_offpolicy  # noqa: E402
 
@@ -59,7 +59,8 @@ def part1(args, tmp: Path) -> None:
         for i in range(args.repeats):
             for name, flags in SCHEDULES.items():
                 out = tmp / (name if i == 0 else "run")  # the first repeat's sync and periodic calibrate the planner
-                rows = run_job(out, steps=args.steps, overrides=[*overrides, "logging.samples_every=1"], args=flags)[1:]
+                rows = jobs.run("grpo", *flags, output_dir=out,
+                                steps=args.steps, overrides=[*overrides, "logging.samples_every=1"], nproc=3).metrics[1:]
                 step_s[name].append(statistics.median(r["step_s"] for r in rows))
         predicted = plan(tmp / "sync", tmp / "periodic", steps=args.steps)
         med = {name: statistics.median(v) for name, v in step_s.items()}
@@ -86,7 +87,8 @@ def part2(args, tmp: Path) -> None:
     task = ["rollout=multi_turn"] if args.task == "multi_turn" else []
     for name, sets in ABLATION.items():
         flags = ("--schedule", "offpolicy") if name != "periodic" else ()
-        rows = run_job(tmp / "run", steps=args.ablation_steps, overrides=[*task, *sets], args=flags)
+        rows = jobs.run("grpo", *flags, output_dir=tmp / "run",
+                        steps=args.ablation_steps, overrides=[*task, *sets], nproc=3).metrics
         rewards = [r["trainer/reward_mean"] for r in rows]
         curves[name] = rewards
         first, last = statistics.mean(rewards[:20]), statistics.mean(rewards[-20:])

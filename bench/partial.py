@@ -29,7 +29,7 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.jobs import run_job  # noqa: E402
+from launch import jobs  # noqa: E402
 
 JOB = ["generator.max_new_tokens=64", "reward.functions=[bench.partial:short]"]
 CONFIGS = {
@@ -61,13 +61,13 @@ def main() -> None:
         return engine(args)
     with tempfile.TemporaryDirectory(prefix="tidal-bench-partial-") as tmp:
         tmp = Path(tmp)
-        run_job(tmp / "tail", steps=args.tail_steps, overrides=JOB)
+        jobs.run("grpo", output_dir=tmp / "tail", steps=args.tail_steps, overrides=JOB, nproc=3)
         model = [f"model.path={tmp / 'tail/final'}"]
         runs = {name: [] for name in CONFIGS}
         for _ in range(args.repeats):
             for name, (flags, sets) in CONFIGS.items():
-                runs[name].append(run_job(tmp / "run", steps=args.steps, overrides=[*JOB, *model, *sets],
-                                          args=flags)[SKIP:])
+                runs[name].append(jobs.run("grpo", *flags, output_dir=tmp / "run",
+                                           steps=args.steps, overrides=[*JOB, *model, *sets], nproc=3).metrics[SKIP:])
     base = per_group(runs["periodic"])
     table = []
     for name, repeats in runs.items():

@@ -23,7 +23,7 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.jobs import run_job  # noqa: E402
+from launch import jobs  # noqa: E402
 from planner.calibrate import calibrate, fit_concurrency, shapes_of  # noqa: E402
 from planner.plan import predict  # noqa: E402
 
@@ -67,7 +67,8 @@ def long_tail_model(path: Path) -> str:
 
 def run(overrides: list[str], schedule: str, steps: int, out: Path) -> list[dict]:
     """One run into `out`; its metrics rows."""
-    return run_job(out, steps=steps, overrides=["logging.samples_every=1", *overrides], args=("--schedule", schedule))
+    return jobs.run("grpo", "--schedule", schedule, output_dir=out,
+                    steps=steps, overrides=["logging.samples_every=1", *overrides], nproc=3).metrics
 
 
 def med(rows: list[dict], key) -> float:

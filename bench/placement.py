@@ -33,7 +33,7 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.spawn import free_port  # noqa: E402
+from launch import jobs  # noqa: E402
 
 TWO = ["generator.replicas=2", "trainer.dp=2"]
 CONFIGS = {  # name -> (ranks, schedule, --set overrides)
@@ -65,11 +65,8 @@ def run(out: Path, *, nproc: int, schedule: str, overrides: list[str],
         steps: int) -> tuple[list[dict], dict[int, list[tuple[float, float]]]]:
     """The job under torchrun, 1 thread per rank; -> its metrics rows and each rank's CPU seconds over
     wall-clock time, [(time.time(), CPU s)], read every 50 ms."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           "launch.py", "--algo", "grpo", "--steps", str(steps), "--output-dir", str(out), "--overwrite",
-           "--schedule", schedule, "--set", "logging.samples_every=1"]
-    for o in overrides:
-        cmd += ["--set", o]
+    cmd = jobs.command("grpo", "--overwrite", "--schedule", schedule, steps=steps, output_dir=out, nproc=nproc,
+                       overrides=["logging.samples_every=1", *overrides])
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "TIDAL_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     cpu: dict[int, list[tuple[float, float]]] = {}

@@ -79,9 +79,10 @@ def humaneval_like_prompts(out: Path, *, n: int = 164) -> str:
 
 
 def run(name: str, schedule: str, sets: list[str], *, job: list[str], steps: int, out: Path) -> dict:
-    from bench.jobs import run_job
+    from launch import jobs
 
-    run_job(out, steps=steps, overrides=[*job, *sets], args=("--schedule", schedule), timeout=steps * 600)
+    jobs.run("grpo", "--schedule", schedule, output_dir=out, steps=steps, overrides=[*job, *sets], timeout=steps * 600,
+             nproc=3)
     return collect(out)
 
 

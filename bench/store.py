@@ -26,7 +26,7 @@ sys.path[:] = [_ROOT] + [p for p in sys.path if Path(p or ".").resolve() != Path
 
 from tabulate import tabulate  # noqa: E402
 
-from tests.spawn import free_port  # noqa: E402
+from common.spawn import free_port  # noqa: E402
 
 HEADER = json.dumps({"src": 17, "header": {"index": 123, "prompt_ids": [0, 0], "responses": [[0, 64]] * 16,
                                            "rewards": [0.0] * 16}, "nbytes": 123456})

@@ -253,8 +253,9 @@ def run(system: str, *, args, job: dict, out: Path) -> dict:
                 # TRL feeds a plain-string prompt to the model as it is; a model with a chat template would
                 # get it applied by Tidal's pretrained defaults: raw prompts on both sides
                 "data.chat_template=false"]
-        cmd = [sys.executable, "launch.py", "--algo", "grpo", "--schedule", system, "--steps", str(args.steps),
-               "--output-dir", str(out / "run"), *[x for s in sets for x in ("--set", s)]]
+        from launch import jobs  # TRL's venv also runs this file, for its worker
+
+        cmd = jobs.command("grpo", "--schedule", system, steps=args.steps, output_dir=out / "run", overrides=sets)
     load = [os.getloadavg()[0]]
     with open(out / "stdout", "w") as so, open(out / "stderr", "w") as se:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=so, stderr=se, start_new_session=True)

@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 from channels.push import WeightPush  # noqa: E402
 from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan  # noqa: E402
 from modeling.parallel import param_specs  # noqa: E402
-from tests.spawn import spawn  # noqa: E402
+from common.spawn import spawn  # noqa: E402
 
 REPEATS = 3
 TRAINER, GENERATOR = (0, 1), (2, 3)

@@ -44,12 +44,15 @@ def read_metrics(output_dir: Path | str) -> list[dict]:
 
 
 def command(algo: str = "grpo", *args: str, overrides: Mapping[str, object] | Sequence[str] = (),
-            steps: int | None = None, output_dir: Path | str | None = None, nproc: int | None = None) -> list[str]:
+            steps: int | None = None, output_dir: Path | str | None = None, nproc: int | None = None,
+            launcher_args: Sequence[str] = ()) -> list[str]:
     """The command line of a job: `overrides` as --set key=value (a mapping, or "key=value" strings),
-    then `args` as they are (any other flag of launch.py)."""
+    then `args` as they are (any other flag of launch.py). `launcher_args`: torchrun's own flags
+    (e.g. --max-restarts=1), with `nproc`."""
     sets = [f"{k}={_yaml(v)}" for k, v in overrides.items()] if isinstance(overrides, Mapping) else list(overrides)
-    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}"]
-                if nproc is not None else [sys.executable])
+    assert nproc is not None or not launcher_args, "torchrun's flags need nproc (a torchrun launch)"
+    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+                 *launcher_args] if nproc is not None else [sys.executable])
     return [*launcher, str(ROOT / "launch.py"), "--algo", algo,
             *(["--steps", str(steps)] if steps is not None else []),
             *(["--output-dir", str(output_dir)] if output_dir is not None else []),
@@ -75,9 +78,10 @@ def run(algo: str = "grpo", *args: str, overrides: Mapping[str, object] | Sequen
 
 def start(algo: str = "grpo", *args: str, overrides: Mapping[str, object] | Sequence[str] = (),
           steps: int | None = None, output_dir: Path | str | None = None, nproc: int | None = None,
-          env: Mapping[str, str] | None = None) -> subprocess.Popen:
+          launcher_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> subprocess.Popen:
     """The job in the background (to signal or watch it), its output piped."""
-    return subprocess.Popen(command(algo, *args, overrides=overrides, steps=steps, output_dir=output_dir, nproc=nproc),
+    return subprocess.Popen(command(algo, *args, overrides=overrides, steps=steps, output_dir=output_dir, nproc=nproc,
+                                    launcher_args=launcher_args),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
 

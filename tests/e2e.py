@@ -1,16 +1,14 @@
 """Whole jobs under torchrun, for the end-to-end tests."""
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from tests.spawn import free_port
+from launch import jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--set", "data.prompts_per_step=4", "--set", "generator.samples_per_prompt=4",
@@ -21,20 +19,15 @@ REQUIRED = {"step", "trainer/reward_mean", "trainer/reward_std", "trainer/respon
 
 
 def launch(out: Path, *args: str, nproc: int = 3, steps: int = 3, timeout: float = 240,
-           algo: str = "grpo", defaults: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
-    """defaults: the embedded job as `make demo` runs it, without the small batch of SMALL. env: added
-    to this process's environment (e.g. TIDAL_THREADS=1: the same float sums in every layout)."""
-    import os
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           "launch.py", "--algo", algo, "--steps", str(steps), "--output-dir", str(out), *([] if defaults else SMALL),
-           *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+           algo: str = "grpo", defaults: bool = False, env: dict | None = None) -> jobs.Job:
+    """The job under torchrun, to its end (launch/jobs.py). defaults: the embedded job as `make demo` runs
+    it, without the small batch of SMALL. env: added to this process's environment (e.g. TIDAL_THREADS=1:
+    the same float sums in every layout)."""
+    return jobs.run(algo, *([] if defaults else SMALL), *args, steps=steps, output_dir=out, nproc=nproc,
+                    timeout=timeout, env=env, check=False)
 
 
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+metrics = jobs.read_metrics
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -49,9 +42,7 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 def start(out: Path, *args: str, steps: int, nproc: int = 3, torchrun: tuple[str, ...] = ()) -> subprocess.Popen:
     """A job running in the background (for signals and kills), its output piped."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           *torchrun, "launch.py", "--algo", "grpo", "--steps", str(steps), "--output-dir", str(out), *SMALL, *args]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return jobs.start("grpo", *SMALL, *args, steps=steps, output_dir=out, nproc=nproc, launcher_args=torchrun)
 
 
 def wait_for_steps(out: Path, n: int, proc: subprocess.Popen, *, timeout: float = 300) -> None:
@@ -83,10 +74,8 @@ def sigterm_when_stalled(out: Path, marker: Path, *args: str, steps: int, torchr
     import signal
 
     env = {**os.environ, "TIDAL_TEST_STALL_AFTER": str(stall_after), "TIDAL_TEST_STALL_FILE": str(marker)}
-    cmd = ["-m", "torch.distributed.run", "--nproc-per-node=3", f"--master-port={free_port()}"] if torchrun else []
-    proc = subprocess.Popen([sys.executable, *cmd, "launch.py", "--algo", "grpo", "--steps", str(steps),
-                             "--output-dir", str(out), *SMALL, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    cmd = jobs.command("grpo", *SMALL, *args, steps=steps, output_dir=out, nproc=3 if torchrun else None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
         while not marker.exists():

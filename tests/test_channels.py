@@ -16,7 +16,7 @@ from channels.payloads import ScoredGroup
 from controller.graph import Graph
 from controller.job import run_job
 from executors.base import Executor, Input, Output
-from tests.spawn import spawn
+from common.spawn import spawn
 from tests.toy import Item, Producer, Relay, Sink, make_item
 
 

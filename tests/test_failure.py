@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.spawn import free_port
+from common.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -179,7 +179,7 @@ def _tp_head(world: int):
 
 
 def test_bf16_head_logits_under_tensor_parallel():
-    from tests.spawn import spawn
+    from common.spawn import spawn
 
     for same, grad_err in spawn(_tp_head, 2, 2, timeout_s=120):
         assert same and grad_err < 1e-2, grad_err  # the input's gradient: bf16, summed over the shards

@@ -2,8 +2,7 @@
 
     launch -> recipes -> controller -> executors -> modeling -> channels, algorithms -> common
     launch, bench -> planner (imports nothing else of the project: a model of the step, not a part of it)
-    bench -> launch (the CLI's config and memory estimate: bench stands where a user's script does)
-    bench -> tests (the local gloo spawner, tests/spawn.py)
+    bench -> launch (jobs from Python, the config and memory estimate: bench stands where a user's script does)
 Each package may import only the packages listed for it; a deferred import inside a function
 counts too. The CLI and --dry-run load no model code.
 """
@@ -33,7 +32,7 @@ ALLOWED = {
     "planner": {"executors"},  # the engine registry only (NARROW): how an engine's decode slots are set
     "examples": {"common", "algorithms", "channels", "modeling", "executors", "controller", "recipes"},
     "bench": {"common", "algorithms", "channels", "modeling", "executors", "controller", "recipes", "launch",
-              "planner", "tests"},  # tests/spawn.py: the local gloo spawner both use
+              "planner"},
 }
 # executors and the model library reach channels for payload types only (DESIGN.md), and only the trainer runs algorithms
 NARROW = {

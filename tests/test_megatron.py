@@ -10,7 +10,7 @@ import torch.distributed as dist
 import transformers
 
 from modeling.megatron.convert import Layout, shard, to_hf, to_megatron, unshard
-from tests.spawn import spawn
+from common.spawn import spawn
 
 
 def _configs() -> dict[str, transformers.PretrainedConfig]:

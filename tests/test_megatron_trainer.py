@@ -20,7 +20,7 @@ from executors.base import ExecutorEnv, Endpoints, StepContext
 from modeling.parallel import has_ac
 from executors.trainer.executor import Trainer, TrainerConfig
 from tests.fixtures import scored_groups
-from tests.spawn import spawn
+from common.spawn import spawn
 
 TOL = 1e-5
 

@@ -16,7 +16,7 @@ from modeling.parallel import (apply_ac, build_mesh, check_divisible, clip_grad_
                                 param_specs, parallelize, tp_plan)
 from modeling.parallel.tp import apply_tp
 from modeling.batching import response_logprobs, split_group
-from tests.spawn import spawn
+from common.spawn import spawn
 
 TOL = 1e-5
 # AdamW's first step is about lr * g / |g|: it turns the rounding of a gradient element near zero

@@ -15,7 +15,7 @@ from controller.world import device_index, rank_plan
 from launch.cli import parser, resolve
 from recipes.grpo import build
 from tests.e2e import launch, metrics, weights
-from tests.spawn import spawn
+from common.spawn import spawn
 
 # a CPU kernel's float sums follow its thread count: every layout runs 1 thread per rank
 SAME_THREADS = {"TIDAL_THREADS": "1"}

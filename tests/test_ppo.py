@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForTokenClassification
 
 from tests.e2e import ROOT, launch, max_abs_diff, metrics, weights
-from tests.spawn import free_port
+from common.spawn import free_port
 
 SIGNAL = ["--set", "reward.functions=[tests.rewards:length_parity]", "--set", "trainer.adam_eps=1e-3",
           "--set", "critic.adam_eps=1e-3", "--set", "checkpoint_every=2"]

@@ -22,7 +22,7 @@ from executors.trainer.accumulate import Mismatch
 from executors.trainer.executor import Trainer, TrainerConfig
 from tests.e2e import launch, metrics
 from tests.fixtures import scored_groups
-from tests.spawn import spawn
+from common.spawn import spawn
 from tests.test_trainer import _grads_seen, _step
 
 torch.set_num_threads(1)

@@ -3,6 +3,7 @@ seconds. `python launch.py` starts the ranks itself; its own output stays the wo
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from modeling.hf import load_model, load_tokenizer, save_hf
+from launch import jobs
 from launch.cli import _run_of
 from launch.selflaunch import cause, without_max_restarts
 from tests.e2e import ROOT, SMALL, metrics, rank_pid, wait_for_steps
@@ -196,11 +198,16 @@ def _no_launcher_noise(stderr: str) -> None:
 
 
 def test_self_launch_runs_a_job_to_the_end(tmp_path):
-    proc, took = _launch("--steps", "2", "--output-dir", str(tmp_path), *SMALL, timeout=300)
-    print(f"\n2-step job: python launch.py exit {proc.returncode} in {took:.2f} s")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["step"] for r in metrics(tmp_path)] == [0, 1]
-    _no_launcher_noise(proc.stderr)
+    """From Python (launch/jobs.py, what `python launch.py` runs): the ranks start, and the run's output
+    dir and metrics come back."""
+    t0 = time.monotonic()
+    job = jobs.run("grpo", overrides={"data.prompts_per_step": 4, "generator.samples_per_prompt": 4,
+                                      "generator.max_new_tokens": 4, "generator.max_batch_prompts": 2},
+                   steps=2, output_dir=tmp_path, timeout=300)
+    print(f"\n2-step job: python launch.py exit {job.returncode} in {time.monotonic() - t0:.2f} s")
+    assert job.output_dir == tmp_path and (tmp_path / "final" / "model.safetensors").is_file()
+    assert [r["step"] for r in job.metrics] == [0, 1]
+    _no_launcher_noise(job.stderr)
     # the same dir again: refused, and --overwrite starts over
     proc, _ = _launch("--steps", "1", "--output-dir", str(tmp_path), *SMALL)
     assert proc.returncode == 2 and "already holds a run (config.json, metrics.jsonl, checkpoints, final)" in proc.stderr
@@ -210,11 +217,14 @@ def test_self_launch_runs_a_job_to_the_end(tmp_path):
 
 
 def test_self_launch_hands_on_a_failed_rank_without_torch_noise(tmp_path):
-    proc, _ = _launch("--steps", "1", "--output-dir", str(tmp_path), *SMALL,
-                      "--set", "reward.functions=[tests.rewards:boom]", timeout=300)
-    assert proc.returncode not in (0, 2), proc.stderr[-3000:]
-    assert "tidal: rank 1 (reward) failed: RewardError" in proc.stderr
-    assert "ChildFailedError" not in proc.stderr and "torch/distributed/elastic" not in proc.stderr, proc.stderr[-3000:]
+    """A failed job (from Python: JobFailed, with its exit code and what it printed)."""
+    with pytest.raises(jobs.JobFailed) as failed:
+        jobs.run("grpo", *SMALL, "--set", "reward.functions=[tests.rewards:boom]", steps=1, output_dir=tmp_path,
+                 timeout=300)
+    stderr = str(failed.value)
+    assert not re.search(r"exited with (0|2):", stderr), stderr[-3000:]
+    assert "tidal: rank 1 (reward) failed: RewardError" in stderr
+    assert "ChildFailedError" not in stderr and "torch/distributed/elastic" not in stderr, stderr[-3000:]
 
 
 def test_self_launch_exits_143_on_sigterm(tmp_path):

@@ -16,7 +16,7 @@ from channels.push import WeightPush
 from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
 from modeling.parallel import build_mesh, local, param_specs, parallelize
 from tests.names import FUSED, IDENTITY, targets
-from tests.spawn import spawn
+from common.spawn import spawn
 
 
 def qwen3(*, heads: int = 4, kv: int = 2, hidden: int = 32, inter: int = 64, vocab: int = 96, seed: int = 0,

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from common.stop import ABORT
 from executors.base import ExecutorEnv, unit_aborted
-from tests.spawn import spawn
+from common.spawn import spawn
 
 
 def _agree(rank_with_abort: int) -> list[bool]:

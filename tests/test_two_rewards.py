@@ -21,7 +21,7 @@ from executors.reward.combine import combine, pair_by_index
 from executors.reward.config import RewardModelConfig
 from executors.reward.model import RewardModel
 from tests.e2e import launch, metrics
-from tests.spawn import free_port
+from common.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "two_rewards.py"

@@ -12,7 +12,7 @@ from controller.job import run_job
 from channels.payloads import chunk
 from channels.weights import _check_same_model
 from tests.fixtures import small_config
-from tests.spawn import spawn
+from common.spawn import spawn
 
 
 def _run(tmp, trainer: dict, generator: dict):

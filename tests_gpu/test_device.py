@@ -10,7 +10,7 @@ import torch.distributed as dist
 from channels import p2p
 from channels.push import WeightPush
 from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
-from tests.spawn import spawn
+from common.spawn import spawn
 from tests_gpu.conftest import needs_devices
 
 

@@ -24,7 +24,7 @@ def _job(name: str, out, device, *args: str, steps: int) -> list[dict]:
     assert [r["step"] for r in rows] == list(range(steps))
     later = rows[1:] or rows
     STEP_TIMES.append([name, str(device), steps, statistics.median(r["step_s"] for r in later),
-                       statistics.median(r["tokens"] / r["step_s"] for r in later)])
+                       statistics.median(r["trainer/tokens"] / r["step_s"] for r in later)])
     return rows
 
 
@@ -32,8 +32,8 @@ def test_colocated_grpo_on_one_device(device, tmp_path):
     """The embedded job on one process and one device for 5 steps: the engine samples with every push
     (the trainer recomputes its log-probs to fp32 rounding), and the memory moves are timed."""
     rows = _job("embedded GRPO, co-located", tmp_path, device, steps=5)
-    assert all(r["logp_mismatch_max"] < 1e-4 for r in rows), [r["logp_mismatch_max"] for r in rows]
-    assert len({r["rollout_digest"] for r in rows}) == 5
+    assert all(r["trainer/logp_mismatch_max"] < 1e-4 for r in rows), [r["trainer/logp_mismatch_max"] for r in rows]
+    assert len({r["trainer/rollout_digest"] for r in rows}) == 5
     kinds = {json.loads(line)["kind"] for line in (tmp_path / "timeline" / "rank000.jsonl").read_text().splitlines()}
     assert {"offload", "onload"} <= kinds
 
@@ -62,7 +62,7 @@ def test_bf16_with_fp32_masters_on_a_half_billion_model(device, tmp_path):
                 "--set", "trainer.precision=bf16", *SMALL_STEP, "--set", "generator.max_new_tokens=32",
                 "--set", "trainer.lr=1e-5", steps=3)
     # the engine samples in bf16 with an fp32 head, the trainer recomputes in bf16: close, not equal
-    assert all(0 <= r["logp_mismatch_max"] < 0.5 for r in rows), [r["logp_mismatch_max"] for r in rows]
+    assert all(0 <= r["trainer/logp_mismatch_max"] < 0.5 for r in rows), [r["trainer/logp_mismatch_max"] for r in rows]
     with safe_open(out / "final" / "model.safetensors", "pt") as f, safe_open(model / "model.safetensors", "pt") as g:
         name = next(n for n in f.keys() if n.endswith("mlp.down_proj.weight"))
         trained, init = f.get_tensor(name), g.get_tensor(name)
@@ -76,8 +76,8 @@ def test_vllm_engine_colocated_reloads_every_push(device, tmp_path):
     rows = _job("embedded GRPO, vLLM engine, co-located", tmp_path, device, "--set", "generator.engine=vllm",
                 steps=3)
     # a wrong or missing weight reload shows as a gap of whole nats
-    assert all(r["logp_mismatch_max"] < 0.05 for r in rows), [r["logp_mismatch_max"] for r in rows]
-    assert len({r["rollout_digest"] for r in rows}) == 3
+    assert all(r["trainer/logp_mismatch_max"] < 0.05 for r in rows), [r["trainer/logp_mismatch_max"] for r in rows]
+    assert len({r["trainer/rollout_digest"] for r in rows}) == 3
 
 
 def test_moe_with_routing_replay_on_one_device(device, tmp_path):
@@ -89,16 +89,16 @@ def test_moe_with_routing_replay_on_one_device(device, tmp_path):
     model = write_embedded_moe(tmp_path / "moe", seed=0)
     rows = _job("tiny MoE, routing replay, co-located", tmp_path / "run", device, "--set", f"model.path={model}",
                 "--set", "trainer.routing_replay=true", *SMALL_STEP, "--set", "generator.max_new_tokens=32", steps=3)
-    assert all(0 <= r["routing_mismatch_frac"] < 0.5 for r in rows), [r["routing_mismatch_frac"] for r in rows]
-    assert all(r["logp_mismatch_max"] < 1e-3 for r in rows), [r["logp_mismatch_max"] for r in rows]
+    assert all(0 <= r["trainer/routing_mismatch_frac"] < 0.5 for r in rows), [r["trainer/routing_mismatch_frac"] for r in rows]
+    assert all(r["trainer/logp_mismatch_max"] < 1e-3 for r in rows), [r["trainer/logp_mismatch_max"] for r in rows]
 
 
 def test_lora_on_one_device(device, tmp_path):
     """LoRA co-located: the adapters alone are pushed and the engine samples with them."""
     rows = _job("embedded GRPO, LoRA rank 8, co-located", tmp_path, device, "--set", "trainer.lora.rank=8",
                 "--set", "trainer.lr=1e-2", steps=3)
-    assert all(r["logp_mismatch_max"] < 1e-4 for r in rows), [r["logp_mismatch_max"] for r in rows]
-    assert len({r["rollout_digest"] for r in rows}) == 3 and (tmp_path / "final" / "adapter_model.safetensors").is_file()
+    assert all(r["trainer/logp_mismatch_max"] < 1e-4 for r in rows), [r["trainer/logp_mismatch_max"] for r in rows]
+    assert len({r["trainer/rollout_digest"] for r in rows}) == 3 and (tmp_path / "final" / "adapter_model.safetensors").is_file()
     from modeling.hf import load_model
 
-    assert rows[0]["push_bytes"] < 0.2 * sum(t.numel() * 4 for t in load_model(None).parameters())
+    assert rows[0]["trainer/push_bytes"] < 0.2 * sum(t.numel() * 4 for t in load_model(None).parameters())

@@ -27,17 +27,17 @@ def test_run_trains_with_exact_logprobs(periodic):
     _, rows = periodic
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows:
-        assert row["tokens"] > 0 and row["groups"] == 4
+        assert row["trainer/tokens"] > 0 and row["trainer/groups"] == 4
         # after each push the engine samples with the trainer's weights: the trainer recomputes
         # what vLLM sampled, to fp32 rounding
-        assert row["logp_mismatch_max"] < 1e-4, row["logp_mismatch_max"]
-    assert len({r["rollout_digest"] for r in rows}) == 3
+        assert row["trainer/logp_mismatch_max"] < 1e-4, row["trainer/logp_mismatch_max"]
+    assert len({r["trainer/rollout_digest"] for r in rows}) == 3
 
 
 def test_sync_equals_periodic_and_seed_repeats(periodic, tmp_path):
     out, rows = periodic
     sync = _run(tmp_path, "--schedule", "sync")
-    assert [r["rollout_digest"] for r in sync] == [r["rollout_digest"] for r in rows]
+    assert [r["trainer/rollout_digest"] for r in sync] == [r["trainer/rollout_digest"] for r in rows]
     assert (tmp_path / "final/model.safetensors").read_bytes() == (out / "final/model.safetensors").read_bytes()
 
 
@@ -46,7 +46,7 @@ def test_resume_equals_uninterrupted_run(periodic, tmp_path):
     out, rows = periodic
     proc = launch(tmp_path, *VLLM, "--resume", str(out / "checkpoints/step_000001"), nproc=3, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert [r["rollout_digest"] for r in metrics(tmp_path)] == [rows[2]["rollout_digest"]]
+    assert [r["trainer/rollout_digest"] for r in metrics(tmp_path)] == [rows[2]["trainer/rollout_digest"]]
     assert (tmp_path / "final/model.safetensors").read_bytes() == (out / "final/model.safetensors").read_bytes()
 
 
@@ -58,9 +58,9 @@ def test_pushes_reach_every_layout(periodic, tmp_path, layout):
     _, single = periodic
     rows = _run(tmp_path, *[a for kv in layout for a in ("--set", kv)], nproc=5)
     for row in rows:
-        assert row["logp_mismatch_max"] < 1e-4, (layout, row["step"], row["logp_mismatch_max"])
+        assert row["trainer/logp_mismatch_max"] < 1e-4, (layout, row["step"], row["trainer/logp_mismatch_max"])
     # per-sample seeds: the same tokens whatever the generator's layout (measured, see the README)
-    assert [r["rollout_digest"] for r in rows][0] == single[0]["rollout_digest"]
+    assert [r["trainer/rollout_digest"] for r in rows][0] == single[0]["trainer/rollout_digest"]
 
 
 def test_vocabulary_vllm_cannot_split_is_refused_before_start(tmp_path):
@@ -88,7 +88,7 @@ def test_ppo_with_the_vllm_engine(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all(r["logp_mismatch_max"] < 1e-4 and r["value_loss"] > 0 for r in rows)
+    assert all(r["trainer/logp_mismatch_max"] < 1e-4 and r["critic/value_loss"] > 0 for r in rows)
     assert (tmp_path / "final/critic/model.safetensors").is_file()
 
 
@@ -99,15 +99,15 @@ def test_multi_turn_rollouts_with_vllm(tmp_path):
     mt = ("--set", "rollout=multi_turn")
     rows = _run(tmp_path / "periodic", *mt, "--schedule", "periodic")
     for row in rows:
-        assert 1.5 < row["turns_mean"] <= 3 and row["env_errors"] == 0
-        assert row["logp_mismatch_max"] < 1e-4, row["logp_mismatch_max"]
+        assert 1.5 < row["generator/turns_mean"] <= 3 and row["generator/env_errors"] == 0
+        assert row["trainer/logp_mismatch_max"] < 1e-4, row["trainer/logp_mismatch_max"]
     sync = _run(tmp_path / "sync", *mt, "--schedule", "sync")
-    assert [r["rollout_digest"] for r in sync] == [r["rollout_digest"] for r in rows]
+    assert [r["trainer/rollout_digest"] for r in sync] == [r["trainer/rollout_digest"] for r in rows]
     import json
 
     lines = [json.loads(line) for line in (tmp_path / "periodic/samples.jsonl").read_text().splitlines()]
     # the look is one token: the environment's cap reaches vLLM's request (max_tokens)
-    assert all(line["turns"][0]["role"] == "assistant" and line["turns"][0]["tokens"] == 1 for line in lines)
+    assert all(line["turns"][0]["role"] == "assistant" and line["turns"][0]["trainer/tokens"] == 1 for line in lines)
     assert any(t["role"] == "tool" for line in lines for t in line["turns"])
 
 
@@ -120,12 +120,12 @@ def test_partial_rollouts_resume_equals_the_whole_run(tmp_path):
     proc = launch(whole, *VLLM, *args, steps=4, nproc=3, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = metrics(whole)
-    assert rows[1]["partial_groups"] > 0 and max(r["staleness_max"] for r in rows) >= 1
+    assert rows[1]["generator/partial_groups"] > 0 and max(r["trainer/staleness_max"] for r in rows) >= 1
     resumed = tmp_path / "resumed"
     proc = launch(resumed, *VLLM, *args, "--resume", str(whole / "checkpoints/step_000001"), steps=4, nproc=3,
                   timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert [r["rollout_digest"] for r in metrics(resumed)] == [r["rollout_digest"] for r in rows[2:]]
+    assert [r["trainer/rollout_digest"] for r in metrics(resumed)] == [r["trainer/rollout_digest"] for r in rows[2:]]
     assert (resumed / "final/model.safetensors").read_bytes() == (whole / "final/model.safetensors").read_bytes()
 
 
@@ -137,12 +137,12 @@ def test_lora_adapters_reach_vllm_and_resume(tmp_path):
     lora = ("--set", "trainer.lora.rank=8", "--set", "trainer.lr=1e-2", "--set", "algorithm.beta=0.04",
             "--set", "checkpoint_every=1", "--set", "checkpoint_keep=0")
     rows = _run(tmp_path / "whole", "--schedule", "sync", *lora)
-    assert all(r["logp_mismatch_max"] < 1e-4 for r in rows), [r["logp_mismatch_max"] for r in rows]
-    assert rows[-1]["kl"] > 1e-4 and len({r["rollout_digest"] for r in rows}) == 3
-    assert len({r["push_bytes"] for r in rows}) == 1 and rows[0]["push_bytes"] < 400_000  # adapters: 311 KB
+    assert all(r["trainer/logp_mismatch_max"] < 1e-4 for r in rows), [r["trainer/logp_mismatch_max"] for r in rows]
+    assert rows[-1]["trainer/kl"] > 1e-4 and len({r["trainer/rollout_digest"] for r in rows}) == 3
+    assert len({r["trainer/push_bytes"] for r in rows}) == 1 and rows[0]["trainer/push_bytes"] < 400_000  # adapters: 311 KB
     proc = launch(tmp_path / "resumed", *VLLM, "--schedule", "sync", *lora[:6], "--resume",
                   str(tmp_path / "whole" / "checkpoints" / "step_000001"), nproc=3, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     resumed = metrics(tmp_path / "resumed")
-    assert [r["rollout_digest"] for r in resumed][-1:] == [r["rollout_digest"] for r in rows][-1:]
-    assert all(r["logp_mismatch_max"] < 1e-4 for r in resumed)
+    assert [r["trainer/rollout_digest"] for r in resumed][-1:] == [r["trainer/rollout_digest"] for r in rows][-1:]
+    assert all(r["trainer/logp_mismatch_max"] < 1e-4 for r in resumed)
