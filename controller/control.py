@@ -40,7 +40,7 @@ _STOP = "stop"  # value: the signal number, first signal wins
 _wakeup: tuple | None = None
 
 
-def _decision_key(step: int) -> str:
+def decision_key(step: int) -> str:
     return f"decision/{step}"
 
 
@@ -53,13 +53,13 @@ class Decision:
 
     @classmethod
     def read(cls, store, step: int) -> "Decision":
-        raw = store.get(_decision_key(step))
+        raw = store.get(decision_key(step))
         while not raw:
             # torch 2.13's TCPStore client: a blocking get on a client that has done blocking queue
             # pops (a channel's) can come back empty before the key is set (dapo's generator, every
             # step). The key is set once and never emptied: wait for it again.
             time.sleep(0.01)
-            raw = store.get(_decision_key(step))
+            raw = store.get(decision_key(step))
         return cls(**json.loads(raw))
 
 
@@ -110,7 +110,7 @@ class StepControl:
             # a crashed attempt's half-written directory for this step must not leak into the new one
             shutil.rmtree(tmp_dir(self.run_dir, step), ignore_errors=True)
         # an abort published by the watcher while the step ran wins: every rank must take the same one
-        self.store.compare_set(_decision_key(step), "", json.dumps(decision.__dict__))
+        self.store.compare_set(decision_key(step), "", json.dumps(decision.__dict__))
         decision = Decision.read(self.store, step)
         if decision.checkpoint and not decision.abort:
             self._last_save, self._checkpointed = time.monotonic(), step
@@ -124,7 +124,7 @@ class StepControl:
         if save:
             shutil.rmtree(tmp_dir(self.run_dir, prev), ignore_errors=True)
         decision = Decision(checkpoint=save, stop=True, signum=signum, abort=True)
-        self.store.compare_set(_decision_key(step), "", json.dumps(decision.__dict__))
+        self.store.compare_set(decision_key(step), "", json.dumps(decision.__dict__))
 
     def _watch(self, store) -> None:
         """Every rank: once a stop is requested, set ABORT when this rank's step is aborted; the
@@ -134,13 +134,13 @@ class StepControl:
                 step = self.current
                 if step is None or not store.check([_STOP]):
                     continue
-                key = _decision_key(step)
+                key = decision_key(step)
                 if self.rank == self.decider and not store.check([key]):
                     self._abort(step, int(store.get(_STOP).decode() or 0))
                 if store.check([key]) and Decision.read(store, step).abort:
                     ABORT.set()
                 # a rank running ahead: the run ends before the step it is in when the step before it stops
-                before = _decision_key(step - 1)
+                before = decision_key(step - 1)
                 if self.ahead and store.check([before]) and Decision.read(store, step - 1).stop:
                     ABORT.set()
             except Exception:  # the store is gone: the job is ending anyway

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,7 +50,7 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
             start: Callable[[Path], Start] = lambda _: Start(), schedule: str | Schedule = "periodic",
             cadence: Cadence = Cadence(), timeout_s: float = 1800.0, console_keys: Sequence[str] | None = None,
             derive: Callable[[dict], dict] | None = None, on_ready: Callable | None = None,
-            tensorboard: bool = False) -> Outcome:
+            tensorboard: bool = False, progress_every_s: float = 30.0) -> Outcome:
     """Every rank calls this. Raises ValueError before any collective if the world size is wrong, or
     (on every rank alike) when `start` refuses the output dir. `start(output_dir)` runs on rank 0
     only, which prepares the directory; every rank gets its answer."""
@@ -72,6 +73,9 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
                         resume=Path(begin.checkpoint) if begin.checkpoint else None)
     started = process_start_time()
     startup = ((("imports", started, entered),) if started else ()) + (("connect", entered, time.time()),)
+    if rank == 0:
+        print(f"tidal: {dist.get_world_size()} ranks connected in {time.time() - (started or entered):.1f} s; "
+              f"output in {output_dir}; loading the models", file=sys.stderr, flush=True)
     roles = rank_roles(graph)
     watchdog = Watchdog(rank=rank, roles=roles).start()
     outcome = Outcome(output_dir=output_dir)
@@ -89,7 +93,8 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
             writer = MetricsWriter(executors=[e.name for e in graph.executors], steps=steps_run,
                                    path=output_dir / "metrics.jsonl", console_keys=console_keys,
                                    timeout=timeout, derive=derive,
-                                   tensorboard=output_dir / "tensorboard" if tensorboard else None).start()
+                                   tensorboard=output_dir / "tensorboard" if tensorboard else None,
+                                   every_s=progress_every_s).start()
         stopped = Controller(world=world, steps=steps_run, schedule=schedule, control=control,
                              startup=startup).run()
         if stopped is not None:

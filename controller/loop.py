@@ -22,6 +22,7 @@ that will not run, so every send completes before the ranks exit.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 from controller import checkpoint as ckpt
 from controller.control import Decision, StepControl
 from controller.devices import take_peak_gb
+from controller.progress import Progress
 from controller.metrics import post_metrics
 from controller.schedules import Periodic, Schedule
 from controller.timeline import Timeline
@@ -55,18 +57,24 @@ class Controller:
     def run(self) -> Stopped | None:
         """Run the steps; return where a stop ended the run, or None when all ran."""
         executors, env = self.world.local, self.world.env  # the executor placed here, then its guests
-        timeline = Timeline.resumed(executor=env.name, rank=env.rank, path=self.timeline_path,
-                                    before=self.steps.start)
+        timeline = Timeline.resumed(executor=env.name, rank=env.rank, path=self.timeline_path, before=self.steps.start,
+                                    progress=Progress(self.world.store, env.name) if env.is_leader else None)
         for kind, t0, t1 in self.startup:  # step -1: before the first step
             timeline.add(kind, t0, t1)
         with timeline.span("init"):
             for executor in executors:
+                t0 = time.perf_counter()
                 executor.init(self.world.envs[executor.name])
+                if self.world.envs[executor.name].is_leader:
+                    print(f"tidal: {executor.name} ready in {time.perf_counter() - t0:.1f} s "
+                          f"(rank {env.rank})", file=sys.stderr, flush=True)
         take_peak_gb(env.device)  # each step's row gives its own peak, not the model loads
         saved = set()  # steps checkpointed by this attempt
         ahead = self.world.runs_ahead  # offpolicy: this rank settles each step one step later
         for step in self.steps:
             timeline.step = step
+            if step == self.steps.start and env.rank == 0:
+                print(f"tidal: step {step} started", file=sys.stderr, flush=True)
             self.control.begin(step)
             contexts = [self.open(step, executor, timeline) for executor in executors]
             t0 = time.perf_counter()

@@ -22,7 +22,8 @@ from typing import Mapping, Sequence
 from tabulate import tabulate
 from tqdm import tqdm
 
-from controller.control import Decision
+from controller.control import Decision, decision_key
+from controller.progress import describe
 from controller.samples import console_line, first_sample
 from controller.tensorboard import TensorBoardLog, tags_of
 from controller.world import store_client
@@ -91,7 +92,7 @@ def headers(keys: Sequence[str]) -> list[str]:
 class MetricsWriter:
     def __init__(self, *, executors: Sequence[str], steps: range, path: Path,
                  console_keys: Sequence[str] | None, timeout: timedelta, derive=None,
-                 tensorboard: Path | None = None):
+                 tensorboard: Path | None = None, every_s: float = 30.0):
         """tensorboard: a directory for TensorBoard event files of the rows; None: none."""
         self.executors, self.steps, self.path = list(executors), steps, path
         # made here, on the caller's thread: a failure (no tensorboard package, a read-only dir)
@@ -100,8 +101,19 @@ class MetricsWriter:
         self.console_keys, self.derive = console_keys, derive
         self.samples_path, self._samples_offset = path.parent / "samples.jsonl", 0
         self._store = store_client(timeout)
+        # the console is never quiet longer than this while a step runs (or the job starts): a line
+        # says what each executor is doing (controller/progress.py)
+        self.every_s, self._quiet_since, self._began = every_s, time.monotonic(), time.time()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tidal-metrics", daemon=True)
+
+    def _wait(self, keys: list[str], *, step: int, bar) -> None:
+        while not self._store.check(keys):
+            time.sleep(0.1)
+            if time.monotonic() - self._quiet_since >= self.every_s:
+                bar.write(f"tidal: step {step}, {time.time() - self._began:.0f} s into the run: "
+                          f"{describe(self._store, self.executors)}")
+                self._quiet_since = time.monotonic()
 
     def start(self) -> "MetricsWriter":
         self._thread.start()
@@ -117,9 +129,11 @@ class MetricsWriter:
         try:
             with open(self.path, "a") as f, progress(total=len(self.steps), first=self.steps.start) as bar:
                 for step in self.steps:
+                    self._wait([decision_key(step)], step=step, bar=bar)
                     decision = Decision.read(self._store, step)  # published before any record of the step
                     if decision.abort:  # a stop dropped the step: it has no records
                         break
+                    self._wait([_key(step, name) for name in self.executors], step=step, bar=bar)
                     records, walls = {}, {}
                     for name in self.executors:
                         posted = json.loads(self._store.get(_key(step, name)))
@@ -140,6 +154,7 @@ class MetricsWriter:
                     warning = reward_warning(row)
                     if warning:
                         bar.write(warning)
+                    self._quiet_since = time.monotonic()
                     if decision.stop:
                         break
         except BaseException as exc:  # surfaced by join()

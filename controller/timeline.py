@@ -10,15 +10,16 @@ from pathlib import Path
 
 
 class Timeline:
-    def __init__(self, *, executor: str, rank: int):
-        self.executor, self.rank, self.step = executor, rank, -1
+    def __init__(self, *, executor: str, rank: int, progress=None):
+        """progress: where an executor's leader tells the console what it is doing (controller/progress.py)."""
+        self.executor, self.rank, self.step, self.progress = executor, rank, -1, progress
         self.events: list[dict] = []
 
     @classmethod
-    def resumed(cls, *, executor: str, rank: int, path: Path, before: int) -> "Timeline":
+    def resumed(cls, *, executor: str, rank: int, path: Path, before: int, progress=None) -> "Timeline":
         """A timeline that keeps this rank's saved events of the steps before `before` (a resumed
         run continues the file; a fresh run has none)."""
-        timeline = cls(executor=executor, rank=rank)
+        timeline = cls(executor=executor, rank=rank, progress=progress)
         if before > 0 and path.is_file():
             events = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
             timeline.events = [e for e in events if e["step"] < before]
@@ -27,11 +28,16 @@ class Timeline:
     @contextmanager
     def span(self, kind: str, **attrs):
         t0 = time.time()
+        if self.progress is not None:
+            self.progress.event(step=self.step, kind=kind, phase="begin", t=t0)
         try:
             yield
         finally:
+            t1 = time.time()
             self.events.append({"executor": self.executor, "rank": self.rank, "step": self.step,
-                                "kind": kind, "t0": t0, "t1": time.time(), **attrs})
+                                "kind": kind, "t0": t0, "t1": t1, **attrs})
+            if self.progress is not None:
+                self.progress.event(step=self.step, kind=kind, phase="end", t=t1)
 
     def add(self, kind: str, t0: float, t1: float, **attrs) -> None:
         """A span measured elsewhere (start-up, before this timeline existed)."""
@@ -42,6 +48,8 @@ class Timeline:
         now = time.time()
         self.events.append({"executor": self.executor, "rank": self.rank, "step": self.step,
                             "kind": kind, "t0": now, "t1": now, **attrs})
+        if self.progress is not None:
+            self.progress.event(step=self.step, kind=kind, phase="mark", t=now)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,7 @@ def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = No
     outcome = run_job(graph, steps=cfg.steps, seed=cfg.seed, output_dir=output_dir, schedule=cfg.schedule.build(),
                       start=partial(start, cfg=cfg, resume=resume), cadence=cadence, timeout_s=cfg.timeout_s,
                       console_keys=recipe.console, on_ready=write_config, derive=derive,
-                      tensorboard=cfg.logging.tensorboard)
+                      tensorboard=cfg.logging.tensorboard, progress_every_s=cfg.logging.progress_every_s)
     if os.environ.get("RANK", "0") == "0":
         print(end_line(outcome, steps=cfg.steps, wall_s=time.time() - began, resume=resume_command(outcome.output_dir)),
               file=sys.stderr, flush=True)

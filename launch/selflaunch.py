@@ -42,6 +42,8 @@ def launch_here(argv: list[str], *, nproc: int, max_restarts: int, roles: dict[i
         logger.propagate = False
     # the ranks print it in their resume line: the command that started them, not torchrun's
     os.environ["TIDAL_LAUNCHER"] = launcher_command(max_restarts=max_restarts)
+    who = ", ".join(f"{name} {_span(ranks)}" for name, ranks in _by_executor(roles or {}).items())
+    print(f"tidal: starting {nproc} ranks on this machine" + (f" ({who})" if who else ""), file=sys.stderr, flush=True)
     # --standalone: a rendezvous on a free local port, so two jobs on one machine never collide
     grace = ["--shutdown-timeout", str(stop_timeout_s)]
     if not _knows(torchrun, grace[0]):
@@ -64,6 +66,17 @@ def launch_here(argv: list[str], *, nproc: int, max_restarts: int, roles: dict[i
     except KeyboardInterrupt:  # Ctrl-C before the agent installed its handlers
         return 130
     return 0
+
+
+def _by_executor(roles: dict[int, str]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for rank in sorted(roles):
+        out.setdefault(roles[rank], []).append(rank)
+    return out
+
+
+def _span(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
 
 
 def torch_version() -> str:

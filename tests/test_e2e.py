@@ -131,9 +131,18 @@ def test_sync_equals_periodic_with_two_trainer_ranks(tmp_path):
 
 
 def test_slow_reward_changes_timing_not_results(periodic_run, sync_eval_run, tmp_path):
-    proc = launch(tmp_path, "--set", "reward.functions=[tests.rewards:slow_embedded]", *EVAL)
+    proc = launch(tmp_path, "--set", "reward.functions=[tests.rewards:slow_embedded]", *EVAL,
+                  "--set", "logging.progress_every_s=0.5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     _same_run(periodic_run, tmp_path)
+    # the console from the start: connected, each executor ready (rank 0 sees its own line and the
+    # others'), step 0 started, and while a slow step runs a line of what each executor is doing
+    out = proc.stderr
+    assert out.index("tidal: 3 ranks connected") < out.index("tidal: step 0 started") < out.index("reward_mean")
+    assert all(f"tidal: {name} ready in " in out for name in ("generator", "reward", "trainer")), out[:3000]
+    progress = [line for line in out.splitlines() if line.startswith("tidal: step ") and "into the run" in line]
+    assert progress and all("generator: " in line and "reward: " in line and "trainer: " in line for line in progress)
+    assert any("scored" in line for line in progress), progress
     assert _eval_rows(tmp_path) == _eval_rows(sync_eval_run)  # evaluation is deterministic, whatever the schedule
     # periodic: the trainer starts on the first scored group while the others are still being scored.
     # Scoring a group takes >= 0.2 s here, so the check has >= 0.6 s of margin; a check against the

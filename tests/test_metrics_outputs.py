@@ -11,7 +11,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from controller import metrics
-from controller.control import Decision, _decision_key
+from controller.control import Decision, decision_key
 from controller.metrics import MetricsWriter, build_row, headers, post_metrics
 from controller.metrics_plot import _panels, plot_metrics
 from controller.timeline import _BUSY, figure, plot, utilisation
@@ -90,13 +90,16 @@ class _Store:
     def get(self, key: str) -> str:
         return self.kv[key]
 
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.kv for k in keys)
+
 
 def test_metrics_writer_rows_and_tensorboard_are_namespaced(tmp_path, monkeypatch):
     """The writer's thread on posted records: rows with the namespaced keys; TensorBoard with the same tags."""
     store = _Store()
     monkeypatch.setattr(metrics, "store_client", lambda timeout: store)
     for step in range(2):
-        store.set(_decision_key(step), json.dumps(dataclasses.asdict(Decision(checkpoint=False, stop=step == 1))))
+        store.set(decision_key(step), json.dumps(dataclasses.asdict(Decision(checkpoint=False, stop=step == 1))))
         post_metrics(store, step=step, executor="generator", wall_s=1.0,
                      record={"gen_s": 0.5 + step, "gen_start_t": 100.0})
         post_metrics(store, step=step, executor="trainer", wall_s=2.0,
