@@ -2,8 +2,7 @@
 
 An algorithm is an advantage function, a loss function and a config class with defaults.
 The trainer calls `advantages` once per prompt group and `loss` once per micro-batch; the
-batch-level denominator is applied once at the barrier (DESIGN.md "Normalisation that survives
-streaming"), so `loss` returns a *sum* plus how much it adds to that denominator.
+batch-level denominator is applied once at the barrier (docs/architecture.md "Determinism"), so `loss` returns a *sum* plus how much it adds to that denominator.
 
 What the trainer does with the optional fields of `Algorithm`, per group as it arrives:
   1. rewards_G = algo.shape_rewards(rewards_G, lengths_G, cfg)      (DAPO's overlong penalty)

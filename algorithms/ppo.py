@@ -30,7 +30,7 @@ from algorithms.token_loss import ClipConfig, token_level_loss
 class PPOConfig(ClipConfig):
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="GAE discount per token (1: an LLM response is one episode).")
     # 1 (verl's default): the critic's values only baseline the Monte-Carlo return, so an untrained critic
-    # biases nothing; on the embedded task 1 beat 0.95 (reward 0.69 vs 0.67 at critic lr 3e-4, README)
+    # biases nothing; on the embedded task 1 beat 0.95 (reward 0.69 vs 0.67 at critic lr 3e-4, docs/algorithms.md)
     lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda: 1 = Monte-Carlo returns, 0 = one-step TD.")
     vf_clip: float = Field(0.2, gt=0.0, description="Value clip: a value moves at most this far from the step's "
                            "start per optimizer step of the critic.")

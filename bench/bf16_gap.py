@@ -12,7 +12,7 @@ predict the response tokens. Printed:
   3. the log-prob mismatch (mean, p99, max, KL) as run, and from the recorded final hidden states
      through the LM head in bf16 or fp32 on both sides, and the head's rounding alone.
 
-  .venv/bin/python bench/bf16_gap.py --model /work/real/smollm2-135m-hf --data /work/real/humaneval.jsonl
+  .venv/bin/python bench/bf16_gap.py --model <SmolLM2-135M-Instruct dir> --data <humaneval.jsonl>
 """
 from __future__ import annotations
 

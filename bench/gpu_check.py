@@ -3,7 +3,7 @@ device gives, written as gpu-report.md (tables) and gpu-report.json into $OUT (t
 that comes back) or runs/gpu-check/.
 
 Why one script: a session is lent a GPU by chance, 15 minutes of device time in all, on an image with its
-own torch and transformers and no package index (README, "GPU check"). So everything is one command
+own torch and transformers and no package index (docs/gpu.md, "GPU check"). So everything is one command
 that ends within --budget-s seconds (default 480, the issue's 8 minutes on one H100); each part runs in
 its own process under a deadline, and a part that fails or runs out of time is recorded with its error
 while the rest go on (the exit code is then 1, after the report is written).

@@ -2,7 +2,7 @@
 it takes, and the trainer rank's peak memory.
 
 The model: a random-init Qwen3 of 83M parameters (hidden 768, 12 layers, intermediate 2304) over the
-embedded tokenizer, or `--model PATH` (e.g. SmolLM2-135M-Instruct from ../shared/real/prepare.py).
+embedded tokenizer, or `--model PATH` (e.g. a SmolLM2-135M-Instruct HF directory).
 Each job runs GRPO on the embedded task on 3 ranks (generator, reward, trainer; sync, 1 thread each)
 for `--steps` steps, `--repeats` times (alternating); the first step of each is skipped. push_bytes
 and push_s are the trainer's metrics; the trainer rank's peak RSS is VmHWM from /proc, read every

@@ -13,8 +13,8 @@ overlap_s hold within a run.
 
     .venv/bin/python bench/real_run.py [--steps 20] [--repeats 1] [--also-slots 1 ...] [--keep DIR]
     .venv/bin/python bench/real_run.py --forward-cost [--model PATH]   # a decode forward by rows
-    PYTHONPATH=/work/shared/real .venv/bin/python bench/real_run.py --model /work/real/smollm2-135m-hf \
-        --data /work/real/humaneval.jsonl --reward he_reward:humaneval --steps 20
+    PYTHONPATH=<dir of he_reward.py> .venv/bin/python bench/real_run.py --model <SmolLM2-135M-Instruct dir> \
+        --data <humaneval.jsonl> --reward he_reward:humaneval --steps 20
 """
 from __future__ import annotations
 

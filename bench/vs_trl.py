@@ -38,8 +38,8 @@ The systems interleave (TRL, Tidal sync, Tidal periodic, TRL, ...); the load ave
 and after each run. TRL is an optional bench dependency, never a test one; `make bench-trl` builds
 .venv-trl and runs the defaults:
     .venv-trl/bin/python bench/vs_trl.py [--bf16] [--steps 10] [--repeats 3]
-    PYTHONPATH=/work/shared/real .venv-trl/bin/python bench/vs_trl.py --model /work/real/smollm2-135m-hf \
-        --data /work/real/humaneval.jsonl --reward he_reward:humaneval --min-prompt-tokens 100 \
+    PYTHONPATH=<dir of he_reward.py> .venv-trl/bin/python bench/vs_trl.py --model <SmolLM2-135M-Instruct dir> \
+        --data <humaneval.jsonl> --reward he_reward:humaneval --min-prompt-tokens 100 \
         --max-prompt-tokens 130 --prompts 4 --samples 4 --max-new-tokens 64
 """
 from __future__ import annotations

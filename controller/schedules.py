@@ -1,4 +1,4 @@
-"""Schedules: when a consumer sees the items of a scheduled channel (DESIGN.md "The step, as a timeline").
+"""Schedules: when a consumer sees the items of a scheduled channel (docs/architecture.md "The step").
 
     periodic: gen |=========|          every group is handed over the moment it arrives, so the
               trn   |=========|^       trainer starts at the first finished group
@@ -6,7 +6,7 @@
               trn           |=======|^ order: generation and training never overlap
 
 A schedule wraps an executor's inbound stream; no executor knows which one runs. Both hand over the
-same items, and the trainer's accumulation does not depend on their order (DESIGN.md
+same items, and the trainer's accumulation does not depend on their order (docs/architecture.md
 "Determinism"), so both give bit-identical weights. `^` is the barrier: the trainer's end of step
 (optimizer step + weight push), which the generator waits for before the next step.
 

@@ -1,6 +1,6 @@
 """Prompt datasets: load JSONL/Parquet rows, tokenize once, hand out the prompts of each step.
 
-The prompt at index i of step k depends only on (seed, k, i) (DESIGN.md step 1), so a resumed run,
+The prompt at index i of step k depends only on (seed, k, i) (docs/architecture.md "The step", 1), so a resumed run,
 a different schedule or a different number of generator ranks sees exactly the same prompts.
 Indices 0..B-1 are the step's B prompts, from one seeded walk; dynamic sampling's top-ups
 (indices B, B+1, ...) come from a second walk in which every step owns its own fixed range, so a

@@ -39,7 +39,7 @@ def describe(graph: Graph, cfg: RunConfig, recipe: Recipe, *, memory: str = "") 
         tabulate(channels, headers=["channel", "kind", "route", "payload", "delivered"]),
         f"each step ({cfg.schedule} schedule, recipe {recipe.name}):\n"
         + tabulate(phases, headers=["phase", "executor", "ranks", "what", "code"], disable_numparse=True),
-        "values not at their default (the rest: README, Config):\n"
+        "values not at their default (the rest: docs/configuration.md):\n"
         + tabulate([[k, _short(v), src] for k, v, src in non_defaults(cfg)], headers=["key", "value", "from"],
                    disable_numparse=True),
     ] + ([memory] if memory else []))

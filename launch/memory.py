@@ -15,7 +15,7 @@ A reward model (reward.model) counts its own weights (a one-logit classifier, fr
 and, rough, one layer's working set over a group's G sequences at full length.
 On CPU a rank's total adds the process itself (python, torch, transformers: PROCESS_BYTES, measured)
 and names the moment a model loads when that is the peak (loading_peak); on a GPU/NPU the runtime
-context is not counted. README "Memory" gives the estimates against measured peaks.
+context is not counted. docs/big-models.md "Memory" gives the estimates against measured peaks.
 """
 from __future__ import annotations
 

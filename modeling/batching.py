@@ -1,7 +1,7 @@
 """Micro-batches of one prompt group and their per-token log-probs.
 
 A micro-batch never mixes groups, and a group always splits the same way (by sample index), so the
-arithmetic of a sample never depends on arrival order (DESIGN.md determinism rule 2).
+arithmetic of a sample never depends on arrival order (docs/architecture.md, determinism rule 2).
 """
 from __future__ import annotations
 

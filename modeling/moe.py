@@ -3,7 +3,7 @@
 A token's experts are the top-k of its router's scores. The engine that sampled a token and the
 trainer that scores it compute those scores in different kernels and batch shapes, so near-ties can
 fall the other way: the token then runs through other experts in the trainer, and its log-prob
-differs by far more than float noise (README, "Mixture of experts"). Replay removes that cause: the
+differs by far more than float noise (docs/big-models.md, "Mixture of experts"). Replay removes that cause: the
 generator records, per token and MoE layer, the expert ids it used; they travel with the group
 (RolloutGroup.routing, one byte per id) and the trainer's routers take them instead of their own
 top-k. The mixing weights are still the trainer's softmax at those ids, so the router trains.

@@ -2,8 +2,7 @@
 accumulators, shard-aware clipping, and the optimizer's checkpoint.
 
 Gradients of a step are summed in accumulators (float64 by default) as micro-batches come, and
-divided once, at the step, by the batch denominator (DESIGN.md "Normalisation that survives
-streaming"); a float64 sum of float32 terms cannot depend on their order (DESIGN.md "Determinism",
+divided once, at the step, by the batch denominator (docs/architecture.md "Determinism"); a float64 sum of float32 terms cannot depend on their order (docs/architecture.md "Determinism",
 rule 3). The trainer's barrier (executors/trainer/barrier.py) combines several accumulators first;
 the critic steps on one.
 """

@@ -1,10 +1,10 @@
 """Unpadded micro-batches of one prompt group: shared-prompt rows and varlen rows.
 
 shared_prompt on:  one row `[prompt, r_1, ..., r_G]`; every response restarts at position P, sees the
-                   whole prompt and its own past, nothing of another response (DESIGN.md).
+                   whole prompt and its own past, nothing of another response (docs/architecture.md).
 shared_prompt off: the G rows `[prompt, r_i]` back to back, each its own causal block (varlen).
 Either way a group whose row would exceed `token_budget` splits into several rows by sample index
-(greedy, in index order, so the split depends only on the group, never on arrival; DESIGN.md
+(greedy, in index order, so the split depends only on the group, never on arrival; docs/architecture.md
 determinism rule 2), and a shared row repeats the prompt. `PackedMicroBatch` has `MicroBatch`'s
 interface, so the trainer treats both alike. In a multi-turn group (loss masks) the environment's
 tokens are in the row, as context, but only the model's tokens are in mask_NT and rows_K.

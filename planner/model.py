@@ -1,6 +1,5 @@
 """A discrete-event model of one step: when each group leaves the generator, when the trainer takes
-it, and when the step ends, under the sync and the periodic schedule (DESIGN.md "The step, as a
-timeline").
+it, and when the step ends, under the sync and the periodic schedule (docs/architecture.md "The step").
 
     generator replica  replays the native engine's admission (chunked or continuous) over the
                        step's response lengths: each decode forward costs forward_s + row_s * rows

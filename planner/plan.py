@@ -145,7 +145,7 @@ class Slots:
 def slot_choices(shapes: list[StepShape], rates: Rates, *, replicas: int, dp: int) -> list[Slots]:
     """The periodic step at 1, 2, 4, ... slots up to a replica's whole share of the step (and the
     slots the job ran with): fewer slots make waves whose first lets the trainer start early, more
-    take fewer forwards; which wins depends on the rates (README, reading overlap_s)."""
+    take fewer forwards; which wins depends on the rates (docs/running.md, reading overlap_s)."""
     per_replica = -(-len(shapes[0].lengths) // replicas)
     values = {min(shapes[0].max_batch_prompts, per_replica), per_replica}
     values |= {1 << k for k in range(per_replica.bit_length()) if 1 << k <= per_replica}

@@ -21,7 +21,7 @@ from executors.reward.config import RewardConfig
 from executors.trainer.config import TrainerConfig
 
 class LoggingConfig(BaseModel):
-    """What a run writes besides metrics.jsonl (README, Outputs)."""
+    """What a run writes besides metrics.jsonl (docs/running.md, Outputs of a run)."""
 
     model_config = ConfigDict(extra="forbid")
     samples_every: int = Field(1, ge=0, description="samples.jsonl: every sample of every N-th step (prompt, "

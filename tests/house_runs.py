@@ -3,7 +3,7 @@ dynamic sampling, GRPO with evaluation; and since the objective seam (issue 29) 
 tests/test_house_digests.py runs them again and compares.
 
 What is compared: every step's rollout digest (the sampled tokens), the eval metrics, and a hash of
-the final weights' bytes. Float kernels differ between CPU models (README), so the weights hash is
+the final weights' bytes. Float kernels differ between CPU models (docs/benchmarks.md), so the weights hash is
 compared only on the CPU model it was recorded on; the tokens of these short runs are compared on any.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Trainer (Hugging Face) parameter names -> where a generator engine keeps them (tests/test_reshard.py:
-a push landing straight in vLLM-style stacked tensors; no engine receives this way yet, README).
+a push landing straight in vLLM-style stacked tensors; no engine receives this way yet, docs/status.md).
 
 A push plan speaks trainer names and tp-local boxes. On the generator side each trainer parameter
 lands in a `Slot`: an engine tensor and the row (dim 0) where that parameter's tp-local block

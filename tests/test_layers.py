@@ -1,4 +1,4 @@
-"""The house's layers, checked from the code's own imports (DESIGN.md "Layout").
+"""The house's layers, checked from the code's own imports (docs/architecture.md "Layers").
 
     launch -> recipes -> controller -> executors -> modeling -> channels, algorithms -> common
     launch, bench -> planner (imports nothing else of the project: a model of the step, not a part of it)
@@ -34,14 +34,14 @@ ALLOWED = {
     "bench": {"common", "algorithms", "channels", "modeling", "executors", "controller", "recipes", "launch",
               "planner"},
 }
-# executors and the model library reach channels for payload types only (DESIGN.md), and only the trainer runs algorithms
+# executors and the model library reach channels for payload types only (docs/architecture.md), and only the trainer runs algorithms
 NARROW = {
     ("executors", "channels"): {"channels.payloads"},
     ("modeling", "channels"): {"channels.payloads"},
     ("planner", "executors"): {"executors.generator.engines"},
 }
 ALGORITHM_USERS = ("executors/trainer/", "executors/critic/")
-# executors talk through channels, never by importing each other (DESIGN.md "Layout"): an executor's
+# executors talk through channels, never by importing each other (docs/architecture.md "Layers"): an executor's
 # package may import the shared ones, and another executor's light config classes only
 SHARED_EXECUTOR_PACKAGES = {"base", "data", "learner",  # learner: the trainer's and the critic's base
                             "environments"}  # a multi-turn rollout's, not an executor

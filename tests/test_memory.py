@@ -83,7 +83,7 @@ SMOLLM2 = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_
 
 @pytest.mark.parametrize("B, new_tokens, slots, measured", [
     # peak RSS (VmHWM) of each rank, python launch.py on the real model and HumanEval prompts, 2 steps, fp32,
-    # G=4, generator.max_batch_prompts=slots (README, Memory): (generator, trainer) bytes. The generator's
+    # G=4, generator.max_batch_prompts=slots (docs/big-models.md, Memory): (generator, trainer) bytes. The generator's
     # peak at slots=2 is its load, which the estimate's steady total leaves out (loading_peak: 1.43 GB)
     (4, 64, 16, (1.43e9, 4.28e9)),
     (8, 128, 16, (1.89e9, 4.90e9)),

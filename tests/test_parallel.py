@@ -2,7 +2,7 @@
 
 One spawn of 4 ranks runs every layout (a spawn costs more than all the arithmetic): first two
 sub-worlds side by side (ranks 0-1: tp=2, ranks 2-3: fsdp over dp=2) on members-only meshes, then
-the whole world as dp=2 x tp=2, then the two traps of DESIGN.md "Trainer backend".
+the whole world as dp=2 x tp=2, then the two traps of docs/architecture.md "Measured here".
 """
 from __future__ import annotations
 

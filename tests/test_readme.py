@@ -1,4 +1,7 @@
-"""The README's config table states every field of every section, with its default."""
+"""The README and docs/ stay true: the config table states every field of every section with its
+default; every link of every page reaches a file and a heading that exist; every command they show
+names a make target that exists, flags launch.py takes and config keys the config has; the README
+is a front door (at most 300 lines)."""
 from __future__ import annotations
 
 import re
@@ -10,21 +13,24 @@ from pydantic import BaseModel
 from executors.critic.config import CriticConfig
 from executors.evaluation.config import EvalConfig
 from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, MultiTurnConfig, VllmConfig
-from modeling.lora import LoraConfig
 from executors.reward.config import RewardConfig, RewardModelConfig
 from executors.trainer.config import TrainerConfig
+from modeling.lora import LoraConfig
 from recipes.config import LoggingConfig, RunConfig
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TABLE = (ROOT / "docs" / "configuration.md").read_text()
 SECTIONS = {"top level": RunConfig, "`model`": ModelConfig, "`data`": DataConfig, "`generator`": GeneratorConfig,
-            "`generator.vllm`": VllmConfig, "`reward`": RewardConfig, "`reward.model`": RewardModelConfig, "`trainer`": TrainerConfig, "`trainer.lora`": LoraConfig, "`critic`": CriticConfig,
+            "`generator.vllm`": VllmConfig, "`reward`": RewardConfig, "`reward.model`": RewardModelConfig,
+            "`trainer`": TrainerConfig, "`trainer.lora`": LoraConfig, "`critic`": CriticConfig,
             "`eval`": EvalConfig, "`logging`": LoggingConfig, "`multi_turn`": MultiTurnConfig}
 NOT_OPTIONS = {"algo", "algo_config", "sources"}  # set by --algo and the CLI, not by a config
 
 
 def _row(section: str) -> str:
-    rows = [line for line in README.splitlines() if line.startswith(f"| {section} |")]
-    assert len(rows) == 1, f"README config table: {len(rows)} rows for {section}"
+    rows = [line for line in TABLE.splitlines() if line.startswith(f"| {section} |")]
+    assert len(rows) == 1, f"docs/configuration.md: {len(rows)} rows for {section}"
     return rows[0]
 
 
@@ -46,7 +52,112 @@ def test_config_table_states_every_default(section):
                                    and name not in ("betas",)):
             continue  # a sub-section has its own row
         found = re.search(rf"`{name}`[^`(|]{{0,4}}\((.*?)\)(?:,|$| \|)", row)
-        assert found, f"README: {section} row does not list `{name}` with its default in parentheses"
+        assert found, f"docs/configuration.md: {section} row does not list `{name}` with its default in parentheses"
         stated = found.group(1)
         assert any(stated.startswith(r) for r in _renders(info.default)), \
-            f"README: {section}.{name} says ({stated}), the default is {info.default!r}"
+            f"docs/configuration.md: {section}.{name} says ({stated}), the default is {info.default!r}"
+
+
+def _prose(text: str) -> str:
+    """The page without its fenced code blocks (a link or heading there is not one)."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def _slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    return {_slug(h) for h in re.findall(r"^#{1,6} (.+)$", _prose(page.read_text()), flags=re.M)}
+
+
+def _links(page: Path) -> list[str]:
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", _prose(page.read_text())) if "://" not in t]
+
+
+def test_every_link_reaches_a_file_and_a_heading():
+    bad = []
+    for page in PAGES:
+        for target in _links(page):
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                bad.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and (file.suffix != ".md" or anchor not in _anchors(file)):
+                bad.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert bad == []
+
+
+def test_every_page_is_linked_from_the_readme():
+    linked = {(ROOT / t.partition("#")[0]).resolve() for t in _links(ROOT / "README.md")}
+    assert [p.name for p in PAGES[1:] if p.resolve() not in linked] == []
+
+
+def _config_keys() -> set[str]:
+    """Every dotted key --set takes (algorithm.* under any algorithm's options)."""
+    from algorithms.registry import ALGORITHMS
+
+    def walk(cls, prefix: str) -> set[str]:
+        out = set()
+        for name, info in cls.model_fields.items():
+            out.add(prefix + name)
+            kind = info.annotation
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                out |= walk(kind, f"{prefix}{name}.")
+            for arg in getattr(kind, "__args__", ()):  # an optional section: SectionConfig | None
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    out |= walk(arg, f"{prefix}{name}.")
+        return out
+
+    keys = walk(RunConfig, "")
+    for name in ALGORITHMS.names():
+        keys |= walk(ALGORITHMS.get(name).config_cls, "algorithm.")
+    return keys
+
+
+def _commands() -> list[tuple[str, str]]:
+    """(page, command) for every `make ...`, `python launch.py ...` or `torchrun ... launch.py ...` a page
+    shows, in a code block (its lines joined across backslashes) or inline."""
+    out = []
+    for page in PAGES:
+        text = page.read_text()
+        blocks = re.findall(r"^```(?:bash|sh)?\n(.*?)^```", text, flags=re.S | re.M)
+        lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+        lines += re.findall(r"`([^`\n]+)`", _prose(text))
+        for line in lines:
+            line = line.split(" #")[0].strip().lstrip("$ ")
+            if re.match(r"(make |python3? launch\.py|torchrun .*launch\.py|\.venv\S*/bin/python launch\.py)", line):
+                out.append((page.relative_to(ROOT).as_posix(), line))
+    return out
+
+
+def test_commands_name_real_targets_flags_and_keys():
+    from launch.cli import parser
+
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
+    flags = set(parser()._option_string_actions)
+    keys = _config_keys()
+    commands, bad = _commands(), []
+    assert len(commands) > 20, commands  # the pages do show commands: the parsing found them
+    for page, line in commands:
+        words = line.split()
+        if words[0] == "make":
+            bad += [f"{page}: {line} (no make target {w})" for w in words[1:] if "=" not in w and w not in targets]
+            continue
+        after = words[next(i for i, w in enumerate(words) if w.endswith("launch.py")) + 1:]
+        for i, w in enumerate(after):
+            flag = w.split("=")[0]
+            if flag.startswith("--") and flag not in flags:
+                bad.append(f"{page}: {line} (launch.py has no {flag})")
+            if flag == "--set" and i + 1 < len(after) and "=" in after[i + 1]:
+                key = after[i + 1].strip("'\"").split("=")[0]
+                if key not in keys and not key.startswith("<"):
+                    bad.append(f"{page}: {line} (no config key {key})")
+    assert bad == []
+
+
+def test_the_readme_is_a_front_door():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 300, len(lines)
+    text = "\n".join(lines)
+    assert "make demo" in text and "make test" in text and "docs/architecture.md" in text

@@ -59,7 +59,7 @@ def test_pushes_reach_every_layout(periodic, tmp_path, layout):
     rows = _run(tmp_path, *[a for kv in layout for a in ("--set", kv)], nproc=5)
     for row in rows:
         assert row["trainer/logp_mismatch_max"] < 1e-4, (layout, row["step"], row["trainer/logp_mismatch_max"])
-    # per-sample seeds: the same tokens whatever the generator's layout (measured, see the README)
+    # per-sample seeds: the same tokens whatever the generator's layout (measured, see docs/engines.md)
     assert [r["trainer/rollout_digest"] for r in rows][0] == single[0]["trainer/rollout_digest"]
 
 

@@ -98,7 +98,7 @@ class ValueModels(LearnerModels):
     def no_backward(self) -> None:
         """After a forward of the value model that no backward follows (a later mini-batch's group in
         the streamed phase): FSDP2 keeps a root's gathered weights for the backward it expects, and
-        the next optimizer step would leave them stale (DESIGN.md, the FSDP2 gotchas)."""
+        the next optimizer step would leave them stale (docs/architecture.md "Measured here")."""
         if isinstance(self.value, FSDPModule):
             self.value.reshard()
 

@@ -12,7 +12,7 @@ Why the look is one token: with the look uncapped (up to generator.max_new_token
 own words before the reveal change from sample to sample, and a policy trained from scratch learnt
 to write digits after the look but not to copy the one shown (+0.26 in 200 steps of the default job,
 the last 10 steps' mean reward minus the first 10's). A one-token look makes the context before the
-reveal nearly the same for every sample, and the copy is learnt within 200 steps (README,
+reveal nearly the same for every sample, and the copy is learnt within 200 steps (docs/multi-turn.md,
 "The embedded multi-turn task", has the measured curve).
 """
 from __future__ import annotations

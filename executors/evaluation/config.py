@@ -5,7 +5,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class EvalConfig(BaseModel):
-    """Evaluation on held-out prompts, a phase of the step on the generator's and the reward's ranks (README, Evaluation)."""
+    """Evaluation on held-out prompts, a phase of the step on the generator's and the reward's ranks (docs/models-and-data.md, Evaluation)."""
 
     model_config = ConfigDict(extra="forbid")
     every: int = Field(0, ge=0, description="evaluate at steps 0, N, 2N, ... with the weights that step samples "

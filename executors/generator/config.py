@@ -79,7 +79,7 @@ class GeneratorConfig(BaseModel):
         "done by then is kept and resumed in the next step (with that step's weights) until all its samples end. "
         "Tokens then span up to ceil(max_new_tokens / N) policy versions (metrics: staleness). None: off")
     engine: str = Field("native", description="native: batched HF decoding, always there; vllm: vLLM (see "
-                        "README, engines by device); executors/generator/engines.py registers them")
+                        "docs/engines.md); executors/generator/engines.py registers them")
     vllm: VllmConfig = Field(default_factory=VllmConfig)
 
     @property

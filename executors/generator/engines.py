@@ -68,7 +68,7 @@ def _check_vllm(g: GeneratorConfig, model_path: str | None) -> None:
                          "layers are not verified (on CPU they leave the experts stale); use generator.engine=native")
     if not vllm_available():
         raise ValueError("generator.engine=vllm: vLLM is not installed in this environment (CPU: `make install-vllm` "
-                         "builds .venv-vllm, run with .venv-vllm/bin/torchrun; GPU: pip install vllm; see README)")
+                         "builds .venv-vllm, run with .venv-vllm/bin/torchrun; GPU: pip install vllm; see docs/engines.md)")
     if g.tp > 1:
         check_tp_fits_vllm(config, tp=g.tp)
 

@@ -1,5 +1,5 @@
 """Seeded sampling: what makes a sample a pure function of (run seed, step, prompt, sample, position),
-whatever batch it is decoded in (DESIGN.md determinism rule 1).
+whatever batch it is decoded in (docs/architecture.md, determinism rule 1).
 
 Sample j of prompt i at step k draws its t-th token with Gumbel-max noise that is a counter-based
 hash of (its 63-bit seed, t, token id). No RNG stream is shared across rows, so a sample does not

@@ -2,7 +2,7 @@
 
 vLLM's `init_distributed_environment` reuses an initialised torch.distributed world and builds its
 world, tp and pp groups over `range(get_world_size())`: all our ranks. `new_group` then blocks,
-because the reward and trainer ranks never call it (DESIGN.md, "vLLM inside our split world").
+because the reward and trainer ranks never call it (docs/architecture.md "Measured here").
 While the engine is built we make vLLM see the generator's ranks as the world: `get_world_size()`
 answers their count and every `new_group` synchronises its members only. vLLM's own layout then
 reads our replicas as its "external data parallel" dimension (each replica = one tp group of its

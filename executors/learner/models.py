@@ -65,7 +65,7 @@ def micro_batches(cfg: LearnerConfig, prompt_ids_P: torch.Tensor, responses: lis
                   device: torch.device, loss_masks: list[torch.Tensor] | None = None,
                   routes: Routes | None = None) -> list:
     """A group's micro-batches: fixed by the group alone (sample index order), never by arrival
-    (DESIGN.md determinism rule 2). loss_masks: the tokens trained (RolloutGroup.loss_masks). routes:
+    (docs/architecture.md, determinism rule 2). loss_masks: the tokens trained (RolloutGroup.loss_masks). routes:
     an MoE model's recorded routing (modeling/moe.py)."""
     return make_micro_batches(prompt_ids_P, responses, mode=cfg.shared_prompt, token_budget=cfg.token_budget,
                               micro_batch_size=cfg.micro_batch_size, pad_id=pad_id, device=device,

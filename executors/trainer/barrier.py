@@ -2,7 +2,7 @@
 
 Batch-level denominators (1/(B·G), DAPO's 1/total-tokens) are applied here, once, to the
 accumulated gradient: gradients are linear in the loss, so dividing the sum at the end equals
-dividing each term (DESIGN.md "Normalisation that survives streaming"). Where the objective
+dividing each term (docs/architecture.md "Determinism"). Where the objective
 evaluates a first step at several passes (batch-scope advantages), it says how they combine
 (algorithms/objective.py `combine`), and they are combined here.
 The optimizer itself (AdamW, schedule, accumulators, clipping, checkpoint) is modeling/optim.py.

@@ -3,7 +3,7 @@
 megatron's `initialize_model_parallel` builds its groups over the whole world; in a Tidal job the
 trainer owns only some of its ranks (the generator and the reward hold the others), so the trainer
 hands GPTModel a ProcessGroupCollection of groups it made itself (every rank creates every group,
-in the same order: DESIGN.md). megatron-core 0.16 then needs parallel_state only for its global
+in the same order: docs/architecture.md "Measured here"). megatron-core 0.16 then needs parallel_state only for its global
 memory buffer, set here once.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Per-layer units bound the all-gathered memory to about one layer at a time. Gradients are summed
 over dp, not averaged: the trainer divides once at the barrier by the global denominator
-(DESIGN.md "Normalisation that survives streaming"), so FSDP must not divide again.
+(docs/architecture.md "Determinism"), so FSDP must not divide again.
 
 Forward-only copies (old policy, reference): by default the root unit does not reshard after its
 forward (FSDP2 expects the backward to follow and reuse the gathered weights). Without a backward,
