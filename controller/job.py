@@ -50,7 +50,7 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
             start: Callable[[Path], Start] = lambda _: Start(), schedule: str | Schedule = "periodic",
             cadence: Cadence = Cadence(), timeout_s: float = 1800.0, console_keys: Sequence[str] | None = None,
             derive: Callable[[dict], dict] | None = None, on_ready: Callable | None = None,
-            tensorboard: bool = False, progress_every_s: float = 30.0) -> Outcome:
+            tensorboard: bool = False, progress_every_s: float = 30.0, plots: bool = True) -> Outcome:
     """Every rank calls this. Raises ValueError before any collective if the world size is wrong, or
     (on every rank alike) when `start` refuses the output dir. `start(output_dir)` runs on rank 0
     only, which prepares the directory; every rank gets its answer."""
@@ -106,9 +106,11 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
             writer.join()
         dist.barrier(group=world.control_group)  # every rank has saved its timeline
         if rank == 0:
-            plot(merge(output_dir), output_dir / "timeline.png")
+            events = merge(output_dir)
             metrics = output_dir / "metrics.jsonl"
-            if metrics.is_file():  # all the run's steps, a resumed run's earlier ones too
+            if plots:
+                plot(events, output_dir / "timeline.png")
+            if plots and metrics.is_file():  # all the run's steps, a resumed run's earlier ones too
                 plot_metrics([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()],
                              output_dir / "metrics.png")
     except BaseException as exc:

@@ -13,14 +13,18 @@ def first_sample(path: Path, step: int, offset: int) -> tuple[dict | None, int]:
     with open(path, "rb") as f:
         f.seek(offset)
         data = f.read()
-    end = data.rfind(b"\n") + 1  # a line being written is read next time
-    best = None
-    for line in data[:end].splitlines():
+    best, used = None, 0
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break  # a line being written is read next time
         row = json.loads(line)
+        if row["step"] > step:
+            break  # a later step's lines (periodic: the trainer may be ahead of the console) wait for it
+        used += len(line)
         if row["step"] == step and (best is None or (row["prompt_index"], row["sample"]) <
                                     (best["prompt_index"], best["sample"])):
             best = row
-    return best, offset + end
+    return best, offset + used
 
 
 def console_line(row: dict, *, width: int = 160) -> str:

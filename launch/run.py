@@ -48,7 +48,8 @@ def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = No
     outcome = run_job(graph, steps=cfg.steps, seed=cfg.seed, output_dir=output_dir, schedule=cfg.schedule.build(),
                       start=partial(start, cfg=cfg, resume=resume), cadence=cadence, timeout_s=cfg.timeout_s,
                       console_keys=recipe.console, on_ready=write_config, derive=derive,
-                      tensorboard=cfg.logging.tensorboard, progress_every_s=cfg.logging.progress_every_s)
+                      tensorboard=cfg.logging.tensorboard, progress_every_s=cfg.logging.progress_every_s,
+                      plots=cfg.logging.plots)
     if os.environ.get("RANK", "0") == "0":
         print(end_line(outcome, steps=cfg.steps, wall_s=time.time() - began, resume=resume_command(outcome.output_dir)),
               file=sys.stderr, flush=True)
@@ -115,8 +116,8 @@ def start(out: Path, *, cfg: RunConfig, resume: str | None) -> Start:
     changes = config_changes(found.config, cfg.resolved())
     if changes:
         raise ValueError(f"--resume: the config differs from the one checkpoint {found.path} was trained with: "
-                         f"{'; '.join(changes)} (a resumed run may change only the layout, steps, timeouts and "
-                         f"checkpoint settings)")
+                         f"{'; '.join(changes)} (a resumed run may change only the layout, steps, timeouts, "
+                         f"checkpoint and logging settings)")
     saved = (found.config["trainer"]["dp"], found.config["trainer"]["tp"])
     if BACKENDS.get(cfg.trainer.backend).per_rank_optimizer and saved != (cfg.trainer.dp, cfg.trainer.tp):
         raise ValueError(f"--resume: trainer.backend={cfg.trainer.backend} keeps its optimizer state per rank, so checkpoint "

@@ -11,8 +11,9 @@ from safetensors.torch import load_file
 from launch import jobs
 
 ROOT = Path(__file__).resolve().parents[1]
+# 2 inference chunks; no PNGs at the end (1.5 s a job; the tests that read them turn them on)
 SMALL = ["--set", "data.prompts_per_step=4", "--set", "generator.samples_per_prompt=4",
-         "--set", "generator.max_new_tokens=4", "--set", "generator.max_batch_prompts=2"]  # 2 inference chunks
+         "--set", "generator.max_new_tokens=4", "--set", "generator.max_batch_prompts=2", "--set", "logging.plots=false"]
 REQUIRED = {"step", "trainer/reward_mean", "trainer/reward_std", "trainer/response_len_mean", "trainer/loss", "trainer/kl",
             "trainer/grad_norm", "generator/gen_s", "trainer/train_s", "trainer/push_s", "step_s", "trainer/tokens", "tpspd",
             "trainer/rollout_digest"}

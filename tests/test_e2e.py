@@ -61,7 +61,7 @@ def _eval_rows(out: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def sync_eval_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sync_eval")
-    proc = launch(out, "--schedule", "sync", *EVAL, "--set", "logging.tensorboard=true")
+    proc = launch(out, "--schedule", "sync", *EVAL, "--set", "logging.tensorboard=true", "--set", "logging.plots=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 

@@ -35,7 +35,8 @@ def runs(tmp_path_factory):
     jobs = {
         "periodic": (SIGNAL, 3, 3),
         "lag0": ([*SIGNAL, *OFF, "--set", "schedule.max_lag=0"], 3, 3),
-        "lag2": ([*SIGNAL, *OFF, "--set", "schedule.max_lag=2", "--set", "checkpoint_every=2"], 6, 3),
+        "lag2": ([*SIGNAL, *OFF, "--set", "schedule.max_lag=2", "--set", "checkpoint_every=2",
+                  "--set", "logging.plots=true"], 6, 3),
         "lag2_replicas2": ([*SIGNAL, *OFF, "--set", "schedule.max_lag=2", "--set", "generator.replicas=2"], 6, 4),
     }
     out = {}

@@ -28,6 +28,17 @@ def test_first_sample_reads_on_from_its_offset(tmp_path):
     assert (best["step"], best["prompt_index"]) == (1, 0)
 
 
+def test_a_later_steps_lines_wait_for_their_step(tmp_path):
+    """Periodic: the trainer may append step 1's samples before the console shows step 0; they are
+    kept for step 1 (CI once printed two samples for three steps)."""
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [_row(0, 0, 1), _row(1, 0, 0), _row(1, 1, 0)]))
+    best, offset = first_sample(path, 0, 0)
+    assert (best["step"], best["sample"]) == (0, 1) and offset == len(json.dumps(_row(0, 0, 1))) + 1
+    best, offset = first_sample(path, 1, offset)
+    assert (best["step"], best["prompt_index"]) == (1, 0) and offset == path.stat().st_size
+
+
 def test_console_line_is_short_and_names_the_sample():
     text = console_line(_row(3, 0, 0), width=40)
     head, prompt, response = text.splitlines()
