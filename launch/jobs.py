@@ -4,7 +4,9 @@ the benchmarks use (one launcher for all three).
 
 Without `nproc` the job runs as `python launch.py` does: it starts the placement's ranks itself on this
 machine. With `nproc` it runs under torch's launcher, `torchrun --nproc-per-node nproc` (the path a
-multi-node user takes), on a free local port.
+multi-node user takes), on a free local port. With `warm=True` as well, its ranks are forked from one
+process that has imported Tidal once (launch/warm.py): many short jobs in a row start in a fraction of the
+time (the tests run that way; what needs torchrun's agent, restarts or a signal to the launcher, does not).
 """
 from __future__ import annotations
 
@@ -61,19 +63,40 @@ def command(algo: str = "grpo", *args: str, overrides: Mapping[str, object] | Se
 
 def run(algo: str = "grpo", *args: str, overrides: Mapping[str, object] | Sequence[str] = (), steps: int | None = None,
         output_dir: Path | str | None = None, nproc: int | None = None, timeout: float | None = None,
-        env: Mapping[str, str] | None = None, check: bool = True) -> Job:
+        env: Mapping[str, str] | None = None, check: bool = True, warm: bool = False) -> Job:
     """Run the job to its end. `env`: added to this process's environment (e.g. TIDAL_THREADS=1).
-    check: raise JobFailed when it fails (else look at the returned Job's returncode)."""
+    check: raise JobFailed when it fails (else look at the returned Job's returncode). warm: fork the
+    `nproc` ranks from the warm launcher instead of starting torchrun."""
     if output_dir is None:
         import time
 
         output_dir = ROOT / "runs" / time.strftime("%Y%m%d-%H%M%S")
-    proc = subprocess.run(command(algo, *args, overrides=overrides, steps=steps, output_dir=output_dir, nproc=nproc),
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
-    job = Job(Path(output_dir), proc.returncode, proc.stdout, proc.stderr)
-    if check and proc.returncode:
-        raise JobFailed(f"the {algo} job in {output_dir} exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+    cmd = command(algo, *args, overrides=overrides, steps=steps, output_dir=output_dir, nproc=nproc)
+    if warm:
+        returncode, stdout, stderr = _run_warm(cmd, nproc=nproc, timeout=timeout, env=env)
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    job = Job(Path(output_dir), returncode, stdout, stderr)
+    if check and returncode:
+        raise JobFailed(f"the {algo} job in {output_dir} exited with {returncode}:\n{stderr[-3000:]}")
     return job
+
+
+def _run_warm(cmd: list[str], *, nproc: int | None, timeout: float | None,
+              env: Mapping[str, str] | None) -> tuple[int, str, str]:
+    import tempfile
+
+    from launch import warm
+
+    assert nproc is not None, "warm=True forks nproc ranks: give nproc"
+    argv = cmd[cmd.index(str(ROOT / "launch.py")) + 1:]
+    with tempfile.TemporaryDirectory(prefix="tidal-job-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        code = warm.shared().run(argv, nproc=nproc, port=free_port(), out=out, err=err, env=env, timeout=timeout)
+        read = lambda path: path.read_text(errors="replace") if path.is_file() else ""  # noqa: E731
+        return code, read(out), read(err)
 
 
 def start(algo: str = "grpo", *args: str, overrides: Mapping[str, object] | Sequence[str] = (),

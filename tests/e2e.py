@@ -21,11 +21,12 @@ REQUIRED = {"step", "trainer/reward_mean", "trainer/reward_std", "trainer/respon
 
 def launch(out: Path, *args: str, nproc: int = 3, steps: int = 3, timeout: float = 240,
            algo: str = "grpo", defaults: bool = False, env: dict | None = None) -> jobs.Job:
-    """The job under torchrun, to its end (launch/jobs.py). defaults: the embedded job as `make demo` runs
-    it, without the small batch of SMALL. env: added to this process's environment (e.g. TIDAL_THREADS=1:
-    the same float sums in every layout)."""
+    """The job to its end, its `nproc` ranks forked by the warm launcher (launch/warm.py: torchrun's rank
+    environment without the ~9 s of imports a job; what needs torchrun itself uses `start`). defaults: the
+    embedded job as `make demo` runs it, without the small batch of SMALL. env: added to this process's
+    environment (e.g. TIDAL_THREADS=1: the same float sums in every layout)."""
     return jobs.run(algo, *([] if defaults else SMALL), *args, steps=steps, output_dir=out, nproc=nproc,
-                    timeout=timeout, env=env, check=False)
+                    timeout=timeout, env=env, check=False, warm=True)
 
 
 metrics = jobs.read_metrics

@@ -120,9 +120,7 @@ def test_the_hand_written_example_is_the_recipe(tmp_path):
 
 def test_ppo_learns_the_embedded_task(tmp_path):
     """The default job, 60 steps: the reward rises and the critic explains more of the returns."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={free_port()}",
-           "launch.py", "--algo", "ppo", "--steps", "60", "--output-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = launch(tmp_path, nproc=4, steps=60, algo="ppo", defaults=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(tmp_path)
 
