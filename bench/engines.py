@@ -10,6 +10,14 @@ is the median of REPEATS timed calls after one warm-up call; the ratio is vLLM /
 same run. Run in the vLLM venv (it has both engines):
 
     .venv-vllm/bin/python bench/engines.py [--models tiny,100M] [--threads 2]
+
+`--vs-hf DIR[,DIR]`: the native engine against HF `generate` (the loop TRL samples with) on real HF
+model directories, in the main venv: tokens/s at each rows x threads, every row its own prompt (no
+shared-prompt prefill, which only the native engine has), both writing exactly --tokens tokens a row
+(EOS ignored) with plain sampling (temperature 1, no top-p/top-k); median of --repeats calls after a
+warm-up, the ratio native / HF from the same run:
+
+    .venv/bin/python bench/engines.py --vs-hf ../real/smollm2-135m-hf,../real/qwen2.5-coder-0.5b-hf
 """
 from __future__ import annotations
 
@@ -113,11 +121,68 @@ def bench(name: str) -> list[dict]:
     return out
 
 
+def vs_hf(model_dir: str, *, rows: list[int], threads: list[int], tokens: int, repeats: int) -> list[dict]:
+    """Native engine vs HF generate on one model: tokens/s at each (threads, rows)."""
+    model = load_model(model_dir, dtype=torch.float32)
+    tok = load_tokenizer(model_dir)
+    vocab = model.config.vocab_size
+    texts = [f"def f{i}(x):\n    # return x plus {i}, then print it\n" for i in range(max(rows))]
+    ids = [tok(t)["input_ids"] for t in texts]
+    # EOS never matches: every row writes `tokens` tokens, as min_new_tokens makes HF do
+    native = NativeEngine(model, eos_token_id=vocab + 1, pad_token_id=tok.pad_token_id or 0, max_batch_prompts=max(rows))
+    out = []
+    for n_threads in threads:
+        torch.set_num_threads(n_threads)
+        for n_rows in rows:
+            requests = [PromptRequest(index=i, prompt_ids=ids[i]) for i in range(n_rows)]
+            params = SamplingParams(n=1, max_new_tokens=tokens, seed=0, temperature=1.0)
+
+            def run_native():
+                for _ in native.generate(requests, params, step=0):
+                    pass
+
+            tok.padding_side = "left"
+            batch = tok(texts[:n_rows], return_tensors="pt", padding=True)
+
+            @torch.inference_mode()
+            def run_hf():
+                model.generate(**batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, min_new_tokens=tokens,
+                               max_new_tokens=tokens, pad_token_id=tok.pad_token_id or 0)
+
+            med = {}
+            for name, fn in (("native", run_native), ("hf", run_hf)):
+                fn()  # warm-up
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                med[name] = n_rows * tokens / statistics.median(times)
+            out.append({"model": Path(model_dir).name, "threads": n_threads, "rows": n_rows,
+                        "native tok/s": med["native"], "HF generate tok/s": med["hf"],
+                        "native / HF": med["native"] / med["hf"]})
+            print(out[-1], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="tiny,100M")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vs-hf", default=None, help="HF model directories (comma-separated): native vs HF generate")
+    ap.add_argument("--rows", default="1,8,64", help="with --vs-hf")
+    ap.add_argument("--thread-counts", default="1,2", help="with --vs-hf")
+    ap.add_argument("--tokens", type=int, default=32, help="with --vs-hf: tokens written a row")
+    ap.add_argument("--repeats", type=int, default=3, help="with --vs-hf")
     args = ap.parse_args()
+    if args.vs_hf:
+        table = []
+        for model_dir in args.vs_hf.split(","):
+            table += vs_hf(model_dir, rows=[int(r) for r in args.rows.split(",")],
+                           threads=[int(t) for t in args.thread_counts.split(",")], tokens=args.tokens,
+                           repeats=args.repeats)
+        print(tabulate(table, headers="keys", floatfmt=".4g"))
+        return
     torch.set_num_threads(args.threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")

@@ -84,19 +84,27 @@ def run(algo: str = "grpo", *args: str, overrides: Mapping[str, object] | Sequen
     return job
 
 
-def _run_warm(cmd: list[str], *, nproc: int | None, timeout: float | None,
-              env: Mapping[str, str] | None) -> tuple[int, str, str]:
+def run_script(script: Path | str, *args: str, nproc: int, timeout: float | None = None,
+               env: Mapping[str, str] | None = None) -> tuple[int, str, str]:
+    """A script that wires its own graph (examples/) on `nproc` ranks forked by the warm launcher, as
+    `torchrun --nproc-per-node nproc script args` runs it: (exit code, stdout, stderr)."""
     import tempfile
 
     from launch import warm
 
-    assert nproc is not None, "warm=True forks nproc ranks: give nproc"
-    argv = cmd[cmd.index(str(ROOT / "launch.py")) + 1:]
     with tempfile.TemporaryDirectory(prefix="tidal-job-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        code = warm.shared().run(argv, nproc=nproc, port=free_port(), out=out, err=err, env=env, timeout=timeout)
+        code = warm.shared().run(list(args), nproc=nproc, port=free_port(), out=out, err=err, env=env, timeout=timeout,
+                                 script=script)
         read = lambda path: path.read_text(errors="replace") if path.is_file() else ""  # noqa: E731
         return code, read(out), read(err)
+
+
+def _run_warm(cmd: list[str], *, nproc: int | None, timeout: float | None,
+              env: Mapping[str, str] | None) -> tuple[int, str, str]:
+    assert nproc is not None, "warm=True forks nproc ranks: give nproc"
+    script = ROOT / "launch.py"
+    return run_script(script, *cmd[cmd.index(str(script)) + 1:], nproc=nproc, timeout=timeout, env=env)
 
 
 def start(algo: str = "grpo", *args: str, overrides: Mapping[str, object] | Sequence[str] = (),

@@ -70,8 +70,8 @@ def check_reward_columns(rows: list, cfg: RunConfig, *, field: str, first: int =
         for column in getattr(resolve_reward(spec), "columns", ()):
             for i, row in enumerate(rows[:first], start=1):
                 if column not in row.extras:
-                    hint = (f"set data.answer_key to the column that holds the answer" if column == "answer"
-                            else f"add the column or choose another reward")
+                    hint = ("set data.answer_key to the column that holds the answer" if column == "answer"
+                            else "add the column or choose another reward")
                     has = ", ".join(repr(k) for k in [cfg.data.prompt_key, *row.extras][:8])
                     raise ValueError(f"{field}: reward {spec!r} reads the column {column!r}, which row {i} of {path} "
                                      f"lacks (it has {has}); {hint}, or set reward.functions")

@@ -8,7 +8,7 @@ what their steps cost.
 
 What a rank sees is what torchrun gives it: the same environment variables (RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID, ...), argv, working directory and standard streams,
-and it runs `launch.cli.main` as `launch.py` does. What differs: no elastic agent (no restarts; on the
+and it runs the script (launch.py, or a script wiring its own graph) as `python script ...` would. What differs: no elastic agent (no restarts; on the
 first rank that fails, the others get SIGTERM as torchrun's agent sends it, then SIGKILL after
 `stop_timeout_s`), and the job's exit code is its first failed rank's (128 + N for a signal N), as
 `python launch.py` reports it. Use torchrun for what needs the agent (restarts, signals to the launcher).
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "launch.py"
 PACKAGES = ("algorithms", "common", "controller", "executors", "launch", "modeling", "recipes")
 # what a job's ranks import on the way (the HF model classes are found by name at load time)
 LIBRARIES = ("transformers", "transformers.models.qwen3.modeling_qwen3", "transformers.models.auto.modeling_auto",
@@ -57,12 +58,13 @@ class WarmLauncher:
         return self._server
 
     def run(self, argv: Sequence[str], *, nproc: int, port: int, out: Path, err: Path,
-            env: Mapping[str, str] | None = None, timeout: float | None = None) -> int:
-        """Run `launch.py argv` on `nproc` forked ranks, their stdout/stderr into `out`/`err`; the exit code.
-        On `timeout` the ranks are killed and subprocess.TimeoutExpired raised (as subprocess.run does)."""
+            env: Mapping[str, str] | None = None, timeout: float | None = None, script: Path | str = SCRIPT) -> int:
+        """Run `script argv` (launch.py, or a script of one's own graph, e.g. examples/) on `nproc` forked
+        ranks, their stdout/stderr into `out`/`err`; the exit code. On `timeout` the ranks are killed and
+        subprocess.TimeoutExpired raised (as subprocess.run does)."""
         server = self._start()
         # the whole environment, as subprocess would pass it (libraries read theirs at import: the server's)
-        request = {"argv": list(argv), "nproc": nproc, "port": port, "out": str(out), "err": str(err),
+        request = {"script": str(Path(script).resolve()), "argv": list(argv), "nproc": nproc, "port": port, "out": str(out), "err": str(err),
                    "env": {**os.environ, **(env or {})}, "cwd": str(ROOT)}
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
@@ -78,7 +80,7 @@ class WarmLauncher:
                 except ProcessLookupError:
                     pass
             reader.join(30)
-            raise subprocess.TimeoutExpired(["launch.py", *argv], timeout)
+            raise subprocess.TimeoutExpired([str(script), *argv], timeout)
         if not done or not done[0]:
             raise RuntimeError("the warm launcher died")
         return json.loads(done[0])["returncode"]
@@ -130,7 +132,8 @@ def _threads() -> int:
 
 
 def _rank(request: dict, rank: int, run_id: str) -> None:
-    """In the forked child: become rank `rank` of the job, run launch.py's main, and exit (never return)."""
+    """In the forked child: become rank `rank` of the job, run the script as `python script argv` would
+    (as __main__, its folder first on sys.path), and exit (never return)."""
     code = 1
     try:
         os.setpgid(0, 0)  # its own group: a Ctrl-C at the client's terminal reaches the client only
@@ -156,10 +159,12 @@ def _rank(request: dict, rank: int, run_id: str) -> None:
 
         random.seed()  # a fresh process's generators, not the server's
         np.random.seed()
-        sys.argv = [str(ROOT / "launch.py"), *request["argv"]]
-        from launch.cli import main
+        import runpy
 
-        code = main()
+        sys.argv = [request["script"], *request["argv"]]
+        sys.path[0] = str(Path(request["script"]).parent)
+        runpy.run_path(request["script"], run_name="__main__")
+        code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:

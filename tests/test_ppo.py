@@ -8,15 +8,13 @@ test_e2e_parallel.py): every weight moves in every step, so equal finals mean so
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
+from launch import jobs
 from tests.e2e import ROOT, launch, max_abs_diff, metrics, weights
-from common.spawn import free_port
 
 SIGNAL = ["--set", "reward.functions=[tests.rewards:length_parity]", "--set", "trainer.adam_eps=1e-3",
           "--set", "critic.adam_eps=1e-3", "--set", "checkpoint_every=2"]
@@ -107,10 +105,9 @@ def test_the_hand_written_example_is_the_recipe(tmp_path):
     """examples/ppo_critic.py wires by hand the graph `--algo ppo` builds: the same rollouts and
     byte-identical policy and critic after 2 steps."""
     example = tmp_path / "example"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", f"--master-port={free_port()}",
-           str(ROOT / "examples/ppo_critic.py"), "--steps", "2", "--output-dir", str(example)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, err = jobs.run_script(ROOT / "examples/ppo_critic.py", "--steps", "2", "--output-dir", str(example),
+                                   nproc=4, timeout=600)
+    assert code == 0, err[-3000:]
     recipe = launch(tmp_path / "recipe", nproc=4, steps=2, algo="ppo", timeout=600)
     assert recipe.returncode == 0, recipe.stderr[-3000:]
     assert [r["trainer/rollout_digest"] for r in metrics(example)] == [r["trainer/rollout_digest"] for r in metrics(tmp_path / "recipe")]

@@ -21,7 +21,7 @@ from executors.reward.combine import combine, pair_by_index
 from executors.reward.config import RewardModelConfig
 from executors.reward.model import RewardModel
 from tests.e2e import launch, metrics
-from common.spawn import free_port
+from launch import jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "two_rewards.py"
@@ -37,10 +37,8 @@ def _example():
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_rewards")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=5", f"--master-port={free_port()}",
-           str(EXAMPLE), "--steps", "2", "--output-dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, err = jobs.run_script(EXAMPLE, "--steps", "2", "--output-dir", str(out), nproc=5, timeout=400)
+    assert code == 0, err[-3000:]
     return out
 
 
