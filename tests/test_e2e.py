@@ -242,7 +242,8 @@ def test_shared_prompt_on_off_and_padded_train_the_same(tmp_path):
     from modeling.hf import load_model
 
     for mode in ("on", "off", "padded"):
-        proc = launch(tmp_path / mode, "--set", f"trainer.shared_prompt={mode}", steps=2)
+        proc = launch(tmp_path / mode, "--set", f"trainer.shared_prompt={mode}",  # a signal from step 0 on
+                      "--set", "reward.functions=[tests.rewards:length_parity]", steps=2)
         assert proc.returncode == 0, proc.stderr[-3000:]
     runs = {mode: metrics(tmp_path / mode) for mode in ("on", "off", "padded")}
     assert len({tuple(r["trainer/rollout_digest"] for r in rows) for rows in runs.values()}) == 1

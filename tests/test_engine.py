@@ -57,9 +57,9 @@ def test_logprobs_match_teacher_forcing(model, tok, requests, temperature):
 
 
 def test_samples_do_not_depend_on_chunking_or_rank_split(model, tok, requests):
-    # Logits differ in the last bits across batch compositions (~1e-6 in log-prob), which could
-    # flip a Gumbel-max near-tie; measured 0 flips in 64 prompts x 8 samples x 16 tokens
-    # (8117 tokens, T=1 and 0.7), so exact equality is asserted.
+    # Logits differ in the last bits across batch compositions (~1e-6 in log-prob), which could move a
+    # cumulative-sum boundary past a row's uniform (a flip needs the uniform within ~1e-6 of one: ~1e-6
+    # a token); exact equality is asserted, and holds for these 320 tokens.
     params = SamplingParams(n=4, max_new_tokens=8, seed=11)
     one = _run(_engine(model, tok, max_batch_prompts=1), requests, params, step=3)
     all16 = _run(_engine(model, tok, max_batch_prompts=16), requests, params, step=3)
@@ -198,10 +198,10 @@ def test_bad_arguments(model, tok, requests):
 
 def test_sampling_uses_no_float64():
     """The sampler's arithmetic is float32 after the integer hash (Ascend kernels often lack float64);
-    the noise of a row is the same computed alone or in a batch, and is Gumbel(0, 1)."""
+    a row's uniform is the same computed alone or in a batch, and uniform on (0, 1)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from executors.generator.sampling import gumbel_noise
+    from executors.generator.sampling import uniforms
 
     class Dtypes(TorchDispatchMode):
         seen = set()
@@ -219,13 +219,64 @@ def test_sampling_uses_no_float64():
         for top_p in (1.0, 0.9):
             sample_tokens(logits_RV, seeds_R=seeds_R, t=2, temperature=0.8, top_p=top_p)
     assert torch.float64 not in mode.seen and torch.float32 in mode.seen, mode.seen
-    g_RV = gumbel_noise(seeds_R, 2, 1000)
-    assert g_RV.dtype == torch.float32 and torch.isfinite(g_RV).all()
+    u_R = uniforms(seeds_R, 2)
+    assert u_R.dtype == torch.float32 and bool(((u_R > 0) & (u_R < 1)).all())
     for r in range(6):
-        assert torch.equal(gumbel_noise(seeds_R[r:r + 1], 2, 1000)[0], g_RV[r])
-    many = gumbel_noise(torch.arange(200) * 7919 + 1, 0, 5000).double()  # 1M draws
-    assert abs(many.mean().item() - 0.5772) < 0.005 and abs(many.var().item() - 3.1416**2 / 6) < 0.01
+        assert torch.equal(uniforms(seeds_R[r:r + 1], 2), u_R[r:r + 1])
+    many = torch.cat([uniforms(torch.arange(1000) * 7919 + 1, t) for t in range(1000)]).double()  # 1M draws
+    assert abs(many.mean().item() - 0.5) < 0.002 and abs(many.var().item() - 1 / 12) < 0.001
+    counts = torch.histc(many, bins=100, min=0, max=1)  # and flat: chi-square over 100 bins (df 99, p=0.001: 148.2)
+    assert ((counts - 1e4) ** 2 / 1e4).sum().item() < 148.2
 
+
+@pytest.mark.parametrize("top_p, top_k", [(1.0, 0), (0.9, 0), (1.0, 50), (0.8, 20)])
+def test_a_rows_token_is_the_same_alone_and_in_any_batch(top_p, top_k):
+    """One uniform a row: sample r's token at position t is the same drawn alone and inside batches of
+    2, 7 and 16 rows (other rows' logits and seeds around it), at any of its positions."""
+    gen = torch.Generator().manual_seed(0)
+    logits_RV = torch.randn(16, 5000, generator=gen) * 3
+    seeds_R = torch.randint(0, 2**62, (16,), generator=gen)
+    t_R = torch.randint(0, 500, (16,), generator=gen)
+    alone = [sample_tokens(logits_RV[r:r + 1], seeds_R=seeds_R[r:r + 1], t=t_R[r:r + 1], temperature=0.7,
+                           top_p=top_p, top_k=top_k) for r in range(16)]
+    for size in (2, 7, 16):
+        for first in range(0, 16 - size + 1, size):
+            rows = slice(first, first + size)
+            tok_R, logp_R = sample_tokens(logits_RV[rows], seeds_R=seeds_R[rows], t=t_R[rows], temperature=0.7,
+                                          top_p=top_p, top_k=top_k)
+            for i, r in enumerate(range(first, first + size)):
+                assert torch.equal(tok_R[i:i + 1], alone[r][0]) and torch.equal(logp_R[i:i + 1], alone[r][1])
+
+
+@pytest.mark.parametrize("top_p, top_k, expect", [
+    (1.0, 0, [0.4, 0.3, 0.15, 0.1, 0.05]),
+    (1.0, 3, [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0]),
+    (0.75, 0, [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0]),  # the nucleus: the fewest tokens with >= 0.75
+    (0.6, 2, [0.4 / 0.7, 0.3 / 0.7, 0, 0, 0]),
+])
+def test_sampled_frequencies_pass_a_chi_square_test(top_p, top_k, expect):
+    """50k samples (one per seed) of a fixed distribution, after top-p and top-k: Pearson's chi-square
+    against the renormalised probabilities under the 0.001 critical value; masked tokens never drawn."""
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    R, expect = 50_000, torch.tensor(expect)
+    tok_R, _ = sample_tokens(probs.log().expand(R, 5), seeds_R=torch.arange(R) * 7919 + 13, t=4, temperature=1.0,
+                             top_p=top_p, top_k=top_k)
+    seen = torch.bincount(tok_R, minlength=5).double()
+    kept = expect > 0
+    assert seen[~kept].sum() == 0
+    chi2 = ((seen[kept] - R * expect[kept]) ** 2 / (R * expect[kept])).sum().item()
+    critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}[int(kept.sum()) - 1]
+    assert chi2 < critical, (chi2, seen.tolist())
+
+
+def test_draw_never_picks_a_token_without_mass():
+    from executors.generator.sampling import draw
+
+    probs_RV = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0], [0.2, 0.0, 0.0, 0.0, 0.0]])
+    for u in (1e-7, 0.25, 0.5, 0.75, 1 - 2.0**-23, 1.0):  # 1.0: u x total rounded up to the total
+        tok_R = draw(probs_RV, torch.full((3,), u))
+        assert bool((probs_RV.gather(1, tok_R[:, None]) > 0).all()), (u, tok_R)
+    assert draw(probs_RV, torch.tensor([0.4, 0.9, 0.9])).tolist() == [1, 2, 0]
 
 
 @pytest.fixture(scope="module")

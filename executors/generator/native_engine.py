@@ -302,7 +302,7 @@ class _Batch:
     def _decode_turn(self) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
         """`_decode_one` with turns: a row whose turn ends hands it to the rollout, and the observation
         it gets back is fed with its last token in the same forward (its KV appended to the row's).
-        The noise of a token is indexed by its position in the response, unique across turns."""
+        The uniform of a token is indexed by its position in the response, unique across turns."""
         p, eng, G, r = self.params, self.engine, self.params.n, self.rows
         tok_B, logp_B = sample_tokens(r.logits_BV, seeds_R=r.seeds_B, t=r.len_B.to(r.seeds_B.device),
                                       temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
