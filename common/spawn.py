@@ -31,6 +31,11 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "s
            "transformers.models.qwen3.modeling_qwen3", "modeling.hf", "controller.devices"]
 
 
+# "forkserver": fast; "spawn" where a library cleans up at process exit in C++ (vLLM's CPU shared memory,
+# a GPU's teardown): a fork server's child ends by os._exit, which skips that (tests_vllm/, tests_gpu/ set it)
+START_METHOD = "forkserver"
+
+
 def spawn(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
     """Run `fn(*args)` on `world_size` ranks; return the per-rank results in rank order.
 
@@ -40,8 +45,9 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
     Raises RuntimeError with the failing rank's traceback, or on deadline (children are killed by
     their own handles, never by name).
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first spawn); later calls change nothing
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first spawn); later calls change nothing
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, queue, args), daemon=True)

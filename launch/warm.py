@@ -11,7 +11,9 @@ WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID, ...), argv, working directory
 and it runs the script (launch.py, or a script wiring its own graph) as `python script ...` would. What differs: no elastic agent (no restarts; on the
 first rank that fails, the others get SIGTERM as torchrun's agent sends it, then SIGKILL after
 `stop_timeout_s`), and the job's exit code is its first failed rank's (128 + N for a signal N), as
-`python launch.py` reports it. Use torchrun for what needs the agent (restarts, signals to the launcher).
+`python launch.py` reports it. Use torchrun for what needs the agent (restarts, signals to the launcher),
+and for the vLLM engine: a rank ends by os._exit, which skips exit-time cleanup done in C++ (vLLM's CPU
+shared memory; on a GPU, CUDA and NCCL teardown).
 
 Fork safety: the server forks only while it is single-threaded (checked after its imports: no
 OpenMP pool, no tokenizer pool), and a rank reseeds Python's and numpy's global generators as a fresh

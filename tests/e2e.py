@@ -14,6 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # 2 inference chunks; no PNGs at the end (1.5 s a job; the tests that read them turn them on)
 SMALL = ["--set", "data.prompts_per_step=4", "--set", "generator.samples_per_prompt=4",
          "--set", "generator.max_new_tokens=4", "--set", "generator.max_batch_prompts=2", "--set", "logging.plots=false"]
+# the tests' jobs fork from the warm launcher; tests_vllm/ and tests_gpu/ set False (torchrun): vLLM's CPU shared
+# memory and a GPU's teardown want a rank that exits as a process does, not by os._exit from a fork
+WARM = True
 REQUIRED = {"step", "trainer/reward_mean", "trainer/reward_std", "trainer/response_len_mean", "trainer/loss", "trainer/kl",
             "trainer/grad_norm", "generator/gen_s", "trainer/train_s", "trainer/push_s", "step_s", "trainer/tokens", "tpspd",
             "trainer/rollout_digest"}
@@ -26,7 +29,7 @@ def launch(out: Path, *args: str, nproc: int = 3, steps: int = 3, timeout: float
     embedded job as `make demo` runs it, without the small batch of SMALL. env: added to this process's
     environment (e.g. TIDAL_THREADS=1: the same float sums in every layout)."""
     return jobs.run(algo, *([] if defaults else SMALL), *args, steps=steps, output_dir=out, nproc=nproc,
-                    timeout=timeout, env=env, check=False, warm=True)
+                    timeout=timeout, env=env, check=False, warm=WARM)
 
 
 metrics = jobs.read_metrics

@@ -107,7 +107,7 @@ def test_multi_turn_rollouts_with_vllm(tmp_path):
 
     lines = [json.loads(line) for line in (tmp_path / "periodic/samples.jsonl").read_text().splitlines()]
     # the look is one token: the environment's cap reaches vLLM's request (max_tokens)
-    assert all(line["turns"][0]["role"] == "assistant" and line["turns"][0]["trainer/tokens"] == 1 for line in lines)
+    assert all(line["turns"][0]["role"] == "assistant" and line["turns"][0]["tokens"] == 1 for line in lines)
     assert any(t["role"] == "tool" for line in lines for t in line["turns"])
 
 

@@ -174,13 +174,13 @@ def test_partial_rollouts_resume_cut_groups(checks):
 def test_per_sample_seeds(checks):
     tp, results = checks
     r = results[0]
-    assert r["trainer/groups"] == list(range(6)) and r["G"] == {4}
+    assert r["groups"] == list(range(6)) and r["G"] == {4}
     assert r["same_twice"], "same requests in another order gave other tokens"
     assert r["same_alone"], "a request alone gave other tokens than inside a batch"
     assert r["step_changes"], "the step is part of every sample's seed"
     assert r["finished_has_eos"]
     if tp == 2:  # both ranks of the replica sampled the same groups
-        assert results[1]["same_twice"] and results[1]["trainer/groups"] == r["trainer/groups"]
+        assert results[1]["same_twice"] and results[1]["groups"] == r["groups"]
 
 
 def test_pushed_weights_reach_the_engine(checks):
