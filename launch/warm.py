@@ -66,8 +66,8 @@ class WarmLauncher:
         subprocess.TimeoutExpired raised (as subprocess.run does)."""
         server = self._start()
         # the whole environment, as subprocess would pass it (libraries read theirs at import: the server's)
-        request = {"script": str(Path(script).resolve()), "argv": list(argv), "nproc": nproc, "port": port, "out": str(out), "err": str(err),
-                   "env": {**os.environ, **(env or {})}, "cwd": str(ROOT)}
+        request = {"script": str(Path(script).resolve()), "argv": list(argv), "nproc": nproc, "port": port,
+                   "out": str(out), "err": str(err), "env": {**os.environ, **(env or {})}, "cwd": str(ROOT)}
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
         pids = json.loads(server.stdout.readline())["pids"]
@@ -76,11 +76,7 @@ class WarmLauncher:
         reader.start()
         reader.join(timeout)
         if reader.is_alive():  # our own ranks, by pid; the server reaps them and answers
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _signal(pids, signal.SIGKILL)
             reader.join(30)
             raise subprocess.TimeoutExpired([str(script), *argv], timeout)
         if not done or not done[0]:
@@ -187,9 +183,10 @@ def _wait(pids: list[int], stop_timeout_s: float) -> int:
     codes: dict[int, int] = {}
     first, kill_at = None, None
     while len(codes) < len(pids):
-        pid, status = os.waitpid(-1, os.WNOHANG)
+        # block until a rank ends; poll only while a SIGKILL deadline is pending
+        pid, status = os.waitpid(-1, 0 if kill_at is None else os.WNOHANG)
         if pid == 0:
-            if kill_at is not None and time.monotonic() > kill_at:
+            if time.monotonic() > kill_at:
                 _signal([p for p in pids if p not in codes], signal.SIGKILL)
                 kill_at = None
             time.sleep(0.02)
