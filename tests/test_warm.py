@@ -1,5 +1,6 @@
 """The warm launcher (launch/warm.py) against torchrun: the same job gives the same rollouts and the same
-final bytes; a failing rank's error and a nonzero exit come back; a job past its timeout is killed."""
+final bytes; a job past its timeout is killed (a failing rank's error and exit code: tests/test_faults.py and the
+other jobs of the suite, which run warm)."""
 from __future__ import annotations
 
 import subprocess
@@ -22,16 +23,9 @@ def test_a_warm_job_equals_the_same_job_under_torchrun(tmp_path):
     assert final[0] == final[1]
 
 
-def test_a_failing_rank_ends_the_warm_job_with_its_error(tmp_path):
-    job = jobs.run("grpo", *SMALL, "--set", "reward.functions=[tests.rewards:boom]", steps=1, output_dir=tmp_path,
-                   nproc=3, timeout=120, warm=True, check=False)
-    assert job.returncode != 0
-    assert "rank 1 (reward) failed" in job.stderr, job.stderr[-2000:]
-
-
 def test_a_warm_job_past_its_timeout_is_killed(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         jobs.run("grpo", *SMALL, "--set", "reward.functions=[tests.rewards:hang]", "--set", "reward.timeout_s=600",
-                 steps=1, output_dir=tmp_path, nproc=3, timeout=15, warm=True)
+                 steps=1, output_dir=tmp_path, nproc=3, timeout=6, warm=True)
     # the launcher is free again: the next job runs
     assert jobs.run("grpo", *SMALL, steps=1, output_dir=tmp_path / "next", nproc=3, timeout=120, warm=True).returncode == 0
