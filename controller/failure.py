@@ -22,6 +22,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 from controller.world import store_client
 
@@ -42,6 +43,12 @@ class Watchdog:
         self._store.set(f"proc/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         self._peers: dict[int, dict] = {}
         self._beats: dict[int, tuple[int, float]] = {}  # rank -> (last counter seen, when it last moved)
+        self._last_words: Callable[[], None] = lambda: None
+
+    def before_exit(self, last_words: Callable[[], None]) -> None:
+        """Run `last_words` (bounded in time) before this rank exits on a failure, its own or a
+        peer's: rank 0 prints the rows of the steps that finished (MetricsWriter.drain)."""
+        self._last_words = last_words
 
     def name(self, rank: int) -> str:
         return f"rank {rank} ({self.roles.get(rank, '?')})"
@@ -72,6 +79,7 @@ class Watchdog:
                 message = f"lost the job's store ({type(exc).__name__}); another rank or torchrun died"
             tick += 1
             if message and not self._stop.is_set():
+                self._say_last_words()
                 say(f"tidal: {self.name(self.rank)} stopping: {message}")
                 os._exit(EXIT_CODE)
 
@@ -111,15 +119,23 @@ class Watchdog:
         try:
             cause = self._cause_of_echo(exc) if is_echo(exc) else None
             if cause is None:
+                publish_first(self._store, own)  # first: the peers stop while this rank says its last words
+                self._say_last_words()
                 traceback.print_exception(exc, file=sys.stderr)
                 say(f"tidal: {own}")
-                publish_first(self._store, own)
             else:
+                self._say_last_words()
                 say(f"tidal: {self.name(self.rank)} stopping: {cause}")
         except Exception:  # the store is gone: say what this rank saw
             say(f"tidal: {own}")
         finally:
             os._exit(EXIT_CODE)  # skip atexit/destructors: they may block on dead peers
+
+    def _say_last_words(self) -> None:
+        try:
+            self._last_words()
+        except Exception as exc:  # the failure being reported matters more
+            say(f"tidal: {self.name(self.rank)}: could not print the finished steps ({type(exc).__name__}: {exc})")
 
     def _cause_of_echo(self, exc: BaseException, *, wait_s: float = 3.0) -> str | None:
         deadline = time.monotonic() + wait_s

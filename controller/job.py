@@ -95,6 +95,7 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
                                    timeout=timeout, derive=derive,
                                    tensorboard=output_dir / "tensorboard" if tensorboard else None,
                                    every_s=progress_every_s).start()
+            watchdog.before_exit(writer.drain)
         stopped = Controller(world=world, steps=steps_run, schedule=schedule, control=control,
                              startup=startup).run()
         if stopped is not None:

@@ -89,6 +89,10 @@ def headers(keys: Sequence[str]) -> list[str]:
     return [s if short.count(s) == 1 else k for k, s in zip(keys, short)]
 
 
+class _Drained(Exception):
+    """drain() ended the wait for a step's records."""
+
+
 class MetricsWriter:
     def __init__(self, *, executors: Sequence[str], steps: range, path: Path,
                  console_keys: Sequence[str] | None, timeout: timedelta, derive=None,
@@ -105,10 +109,13 @@ class MetricsWriter:
         # says what each executor is doing (controller/progress.py)
         self.every_s, self._quiet_since, self._began = every_s, time.monotonic(), time.time()
         self._error: BaseException | None = None
+        self._give_up_at = math.inf  # drain(): when to stop waiting for a step's records
         self._thread = threading.Thread(target=self._run, name="tidal-metrics", daemon=True)
 
     def _wait(self, keys: list[str], *, step: int, bar) -> None:
         while not self._store.check(keys):
+            if time.monotonic() > self._give_up_at:
+                raise _Drained
             time.sleep(0.1)
             if time.monotonic() - self._quiet_since >= self.every_s:
                 bar.write(f"tidal: step {step}, {time.time() - self._began:.0f} s into the run: "
@@ -123,6 +130,13 @@ class MetricsWriter:
         self._thread.join()
         if self._error:
             raise self._error
+
+    def drain(self, *, wait_s: float = 2.0) -> None:
+        """The job is ending on a failure: print the rows of the steps that every executor finished
+        (the last may be posted a moment after a peer's error), then stop waiting. Without it the
+        console of a run stopped in step 1 could lack step 0's row and its reward warning."""
+        self._give_up_at = time.monotonic() + wait_s
+        self._thread.join(timeout=wait_s + 1.0)
 
     def _run(self) -> None:
         board = self.board
@@ -157,6 +171,8 @@ class MetricsWriter:
                     self._quiet_since = time.monotonic()
                     if decision.stop:
                         break
+        except _Drained:
+            pass
         except BaseException as exc:  # surfaced by join()
             self._error = exc
         finally:
