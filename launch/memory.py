@@ -20,6 +20,7 @@ context is not counted. docs/big-models.md "Memory" gives the estimates against 
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,13 +151,30 @@ def micro_batch_tokens(t: LearnerConfig, *, prompt: int, response: int, samples:
                for p in range(1, prompt + 1))
 
 
+def micro_batches_per_group(t: LearnerConfig, *, prompt: int, response: int, samples: int) -> int:
+    """At most how many micro-batches one group of `samples` responses becomes (packed: its tokens over
+    token_budget, the prompt counted per sample unless shared_prompt=on)."""
+    if t.shared_prompt == "padded":
+        return math.ceil(samples / t.micro_batch_size)
+    tokens = prompt + samples * response if t.shared_prompt == "on" else samples * (prompt + response)
+    return max(1, math.ceil(tokens / t.token_budget))
+
+
+def held_gradients(t: LearnerConfig, *, micro_batches: int) -> int:
+    """Gradient-sized buffers that float32 accumulation may hold for groups trained ahead of their turn
+    (executors/learner/order.py IndexOrderedSum): none where the layout takes groups in index order."""
+    ordered = t.tp > 1 or (t.dp > 1 and (t.fsdp or t.ep > 1))
+    return 0 if t.fp64_grad_accumulation or ordered else t.grad_spares * micro_batches
+
+
 def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passes: int, head: bool,
-                  tokens: tuple[int, int], adapters: int = 0) -> dict[str, float]:
+                  tokens: tuple[int, int], adapters: int = 0, micro_batches: int = 1) -> dict[str, float]:
     """Bytes per rank of a model trained on groups (the trainer's policy, the critic's value model), by
     part. copies: forward-only copies (reference, old policy); passes: gradient accumulators; head:
     LM-head logits in chunks (the policy's log-probs, or a reference's); tokens: the longest
     micro-batch's (tokens, response tokens), micro_batch_tokens; adapters: LoRA's parameters, the only
-    ones trained (the base frozen: no optimizer state, accumulators or gradient of its own)."""
+    ones trained (the base frozen: no optimizer state, accumulators or gradient of its own);
+    micro_batches: per group, micro_batches_per_group."""
     shard = t.tp * (t.dp if t.fsdp else 1)
     # with expert parallel a rank holds 1/ep of the experts: as if the model had this many parameters
     params = m.params - m.expert_params + m.expert_params / t.ep
@@ -181,6 +199,8 @@ def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passe
         "grad accumulators": passes * trained * (8 if t.fp64_grad_accumulation else 4) / shard,
         # the backward writes each micro-batch's gradient in the compute dtype before it is accumulated
         "gradient": trained * (2 if t.precision == "bf16" else stored) / shard,
+        "held gradients (grad_spares)": held_gradients(t, micro_batches=micro_batches) * passes * trained
+        * (2 if t.precision == "bf16" else stored) / shard,
         "activations (rough)": activations,
     }
 
@@ -189,6 +209,11 @@ def _adapters(cfg: RunConfig, m: Shape) -> int:
     """trainer.lora's parameters (0 without LoRA)."""
     lora = cfg.trainer.lora
     return m.lora_params(rank=lora.rank, targets=lora.target_modules or ALL_LINEAR) if lora.on else 0
+
+
+def _group_micro_batches(cfg: RunConfig, t: LearnerConfig) -> int:
+    return micro_batches_per_group(t, prompt=cfg.data.max_prompt_tokens, response=cfg.response_tokens,
+                                   samples=cfg.generator.samples_per_prompt)
 
 
 def _group_tokens(cfg: RunConfig, t: LearnerConfig) -> tuple[int, int]:
@@ -203,7 +228,7 @@ def trainer_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
     return learner_parts(t, m, stored=_BYTES[cfg.model.dtype], passes=passes, head=True,
                          # with LoRA the reference is the base itself (adapters off): no copy
                          copies=int(algo.needs_reference and not t.lora.on) + int(t.epochs * t.mini_batches > 1),
-                         tokens=_group_tokens(cfg, t),
+                         tokens=_group_tokens(cfg, t), micro_batches=_group_micro_batches(cfg, t),
                          adapters=_adapters(cfg, m))
 
 
@@ -212,7 +237,7 @@ def critic_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
     reference. The decoder's count stands for the value model's (its head is smaller than an LM head)."""
     reference = cfg.algo_config.critic_reference  # a critic runs with PPOConfig
     return learner_parts(cfg.critic, m, stored=_BYTES[cfg.model.dtype], copies=int(reference), passes=1, head=reference,
-                         tokens=_group_tokens(cfg, cfg.critic))
+                         tokens=_group_tokens(cfg, cfg.critic), micro_batches=_group_micro_batches(cfg, cfg.critic))
 
 
 def generator_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:

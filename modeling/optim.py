@@ -1,9 +1,10 @@
 """AdamW over a model trained on prompt groups: the lr schedule, order-independent gradient
 accumulators, shard-aware clipping, and the optimizer's checkpoint.
 
-Gradients of a step are summed in accumulators (float64 by default) as micro-batches come, and
-divided once, at the step, by the batch denominator (docs/architecture.md "Determinism"); a float64 sum of float32 terms cannot depend on their order (docs/architecture.md "Determinism",
-rule 3). The trainer's barrier (executors/trainer/barrier.py) combines several accumulators first;
+Gradients of a step are summed in accumulators (float32 by default, float64 as an option) as
+micro-batches come, and divided once, at the step, by the batch denominator (docs/architecture.md
+"Determinism"). A float32 sum depends on its order: the learner adds each group's gradients in index
+order whatever order the groups arrive in (executors/learner/order.py IndexOrderedSum). The trainer's barrier (executors/trainer/barrier.py) combines several accumulators first;
 the critic steps on one.
 """
 from __future__ import annotations
@@ -34,10 +35,19 @@ class Gradients:
 
     def add_from_params_(self, name: Hashable) -> None:
         """Move the parameters' .grad into pass `name`'s buffers (with FSDP: the dp sum of this shard)."""
-        for acc, p in zip(self.by_pass[name], self.params):
-            if p.grad is not None:
-                acc += local(p.grad)
-                p.grad = None
+        self.add_(name, self.take_from_params())
+
+    def take_from_params(self) -> list[torch.Tensor | None]:
+        """The parameters' .grad (local shards; None where a parameter had none), taken off them."""
+        taken = [local(p.grad) if p.grad is not None else None for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return taken
+
+    def add_(self, name: Hashable, grads: list[torch.Tensor | None]) -> None:
+        for acc, g in zip(self.by_pass[name], grads):
+            if g is not None:
+                acc += g
 
     def all_reduce_(self, passes, *, group: dist.ProcessGroup, which: list[bool] | None = None) -> None:
         """Sum the buffers over `group`: all of them, or those `which` marks."""

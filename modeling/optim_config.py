@@ -19,7 +19,7 @@ class OptimConfig:
     schedule: str = "constant"  # or "cosine", down to min_lr_ratio x lr at the last step
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # max global gradient norm
-    fp64_accumulation: bool = True  # float64 accumulators: arrival order cannot change a bit
+    fp64_accumulation: bool = False  # float64 accumulators (the learner orders float32 sums by index)
 
 
 def lr_factor(step: int, *, warmup: int, schedule: str, total: int, floor: float) -> float:

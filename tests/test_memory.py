@@ -12,10 +12,15 @@ def test_memory_estimate_counts_each_copy():
     shape = Shape(params=10**9, hidden=2048, intermediate=8192, layers=16, vocab=32000, kv_width=512)
     fp32 = trainer_parts(small_config(algorithm={"beta": 0.04}), shape)
     assert fp32["weights"] == 4e9 and fp32["ref/old copies"] == 4e9 and fp32["AdamW state"] == 8e9
-    assert fp32["grad accumulators"] == 8e9
-    bf16 = trainer_parts(small_config(algorithm={"beta": 0.04}, trainer={"precision": "bf16",
-                                                                         "fp64_grad_accumulation": False}), shape)
+    # float32 accumulators, and grad_spares=1 group of one micro-batch held ahead of its turn
+    assert fp32["grad accumulators"] == 4e9 and fp32["held gradients (grad_spares)"] == 4e9
+    fp64 = trainer_parts(small_config(trainer={"fp64_grad_accumulation": True}), shape)
+    assert fp64["grad accumulators"] == 8e9 and fp64["held gradients (grad_spares)"] == 0
+    bf16 = trainer_parts(small_config(algorithm={"beta": 0.04}, trainer={"precision": "bf16"}), shape)
     assert bf16["weights"] == 6e9 and bf16["ref/old copies"] == 2e9 and bf16["grad accumulators"] == 4e9
+    assert bf16["held gradients (grad_spares)"] == 2e9  # bf16 gradients
+    tp = trainer_parts(small_config(trainer={"tp": 2}), shape)
+    assert tp["held gradients (grad_spares)"] == 0  # tp ranks take groups in index order: none held
     fsdp = trainer_parts(small_config(algorithm={"beta": 0.04}, trainer={"precision": "bf16", "fsdp": True, "dp": 4},
                                       data={"prompts_per_step": 4}), shape)
     assert fsdp["weights"] == 1e9 and fsdp["ref/old copies"] == 1e9 and fsdp["AdamW state"] == 2e9

@@ -129,6 +129,7 @@ class Critic(Learner):
         self.optim = Optimizer(self.models.master, compute=self.models.value, cfg=self.cfg.optim, total_steps=self.total_steps,
                                mesh=self.models.mesh, dp_group=self.models.dp_group, passes=(VALUE,),
                                replicated_dp=not self.shards_over_units)
+        self._order_sums()
         if env.resume is not None:
             self.optim.load(env.resume / "critic" / "optimizer", group=env.group)
 
@@ -139,7 +140,8 @@ class Critic(Learner):
         for work in self._work(self._in_order(ctx.inbound[self.scored])):  # as the schedule hands them over
             t0 = time.perf_counter()
             with ctx.timeline.span("values", index=work.group.index if work.group is not None else -1):
-                advantages = self._take(work, state)
+                with self._summing(work.group):
+                    advantages = self._take(work, state)
             if work.group is not None:
                 ctx.outbound[self.advantaged].send(AdvantagedGroup(**vars(work.group), advantages=advantages))
             state.train_s += time.perf_counter() - t0
@@ -181,7 +183,7 @@ class Critic(Learner):
         """Back-propagate a micro-batch's value loss into the accumulators; None: it was forward-only."""
         if loss is not None:
             loss.backward()
-            self.optim.grads.add_from_params_(VALUE)
+            self._accumulate(VALUE)
         else:
             self.models.no_backward()
 
@@ -210,6 +212,7 @@ class Critic(Learner):
     def barrier(self, ctx: StepContext, state: CriticState) -> CriticMetrics:
         t0 = time.perf_counter()
         with ctx.timeline.span("barrier"):
+            self._settle()
             seen = state.seen.all_reduce(group=self.models.dp_group)
             steps = []
             if seen.tokens:  # partial rollouts: a step in which no group ended trains nothing

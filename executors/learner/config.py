@@ -52,9 +52,13 @@ class LearnerConfig(BaseModel):
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch over the batch; group i "
                               "is in mini-batch (i // dp) % mini_batches")
     epochs: int = Field(1, ge=1, description="passes over the batch (PPO-style); >1 uses the old-policy snapshot")
-    fp64_grad_accumulation: bool = Field(True, description="accumulate grads in float64 so arrival order "
-                                         "cannot change a bit; off: float32, half the memory, and sync and "
-                                         "periodic may differ in the last bits")
+    fp64_grad_accumulation: bool = Field(False, description="accumulate grads in float64 (8 bytes a "
+                                         "parameter per loss pass), added as groups arrive; off: float32, "
+                                         "added in group-index order whatever the arrival order, so sync and "
+                                         "periodic still agree bit for bit")
+    grad_spares: int = Field(1, ge=0, description="float32 accumulation: groups that may train ahead of their "
+                             "turn, their gradients held (one gradient-sized buffer per micro-batch and loss "
+                             "pass) until the groups before them are in; 0: groups train in index order")
 
     @property
     def optim(self) -> OptimConfig:

@@ -2,13 +2,14 @@
 layout's units, the order it takes its groups in, and the units of work they become."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Iterable, Iterator
 
 import torch
 
 from executors.base import Executor
 from executors.learner.config import LearnerConfig
-from executors.learner.order import Work, in_index_order, work_units
+from executors.learner.order import IndexOrderedSum, Work, in_index_order, work_units
 
 
 class Learner(Executor):
@@ -28,10 +29,45 @@ class Learner(Executor):
         self.expert_shards = config.ep
         self.ordered = config.tp > 1 or self.lockstep
         self.passes = config.epochs * config.mini_batches  # optimizer steps per batch
+        self._sum: IndexOrderedSum | None = None  # set by _order_sums once the optimizer exists
+
+    def _order_sums(self) -> None:
+        """After `self.optim` is made: float32 accumulators under free arrival add in index order
+        (order.py IndexOrderedSum); index-ordered layouts and float64 accumulators add as they come."""
+        if not self.ordered and not self.cfg.fp64_grad_accumulation:
+            self._sum = IndexOrderedSum(self.optim.grads, spares=self.cfg.grad_spares)
 
     def _in_order(self, groups: Iterable) -> Iterable:
-        """Arrival order, or index order where this rank's peers must take the same groups (order.py)."""
-        return in_index_order(groups, first=self.env.unit_index, stride=self.units) if self.ordered else groups
+        """Arrival order, or index order where this rank's peers must take the same groups (order.py),
+        or arrival order within the spares of the index-ordered float32 sum."""
+        if self.ordered:
+            return in_index_order(groups, first=self.env.unit_index, stride=self.units)
+        if self._sum is not None:
+            self._sum.start(first=self.env.unit_index, stride=self.units)
+            return self._sum.intake(groups)
+        return groups
+
+    @contextmanager
+    def _summing(self, group) -> Iterator[None]:
+        """While one streamed group trains: its gradients go in at its index's turn."""
+        if self._sum is None or group is None:
+            yield
+            return
+        self._sum.open(group.index)
+        yield
+        self._sum.close()
+
+    def _accumulate(self, name) -> None:
+        """A loss pass's gradients, off the parameters, into the accumulators of pass `name`."""
+        if self._sum is not None and self._sum.is_open:
+            self._sum.add(name, self.optim.grads.take_from_params())
+        else:
+            self.optim.grads.add_from_params_(name)
+
+    def _settle(self) -> None:
+        """At the barrier, before the reduction: the groups still held, in index order."""
+        if self._sum is not None:
+            self._sum.settle()
 
     def _work(self, groups: Iterable) -> Iterator[Work]:
         return work_units(groups, micro_batches=self.models.micro_batches, mini_batch_of=self._mini_batch,

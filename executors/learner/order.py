@@ -69,3 +69,87 @@ def work_units(groups: Iterable[G], *, micro_batches: Callable[[G], list], mini_
             return
         # in lockstep round k holds groups k*dp .. k*dp + dp - 1, all of one mini-batch
         yield Work(mini_batch_of(group.index) if group is not None else k % mini_batches, group, mbs, steps)
+
+
+class IndexOrderedSum:
+    """Float32 gradient sums that do not depend on the order the groups arrive in.
+
+    A float32 sum depends on its order, and under free arrival (tp = 1, no FSDP) a rank trains each
+    group as it lands: sync and periodic, or two runs of one schedule, see different orders. So the
+    micro-batch gradients go into the accumulators in one fixed order, (group index, micro-batch,
+    loss pass), whatever the arrival order:
+    - the group whose turn it is (the rank's next index: first, first + stride, ...) adds straight in;
+    - a group that lands early may train ahead into spare buffers (each micro-batch's gradients,
+      held as they came off the parameters, no copy), up to `spares` groups; they are added once
+      their predecessors are in;
+    - with every spare taken, a further early group waits untrained for its turn (`intake`).
+    When the stream ends with indices missing (dynamic sampling dropped a group, partial rollouts
+    cut one), the rest go in index order: held groups first where their index comes first.
+
+    Memory: one gradient-sized float32 buffer per held micro-batch and loss pass, for at most
+    `spares` groups, instead of float64 accumulators' 8 bytes a parameter per pass always. The
+    float64 option (trainer.fp64_grad_accumulation) adds in arrival order and never holds."""
+
+    def __init__(self, grads, *, spares: int):
+        self.grads, self.spares = grads, spares
+        self.start(first=0, stride=1)
+
+    def start(self, *, first: int, stride: int) -> None:
+        """A new step: this rank's groups are first, first + stride, ..."""
+        self.next, self.stride, self.draining = first, stride, False
+        self.held: dict[int, list[tuple]] = {}  # index -> [(pass, gradients)] in the order they came
+        self._open: int | None = None  # the group being trained; held unless its turn
+
+    def intake(self, groups: Iterable[G]) -> Iterator[G]:
+        """Groups as they arrive, except that an early one with no spare left waits for its turn; each
+        is trained (open/close) before the next is asked for."""
+        waiting: dict[int, G] = {}
+        for group in groups:
+            waiting[group.index] = group
+            while waiting:
+                index = self.next if self.next in waiting else min(waiting)
+                if index != self.next and len(self.held) >= self.spares:
+                    break
+                yield waiting.pop(index)
+        self.draining = True  # the stream ended: whatever is left goes in index order
+        for index in sorted(waiting):
+            yield waiting[index]
+
+    def open(self, index: int) -> None:
+        assert self._open is None, ("a group is open", self._open)
+        if self.draining:
+            for earlier in sorted(i for i in self.held if i < index):
+                self._add_held(earlier)
+            self.next = index
+        self._open = index
+        if index != self.next:
+            self.held[index] = []
+
+    @property
+    def is_open(self) -> bool:
+        return self._open is not None
+
+    def add(self, name, grads: list) -> None:
+        """One loss pass's gradients of a micro-batch of the open group."""
+        if self._open in self.held:
+            self.held[self._open].append((name, grads))
+        else:
+            self.grads.add_(name, grads)
+
+    def close(self) -> None:
+        index, self._open = self._open, None
+        if index == self.next and not self.draining:
+            self.next += self.stride
+            while self.next in self.held:  # early groups whose predecessors are now in
+                self._add_held(self.next)
+                self.next += self.stride
+
+    def settle(self) -> None:
+        """Before the step's reduction: every held group, in index order."""
+        assert self._open is None, ("a group is open at the barrier", self._open)
+        for index in sorted(self.held):
+            self._add_held(index)
+
+    def _add_held(self, index: int) -> None:
+        for name, grads in self.held.pop(index):
+            self.grads.add_(name, grads)

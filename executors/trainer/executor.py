@@ -80,6 +80,7 @@ class Trainer(Learner):
                              replicated_dp=not self.shards_over_units, tp_partial=self.models.tp_partial(),
                              zero=self.models.per_rank_optimizer, experts=self.models.expert_params(),
                              edp_group=self.models.ep_mesh.get_group("edp") if self.models.ep_mesh else None)
+        self._order_sums()
         if env.resume is not None:  # the policy came from the checkpoint; the optimizer and schedule too
             self.optim.load(env.resume / "trainer", group=env.group)
 
@@ -97,7 +98,8 @@ class Trainer(Learner):
             if not self.lockstep and unit_aborted(self.env):
                 raise StepAborted()
             t0 = time.perf_counter()
-            self._take(work, state, ctx)
+            with self._summing(work.group):
+                self._take(work, state, ctx)
             state.train_s += time.perf_counter() - t0
         return state
 
@@ -189,7 +191,7 @@ class Trainer(Learner):
                 loss = out.loss_sum
                 sums.add_loss(name, out, tokens=mb.mask_NT.sum().item())
             loss.backward(retain_graph=not recompute and k < len(passes) - 1)
-            self.optim.grads.add_from_params_(name)
+            self._accumulate(name)
         return logp_NT, mu_NT
 
     # ---- the barrier ------------------------------------------------------------------------------
@@ -197,6 +199,7 @@ class Trainer(Learner):
         """All groups are in: optimizer step(s), then the weights go to the generator."""
         t0 = time.perf_counter()
         with ctx.timeline.span("barrier"):
+            self._settle()
             record, digests, errors, versions, mu_scale = self._gather(state)
             steps = []
             if record.groups:  # partial rollouts: a step in which no group ended trains nothing
