@@ -109,7 +109,8 @@ def clip_grad_norm_(params, max_norm: float, *, mesh: DeviceMesh | None) -> floa
                 if not pl.is_replicate():  # Shard, or FSDP2's _StridedShard (its is_shard() is False)
                     sharded *= g.device_mesh.size(dim)
             copies = world // sharded
-        sq += local(g).double().pow(2).sum() / copies
+        # the float64 norm without a float64 copy of the gradient: half the time of .double().pow(2).sum()
+        sq += torch.linalg.vector_norm(local(g), dtype=torch.float64).square() / copies
     for dim in range(mesh.ndim if mesh is not None else 0):  # a sum over the grid: each dimension in turn
         if mesh.size(dim) > 1:
             dist.all_reduce(sq, group=mesh.get_group(dim))
