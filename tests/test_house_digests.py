@@ -2,7 +2,9 @@
 sampling) and evaluation runs give the rollouts, evaluation and final weights recorded before the refactor
 (tests/data/house_digests.json, made by `python -m tests.house_runs` at commit 370baf3; the rollouts, evaluation
 and weights re-recorded once when the sampler changed its draws, issue 43: one uniform a row instead of
-Gumbel noise over the vocabulary; the recorded keys are 370baf3's). Every metrics
+Gumbel noise over the vocabulary; the final weights once more when float32 accumulation in index order
+became the default and the optimizer step fused AdamW, issue 43: rollouts and evaluation unchanged; the
+recorded keys are 370baf3's). Every metrics
 key of those rows is still written, under its executor's name now (the recorded rows had flat names),
 but for a null one."""
 from __future__ import annotations
