@@ -8,6 +8,8 @@ each backend turns it into what its kernel wants:
   dense:  a boolean [L, L] mask for SDPA (CPU and CUDA), the reference the others are tested against
   flex:   a flex-attention BlockMask (CUDA only: flex has no CPU backward), opt-in
   npu:    torch_npu.npu_fusion_attention on varlen TND segments (no [L, L] mask), the default on Ascend
+A sliding-window layer (Gemma-3, Mistral) adds the window by the positions the model sees (a shared
+prompt's responses all restart at P) and runs dense on every backend (`_windowed`).
 
 Hook: the model runs under our attention name. transformers builds the mask once per forward
 through the mask function registered for the model's attention name; an unregistered custom name
@@ -41,6 +43,9 @@ class PackMask:
     spans: tuple[tuple[int, int], ...]  # [start, end) of each non-empty segment
     shared: bool  # segment 0 (spans[0]) is a prompt that every later segment sees whole
     backend: Backend = "auto"
+    # each token's position as the model sees it (a shared prompt's responses all restart at P): a
+    # sliding-window layer's window is over these; None: the row's own indices
+    pos_L: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, init=False, repr=False)  # masks built once per row
 
     @property
@@ -63,6 +68,15 @@ class PackMask:
         if key not in self._cache:
             idx = torch.arange(self.seg_L.numel(), device=device)
             self._cache[key] = self.mask_mod(None, None, idx[:, None], idx[None, :])
+        return self._cache[key]
+
+    def windowed_LL(self, window: int, device: torch.device) -> torch.Tensor:
+        """dense_LL, and a key only within `window` positions of the query (HF's sliding window:
+        q - k < window, by the positions the model sees, not by place in the row)."""
+        key = ("window", window, str(device))
+        if key not in self._cache:
+            pos = (self.pos_L if self.pos_L is not None else torch.arange(self.seg_L.numel())).to(device)
+            self._cache[key] = self.dense_LL(device) & (pos[:, None] - pos[None, :] < window)
         return self._cache[key]
 
     def resolved_backend(self, device: torch.device) -> str:
@@ -108,10 +122,9 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     if not isinstance(attention_mask, PackMask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("packed attention does not support sliding-window layers; use trainer.shared_prompt=padded")
     assert query.shape[0] == 1, "a packed row has batch size 1"
-    out_1HLD = attend(query, key, value, attention_mask, scaling=scaling, dropout=dropout)
+    out_1HLD = attend(query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                      window=kwargs.get("sliding_window"))
     return out_1HLD.transpose(1, 2).contiguous(), None
 
 
@@ -226,10 +239,23 @@ def _npu(q, k, v, groups, pack, *, scaling, dropout):
 _KERNELS = {"blocks": _blocks, "dense": _dense, "flex": _flex, "npu": _npu}
 
 
+def _windowed(q, k, v, groups, pack, *, window, scaling, dropout):
+    """A sliding-window layer (Gemma-3's 5 of 6, Mistral's): the dense mask with the window, on every
+    backend. Dense costs L² scores where blocks skips the masked ones; a kernel with the window in its
+    blocks is left for when a model spends its time here."""
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=pack.windowed_LL(window, q.device), dropout_p=dropout,
+                                          scale=scaling)
+
+
 def attend(q_1HLD: torch.Tensor, k_1KLD: torch.Tensor, v_1KLD: torch.Tensor, pack: PackMask, *, scaling: float,
-           dropout: float = 0.0) -> torch.Tensor:
+           dropout: float = 0.0, window: int | None = None) -> torch.Tensor:
     """Attention over one packed row (H query heads over K key/value heads) with the pack's kernel: [1, H, L, D].
-    The HF hook below and the megatron backend (modeling/megatron/forward.py) both call it."""
+    window: a sliding-window layer's (q - k < window by position). The HF hook below and the megatron
+    backend (modeling/megatron/forward.py) both call it."""
+    groups = q_1HLD.shape[1] // k_1KLD.shape[1]
+    if window is not None:
+        return _windowed(q_1HLD, k_1KLD, v_1KLD, groups, pack, window=window, scaling=scaling, dropout=dropout)
     return _KERNELS[pack.resolved_backend(q_1HLD.device)](
         q_1HLD, k_1KLD, v_1KLD, q_1HLD.shape[1] // k_1KLD.shape[1], pack, scaling=scaling, dropout=dropout)
 _COMPILED: dict = {}

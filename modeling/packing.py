@@ -131,9 +131,10 @@ def _row(prompt_ids_P, responses, samples, *, shared, backend, device, loss_mask
     for n, (i, R) in enumerate(zip(samples, lens)):
         targets[n, :R] = responses[i]
         mask[n, :R] = True if loss_masks is None else loss_masks[i]
-    pack = PackMask(seg_L=torch.cat(seg).to(device), spans=tuple(spans), shared=shared, backend=backend)
+    pos_L = torch.cat(pos).to(device)
+    pack = PackMask(seg_L=torch.cat(seg).to(device), spans=tuple(spans), shared=shared, backend=backend, pos_L=pos_L)
     return PackedMicroBatch(samples=tuple(samples), input_ids_1L=torch.cat(ids).long()[None].to(device),
-                            position_ids_1L=torch.cat(pos)[None].to(device), pack=pack,
+                            position_ids_1L=pos_L[None], pack=pack,
                             targets_NT=targets.to(device), mask_NT=mask.to(device),
                             rows_K=torch.cat(rows).long().to(device),
                             routes=torch.cat(experts).to(device) if routes is not None else None)

@@ -167,49 +167,6 @@ def sources(resolved: dict, layers: list[tuple[str, dict]]) -> dict[str, str]:
     return out
 
 
-MODEL_SOURCE = "model.path has sliding-window attention"
-
-
-def sliding_window(config: dict) -> bool:
-    """Whether an HF config.json's model has sliding-window attention layers (Gemma-3: 5 of 6 layers;
-    Mistral; Qwen2 only with use_sliding_window). A multimodal config's text part is what trains."""
-    config = config.get("text_config") or config
-    layer_types = config.get("layer_types")
-    if layer_types is not None:
-        return any("sliding" in str(t) for t in layer_types)
-    if config.get("use_sliding_window") is False:
-        return False
-    return config.get("sliding_window") is not None
-
-
-def model_defaults(data: dict, *, sections: tuple[str, ...] = ()) -> dict[str, object]:
-    """What the model's architecture decides where the user left it unset: a model with sliding-window
-    layers trains padded rows (packed rows' attention has no window yet), for the policy and the
-    learners in `sections`. A packing mode set by hand on such a model is refused here, at launch,
-    rather than by the trainer rank once the model is loaded."""
-    model_path = (data.get("model") or {}).get("path") if isinstance(data.get("model"), dict) else None
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text()) if model_path else {}
-    except (OSError, ValueError):
-        return {}  # preflight names the missing or unreadable file
-    if not sliding_window(config):
-        return {}
-    out = {}
-    for section in ("trainer", *sections):
-        key = f"{section}.shared_prompt"
-        if not _is_set(data, key):
-            out[key] = "padded"
-        elif (mode := _mode(data[section]["shared_prompt"])) != "padded":
-            raise ValueError(f"{key}={mode}: {model_path} has sliding-window attention layers, which packed rows "
-                             f"do not support yet; use {key}=padded (the default for this model)")
-    return out
-
-
-def _mode(value) -> str:
-    """A packing mode as written: YAML reads a bare on/off as a bool."""
-    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
-
-
 PLACEMENT_SOURCE = "placement=colocated"
 
 

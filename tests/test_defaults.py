@@ -125,42 +125,27 @@ def test_config_json_passes_back_as_a_config(model_dir, tmp_path):
     assert again.sources["trainer.lr"] == f"file {path}"
 
 
-@pytest.mark.parametrize("config, slides", [
-    ({"layer_types": ["sliding_attention"] * 5 + ["full_attention"], "sliding_window": 512}, True),  # Gemma-3
-    ({"text_config": {"layer_types": ["sliding_attention", "full_attention"]}}, True),  # a multimodal config
-    ({"sliding_window": 4096}, True),  # Mistral
-    ({"sliding_window": 32768, "use_sliding_window": False}, False),  # Qwen2.5: the window is off
-    ({"layer_types": ["full_attention"] * 4, "sliding_window": None}, False),  # Qwen3
-    ({}, False),
-])
-def test_sliding_window_is_read_from_config_json(config, slides):
-    from recipes.defaults import sliding_window
+def test_a_sliding_window_model_packs_by_default(model_dir, tmp_path):
+    """Packed rows take a sliding window (modeling/packed_attention.py): a model whose layers but the last
+    slide over 4 positions keeps shared_prompt=auto, and its trainer recomputes, from packed rows, the
+    log-probs the generator sampled with (a row without the window would differ: prompts and responses
+    run past 4 positions)."""
+    from tests.e2e import launch, metrics
 
-    assert sliding_window(config) is slides
-
-
-def test_a_sliding_window_model_trains_padded_rows_by_default(model_dir, tmp_path):
-    """Packed rows have no window yet: `auto` would fail on the trainer rank once the model is loaded
-    (47 s into a Gemma-3 run); the launch chooses padded and says why, and refuses a packing mode
-    set by hand, naming the key."""
-    from recipes.defaults import MODEL_SOURCE
-
-    gemma = tmp_path / "gemma-like"
-    gemma.mkdir()
+    slides = tmp_path / "sliding"
+    slides.mkdir()
     for f in model_dir.iterdir():
         if f.is_file():
-            (gemma / f.name).write_bytes(f.read_bytes())
+            (slides / f.name).write_bytes(f.read_bytes())
     config = json.loads((model_dir / "config.json").read_text())
     layers = config["num_hidden_layers"]
-    config.update(sliding_window=16, layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"])
-    (gemma / "config.json").write_text(json.dumps(config))
-    cfg = _resolve("--set", f"model.path={gemma}")
-    assert cfg.trainer.shared_prompt == "padded" and cfg.sources["trainer.shared_prompt"] == MODEL_SOURCE
-    ppo = resolve(parser().parse_args(["--algo", "ppo", "--set", f"model.path={gemma}"]))
-    assert ppo.critic.shared_prompt == "padded" and ppo.sources["critic.shared_prompt"] == MODEL_SOURCE
-    assert _resolve("--set", f"model.path={model_dir}").trainer.shared_prompt == "auto"  # no window: packed
-    with pytest.raises(ValueError, match=r"trainer.shared_prompt=on: .* has sliding-window attention layers, which "
-                                         r"packed rows do not support yet; use trainer.shared_prompt=padded"):
-        _resolve("--set", f"model.path={gemma}", "--set", "trainer.shared_prompt=on")
-    assert _resolve("--set", f"model.path={gemma}", "--set", "trainer.shared_prompt=padded").sources[
-        "trainer.shared_prompt"] == "--set"
+    config.update(use_sliding_window=True, sliding_window=4,  # Qwen3 drops a window that is not switched on
+                  layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"])
+    (slides / "config.json").write_text(json.dumps(config))
+    proc = launch(tmp_path / "run", "--set", f"model.path={slides}", "--set", "generator.max_new_tokens=12",
+                  steps=2, defaults=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert run["trainer"]["shared_prompt"] == "auto" and run["_sources"]["trainer.shared_prompt"] == "default"
+    rows = metrics(tmp_path / "run")
+    assert all(r["trainer/response_len_mean"] > 4 and r["trainer/logp_mismatch_max"] < 1e-4 for r in rows), rows

@@ -115,6 +115,41 @@ def test_other_families(config_cls):
         assert _close_grads(_grads(model, mbs, G=3), ref)
 
 
+def _sliding(family: str, window: int | None):
+    """A 2-layer model whose first layer slides over `window` positions (None: no window at all)."""
+    from transformers import Gemma3TextConfig, MistralConfig
+
+    sizes = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256)
+    if family == "gemma3":  # Gemma-3's layout: sliding layers and full ones
+        config = Gemma3TextConfig(**sizes, head_dim=16, sliding_window=window or 256,
+                                  layer_types=["sliding_attention" if window else "full_attention", "full_attention"])
+    else:  # Mistral: every layer slides
+        config = MistralConfig(**sizes, sliding_window=window)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_sliding_window_layers_pack_and_equal_separate_rows(family):
+    """A window of 3 positions, shorter than the prompt and the responses: packed rows (the prompt
+    shared or not, one row or split) give the padded rows' log-probs and gradients; the window is by the
+    positions the model sees (each response restarts at P), and it matters (no window: other values)."""
+    model = _sliding(family, 3)
+    prompt, responses = _group(vocab=96, P=6, lens=(4, 1, 7, 5))
+    split = split_group(prompt, responses, micro_batch_size=4, pad_id=0, device=CPU)
+    ref_GT, ref = _logp_GT(model, split, G=4, T=7), _grads(model, split, G=4)
+    for shared in (True, False):
+        for budgets in (NO_SPLIT, SPLIT):
+            mbs = pack_group(prompt, responses, token_budget=budgets[shared], pad_id=0, device=CPU, shared_prompt=shared)
+            assert torch.allclose(_logp_GT(model, mbs, G=4, T=7), ref_GT, atol=1e-5, rtol=0), (shared, budgets)
+            assert _close_grads(_grads(model, mbs, G=4), ref)
+    unwindowed = _sliding(family, None)
+    unwindowed.load_state_dict(model.state_dict())
+    assert not torch.allclose(_logp_GT(unwindowed, split, G=4, T=7), ref_GT, atol=1e-3)
+
+
 @pytest.mark.parametrize("tile", [1, 3])
 def test_responses_in_query_tiles(monkeypatch, tile):
     # The blocks kernel tiles a response when P² >= R·TILE, else runs is_causal over [prompt, response]:
