@@ -31,7 +31,7 @@ def describe(graph: Graph, cfg: RunConfig, recipe: Recipe, *, memory: str = "") 
                for rank, executors, index, backend in rank_plan(graph)]
     return "\n\n".join([
         f"algo {cfg.algo}, schedule {cfg.schedule}, placement {cfg.placement}, world size {n} "
-        f"(torchrun --nproc-per-node {n} launch.py --algo {cfg.algo} ...)" + _partial(cfg),
+        f"(torchrun --nproc-per-node {n} launch.py --algo {cfg.algo} ...)" + _partial(cfg) + _isolation(cfg),
         tabulate(rows, headers=["executor", "class", "global ranks", "units", "process group", "parallel"],
                  disable_numparse=True),
         "on a GPU/NPU node (on a CPU machine every rank computes on the CPU):\n"
@@ -43,6 +43,21 @@ def describe(graph: Graph, cfg: RunConfig, recipe: Recipe, *, memory: str = "") 
         + tabulate([[k, _short(v), src] for k, v, src in non_defaults(cfg)], headers=["key", "value", "from"],
                    disable_numparse=True),
     ] + ([memory] if memory else []))
+
+
+def _isolation(cfg: RunConfig) -> str:
+    """A multi-turn environment that runs the model's code says how it is kept off the network."""
+    if cfg.rollout != "multi_turn":
+        return ""
+    from executors.environments.base import env_class
+
+    env = env_class(cfg.multi_turn.env or "lookup")
+    if not hasattr(env, "isolation"):
+        return ""
+    how = ("each call in a network namespace of its own (no network)" if env.isolation() == "network namespace" else
+           "BEST EFFORT: no network namespace can be made here (not root, no unprivileged user namespaces), "
+           "only the socket module is blocked")
+    return f"\nmulti_turn.env={cfg.multi_turn.env}: {how}"
 
 
 def _partial(cfg: RunConfig) -> str:

@@ -204,7 +204,53 @@ def test_python_network_refused():
     assert observation.startswith("error: exit code 1") and "network access is disabled" in observation
 
 
+NETWORK_PROBE = """
+import subprocess, sys
+# another interpreter, without the bootstrap's socket block, and ctypes' raw connect(2)
+code = "import socket; socket.create_connection(('127.0.0.1', PORT), timeout=5); print('connected')"
+child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+print("subprocess:", (child.stdout or child.stderr.strip().splitlines()[-1]).strip())
+import ctypes, socket, struct
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.socket(socket.AF_INET, socket.SOCK_STREAM, 0)
+addr = struct.pack("=HH4s8x", socket.AF_INET, socket.htons(PORT), socket.inet_aton("127.0.0.1"))
+print("ctypes:", "connected" if libc.connect(fd, addr, len(addr)) == 0 else "refused")
+"""
+
+
+def test_python_network_namespace_holds_for_subprocesses_and_ctypes():
+    """A server on this process's loopback: code in the tool reaches it neither from another interpreter
+    (no socket block there) nor by ctypes' connect(2), because it runs in a network namespace of its own;
+    this process reaches the server (the probe can fail)."""
+    import socket
+
+    from executors.environments.python import NAMESPACE
+
+    if Python.isolation() != NAMESPACE:
+        pytest.skip("no network namespace can be made here (not root, no unprivileged user namespaces): "
+                    "the python tool is best effort only")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # reachable from here
+        env = Python({"prompt": "p"}, timeout_s=30, site_packages=False)
+        observation = env.run(NETWORK_PROBE.replace("PORT", str(port)))
+    assert "subprocess: OSError: [Errno 101] Network is unreachable" in observation, observation
+    assert "ctypes: refused" in observation and "connected" not in observation, observation
+
+
 def test_python_deterministic_set_order():
     env = Python({"prompt": "p"}, site_packages=False)
     code = "print(list({'alpha', 'beta', 'gamma', 'delta', 'epsilon'}))"
     assert env.run(code) == env.run(code)
+
+
+def test_dry_run_says_how_the_python_tool_is_kept_off_the_network():
+    from launch.cli import parser, resolve
+    from launch.dryrun import _isolation
+
+    cfg = resolve(parser().parse_args(["--algo", "grpo", "--set", "rollout=multi_turn", "--set", "multi_turn.env=python"]))
+    line = _isolation(cfg)
+    assert line.startswith("\nmulti_turn.env=python: ")
+    assert ("network namespace of its own" in line) == (Python.isolation() == "network namespace")
+    lookup = resolve(parser().parse_args(["--algo", "grpo", "--set", "rollout=multi_turn"]))
+    assert _isolation(lookup) == ""  # an environment that runs no code says nothing

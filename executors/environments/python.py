@@ -13,10 +13,14 @@ Each call runs in a fresh interpreter (a subprocess), so nothing leaks between c
   grow past a cap (RLIMIT_FSIZE), so a print loop cannot fill the trainer's memory; the observation
   keeps the head and tail of it (default 2000 characters) around a "...[truncated]..." marker.
 
-No network is BEST EFFORT only: without root there is no network namespace to drop into, so the
-child's bootstrap replaces `socket.socket` (and `_socket.socket`) with a class that refuses to be
-created. That stops ordinary code (socket, urllib, requests); code determined to get out (ctypes,
-a subprocess running another program) is not stopped. Run untrusted models in a sandboxed container.
+No network: where the process may make one (root, or unprivileged user namespaces), the child
+first enters a fresh network namespace of its own (unshare(2): no interface but a loopback that is
+down), which holds for everything it runs: ctypes, subprocesses, other programs. `Python.isolation()`
+says which applies (`--dry-run` prints it); once a namespace could be made, a call that cannot make
+one fails rather than run without it. Elsewhere it is BEST EFFORT only: the bootstrap replaces
+`socket.socket` (and `_socket.socket`) with a class that refuses to be created, which stops ordinary
+code (socket, urllib, requests) but not code determined to get out. The socket block applies in the
+namespace too. Run untrusted models in a sandboxed container.
 
 Deterministic for deterministic code: PYTHONHASHSEED is fixed (set iteration order), and tracebacks
 name the code `<code>`, never the temporary paths. That is why the interpreter runs with `-s` (no
@@ -34,10 +38,43 @@ from executors.environments.base import ENVS
 from executors.environments.toolcall import ToolCall, ToolEnv, tool_schema
 
 TRUNCATED = "...[truncated]..."
+_ISOLATION: str | None = None  # Python.isolation(), once per process
 
-# Run in the child by `python -c`: limits, the socket block, then the code (read from stdin) as
-# __main__. argv: memory bytes, output bytes, cpu seconds.
-_BOOTSTRAP = r"""
+NAMESPACE, BEST_EFFORT = "network namespace", "best effort (socket blocked)"
+
+# Run in the child first: a network namespace of its own, plain (root) or inside a user namespace
+# mapping the same uid/gid (unprivileged); prints which, or exits 3 when argv[1] is "required" and
+# neither can be made.
+_NETNS = r"""
+import ctypes, os, sys
+_libc = ctypes.CDLL(None, use_errno=True)
+_NEWNET, _NEWUSER = 0x40000000, 0x10000000
+def _netns():
+    if _libc.unshare(_NEWNET) == 0:
+        return True
+    uid, gid = os.getuid(), os.getgid()
+    if _libc.unshare(_NEWUSER | _NEWNET) != 0:
+        return False
+    for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid} {uid} 1"),
+                       ("/proc/self/gid_map", f"{gid} {gid} 1")):
+        with open(path, "w") as f:
+            f.write(text)
+    return True
+if sys.argv[1] != "off":
+    _isolated = _netns()
+    if sys.argv[1] == "probe":
+        print("yes" if _isolated else "no")
+        sys.exit(0)
+    if not _isolated:
+        print("error: could not enter a network namespace: " + os.strerror(ctypes.get_errno()))
+        sys.exit(3)
+del ctypes, os, _libc, _netns, _NEWNET, _NEWUSER
+sys.argv = sys.argv[1:]
+"""
+
+# Run in the child by `python -c`: the namespace, limits, the socket block, then the code (read from
+# stdin) as __main__. argv: namespace (required / off), memory bytes, output bytes, cpu seconds.
+_BOOTSTRAP = _NETNS + r"""
 import linecache, resource, sys, traceback
 _as, _fsize, _cpu = (int(a) for a in sys.argv[1:4])
 for _limit, _value in ((resource.RLIMIT_AS, _as), (resource.RLIMIT_FSIZE, _fsize), (resource.RLIMIT_CPU, _cpu)):
@@ -82,6 +119,17 @@ class Python(ToolEnv):
         self.max_output_chars = max_output_chars
         self.site_packages = site_packages  # False: `-S`, the standard library only
 
+    @staticmethod
+    def isolation() -> str:
+        """NAMESPACE where a child of this process can enter a network namespace, else BEST_EFFORT
+        (probed once: a child tries)."""
+        global _ISOLATION
+        if _ISOLATION is None:
+            probe = subprocess.run([sys.executable, "-s", "-S", "-c", _NETNS, "probe"], capture_output=True,
+                                   text=True, env=_child_env("/"), timeout=30)
+            _ISOLATION = NAMESPACE if probe.stdout.strip() == "yes" else BEST_EFFORT
+        return _ISOLATION
+
     def call(self, call: ToolCall) -> str:
         return self.run(call.text_argument("code"))
 
@@ -115,7 +163,8 @@ class Python(ToolEnv):
         output_bytes = max(64 * 1024, 8 * self.max_output_chars)
         cpu_s = int(self.timeout_s) + 2  # a backstop only: the wall-time limit is the one that acts
         flags = ["-s", "-u"] + ([] if self.site_packages else ["-S"])
-        return [sys.executable, *flags, "-c", _BOOTSTRAP,
+        namespace = "required" if self.isolation() == NAMESPACE else "off"
+        return [sys.executable, *flags, "-c", _BOOTSTRAP, namespace,
                 str(self.memory_mb * 1024 * 1024), str(output_bytes), str(cpu_s)]
 
 
