@@ -181,6 +181,8 @@ def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passe
     m = dataclasses.replace(m, params=params)
     trained = adapters or m.params
     compute_copy = t.precision == "bf16" and not t.fsdp  # a bf16 copy beside the fp32 master
+    in_place = (passes == 1 and not t.fp64_grad_accumulation and t.precision == "fp32" and stored == 4
+                and t.tp == 1 and not t.fsdp and t.ep == 1)
     copy_bytes = 2 if compute_copy else stored  # reference / old policy: copies of the compute weights
     act_bytes = 2 if t.precision == "bf16" or stored == 2 else 4
     per_token_layer = (8 * m.hidden + 5 * m.intermediate) * act_bytes / t.tp
@@ -196,7 +198,8 @@ def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passe
         "weights": (m.params + adapters) * (stored + (2 if compute_copy else 0)) / shard,
         "ref/old copies": copies * m.params * copy_bytes / shard,
         "AdamW state": 2 * trained * stored / shard,
-        "grad accumulators": passes * trained * (8 if t.fp64_grad_accumulation else 4) / shard,
+        # one float32 pass over plain float32 parameters sums in their own .grad (modeling/optim.py InPlaceGradients)
+        "grad accumulators": 0 if in_place else passes * trained * (8 if t.fp64_grad_accumulation else 4) / shard,
         # the backward writes each micro-batch's gradient in the compute dtype before it is accumulated
         "gradient": trained * (2 if t.precision == "bf16" else stored) / shard,
         "held gradients (grad_spares)": held_gradients(t, micro_batches=micro_batches) * passes * trained

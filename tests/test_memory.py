@@ -12,8 +12,10 @@ def test_memory_estimate_counts_each_copy():
     shape = Shape(params=10**9, hidden=2048, intermediate=8192, layers=16, vocab=32000, kv_width=512)
     fp32 = trainer_parts(small_config(algorithm={"beta": 0.04}), shape)
     assert fp32["weights"] == 4e9 and fp32["ref/old copies"] == 4e9 and fp32["AdamW state"] == 8e9
-    # float32 accumulators, and grad_spares=1 group of one micro-batch held ahead of its turn
-    assert fp32["grad accumulators"] == 4e9 and fp32["held gradients (grad_spares)"] == 4e9
+    # float32: one pass sums in the parameters' own .grad; grad_spares=1 group of one micro-batch held
+    assert fp32["grad accumulators"] == 0 and fp32["held gradients (grad_spares)"] == 4e9
+    passes = trainer_parts(small_config(algo="reinforce_pp"), shape)  # batch scope: 2 passes, 2 accumulators
+    assert passes["grad accumulators"] == 8e9
     fp64 = trainer_parts(small_config(trainer={"fp64_grad_accumulation": True}), shape)
     assert fp64["grad accumulators"] == 8e9 and fp64["held gradients (grad_spares)"] == 0
     bf16 = trainer_parts(small_config(algorithm={"beta": 0.04}, trainer={"precision": "bf16"}), shape)

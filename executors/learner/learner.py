@@ -60,7 +60,7 @@ class Learner(Executor):
     def _accumulate(self, name) -> None:
         """A loss pass's gradients, off the parameters, into the accumulators of pass `name`."""
         if self._sum is not None and self._sum.is_open:
-            self._sum.add(name, self.optim.grads.take_from_params())
+            self._sum.add(name)
         else:
             self.optim.grads.add_from_params_(name)
 

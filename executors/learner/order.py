@@ -99,6 +99,7 @@ class IndexOrderedSum:
         self.next, self.stride, self.draining = first, stride, False
         self.held: dict[int, list[tuple]] = {}  # index -> [(pass, gradients)] in the order they came
         self._open: int | None = None  # the group being trained; held unless its turn
+        self._aside: list = []  # the sums set aside while a held group trains (Gradients.set_aside)
 
     def intake(self, groups: Iterable[G]) -> Iterator[G]:
         """Groups as they arrive, except that an early one with no spare left waits for its turn; each
@@ -124,20 +125,24 @@ class IndexOrderedSum:
         self._open = index
         if index != self.next:
             self.held[index] = []
+            self._aside = self.grads.set_aside()  # its backwards start from no gradient
 
     @property
     def is_open(self) -> bool:
         return self._open is not None
 
-    def add(self, name, grads: list) -> None:
-        """One loss pass's gradients of a micro-batch of the open group."""
+    def add(self, name) -> None:
+        """One loss pass's gradients of a micro-batch of the open group, off the parameters."""
         if self._open in self.held:
-            self.held[self._open].append((name, grads))
+            self.held[self._open].append((name, self.grads.take_from_params()))
         else:
-            self.grads.add_(name, grads)
+            self.grads.add_from_params_(name)
 
     def close(self) -> None:
         index, self._open = self._open, None
+        if index in self.held:
+            self.grads.put_back(self._aside)
+            self._aside = []
         if index == self.next and not self.draining:
             self.next += self.stride
             while self.next in self.held:  # early groups whose predecessors are now in
