@@ -68,6 +68,10 @@ def test_decode_slots_come_from_the_step_shape_unless_set(model_dir):
     cfg = _resolve("--set", f"model.path={model_dir}", "--set", "data.prompts_per_step=4",
                    "--set", "generator.samples_per_prompt=4")
     assert cfg.generator.max_batch_prompts == 2  # 4 prompts: at least 2 waves on CPU
+    for no_overlap in (["--schedule", "sync"], ["--set", "placement=colocated"]):  # training never runs beside
+        cfg = _resolve("--set", f"model.path={model_dir}", "--set", "data.prompts_per_step=4",
+                       "--set", "generator.samples_per_prompt=4", *no_overlap)
+        assert cfg.generator.max_batch_prompts == 4, no_overlap  # generation: one wave, waves would only cost
     cfg = _resolve("--set", f"model.path={model_dir}", "--set", "generator.max_batch_prompts=16")
     assert cfg.generator.max_batch_prompts == 16 and cfg.sources["generator.max_batch_prompts"] == "--set"
     # vLLM: the same waves as a cap on the sample rows in flight; the native slots keep their default
