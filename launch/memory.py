@@ -163,8 +163,7 @@ def micro_batches_per_group(t: LearnerConfig, *, prompt: int, response: int, sam
 def held_gradients(t: LearnerConfig, *, micro_batches: int) -> int:
     """Gradient-sized buffers that float32 accumulation may hold for groups trained ahead of their turn
     (executors/learner/order.py IndexOrderedSum): none where the layout takes groups in index order."""
-    ordered = t.tp > 1 or (t.dp > 1 and (t.fsdp or t.ep > 1))
-    return 0 if t.fp64_grad_accumulation or ordered else t.grad_spares * micro_batches
+    return 0 if t.fp64_grad_accumulation or t.index_ordered else t.grad_spares * micro_batches
 
 
 def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passes: int, head: bool,

@@ -207,7 +207,7 @@ def test_python_network_refused():
 NETWORK_PROBE = """
 import subprocess, sys
 # another interpreter, without the bootstrap's socket block, and ctypes' raw connect(2)
-code = "import socket; socket.create_connection(('127.0.0.1', PORT), timeout=5); print('connected')"
+code = "import socket; socket.create_connection(('127.0.0.1', PORT), timeout=60); print('connected')"
 child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
 print("subprocess:", (child.stdout or child.stderr.strip().splitlines()[-1]).strip())
 import ctypes, socket, struct

@@ -23,9 +23,13 @@ def test_a_warm_job_equals_the_same_job_under_torchrun(tmp_path):
     assert final[0] == final[1]
 
 
+# the deadline under test, not a hang guard: the reward hangs for good, so the job outlives any deadline
+KILL_AFTER_S = 6
+
+
 def test_a_warm_job_past_its_timeout_is_killed(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         jobs.run("grpo", *SMALL, "--set", "reward.functions=[tests.rewards:hang]", "--set", "reward.timeout_s=600",
-                 steps=1, output_dir=tmp_path, nproc=3, timeout=6, warm=True)
+                 steps=1, output_dir=tmp_path, nproc=3, timeout=KILL_AFTER_S, warm=True)
     # the launcher is free again: the next job runs
     assert jobs.run("grpo", *SMALL, steps=1, output_dir=tmp_path / "next", nproc=3, timeout=120, warm=True).returncode == 0

@@ -28,6 +28,7 @@ user site) and a from-scratch environment rather than `-I`, whose `-E` would ign
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -38,7 +39,6 @@ from executors.environments.base import ENVS
 from executors.environments.toolcall import ToolCall, ToolEnv, tool_schema
 
 TRUNCATED = "...[truncated]..."
-_ISOLATION: str | None = None  # Python.isolation(), once per process
 
 NAMESPACE, BEST_EFFORT = "network namespace", "best effort (socket blocked)"
 
@@ -120,15 +120,13 @@ class Python(ToolEnv):
         self.site_packages = site_packages  # False: `-S`, the standard library only
 
     @staticmethod
+    @functools.cache
     def isolation() -> str:
         """NAMESPACE where a child of this process can enter a network namespace, else BEST_EFFORT
-        (probed once: a child tries)."""
-        global _ISOLATION
-        if _ISOLATION is None:
-            probe = subprocess.run([sys.executable, "-s", "-S", "-c", _NETNS, "probe"], capture_output=True,
-                                   text=True, env=_child_env("/"), timeout=30)
-            _ISOLATION = NAMESPACE if probe.stdout.strip() == "yes" else BEST_EFFORT
-        return _ISOLATION
+        (probed once a process: a child tries)."""
+        probe = subprocess.run([sys.executable, "-s", "-S", "-c", _NETNS, "probe"], capture_output=True,
+                               text=True, env=_child_env("/"), timeout=30)
+        return NAMESPACE if probe.stdout.strip() == "yes" else BEST_EFFORT
 
     def call(self, call: ToolCall) -> str:
         return self.run(call.text_argument("code"))

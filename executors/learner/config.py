@@ -61,6 +61,18 @@ class LearnerConfig(BaseModel):
                              "pass) until the groups before them are in; 0: groups train in index order")
 
     @property
+    def lockstep(self) -> bool:
+        """dp units go in lockstep rounds: FSDP shards one copy over them, or expert parallel makes every
+        forward an all-to-all over them (executors/learner/order.py)."""
+        return self.dp > 1 and (self.fsdp or self.ep > 1)
+
+    @property
+    def index_ordered(self) -> bool:
+        """A rank takes its groups in index order (its tp peers, or its lockstep round, must take the same),
+        never in arrival order: nothing is held for float32 sums (IndexOrderedSum)."""
+        return self.tp > 1 or self.lockstep
+
+    @property
     def optim(self) -> OptimConfig:
         """What the optimizer reads of these options (modeling/optim.py)."""
         return OptimConfig(lr=self.lr, betas=self.betas, eps=self.adam_eps, weight_decay=self.weight_decay,

@@ -24,10 +24,9 @@ class Learner(Executor):
         self.cfg = config
         # FSDP over several dp units: they hold shards of one copy and train in lockstep rounds (order.py)
         self.shards_over_units = config.fsdp and config.dp > 1
-        # expert parallel: every forward is an all-to-all over the units, so they go in lockstep too
-        self.lockstep = self.shards_over_units or (config.ep > 1 and config.dp > 1)
+        self.lockstep = config.lockstep
         self.expert_shards = config.ep
-        self.ordered = config.tp > 1 or self.lockstep
+        self.ordered = config.index_ordered
         self.passes = config.epochs * config.mini_batches  # optimizer steps per batch
         self._sum: IndexOrderedSum | None = None  # set by _order_sums once the optimizer exists
 
