@@ -177,9 +177,11 @@ def _prefix_causal(pack: PackMask, P: int, R: int, device) -> torch.Tensor:
     return pack._cache[key]
 
 
-def _dense(q, k, v, groups, pack, *, scaling, dropout):
+def _dense(q, k, v, groups, pack, *, scaling, dropout, mask_LL=None):
+    """mask_LL: another [L, L] mask than the pack's (a sliding window's, `_windowed`)."""
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=pack.dense_LL(q.device), dropout_p=dropout, scale=scaling)
+    mask_LL = pack.dense_LL(q.device) if mask_LL is None else mask_LL
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_LL, dropout_p=dropout, scale=scaling)
 
 
 def _flex(q, k, v, groups, pack, *, scaling, dropout):
@@ -243,9 +245,7 @@ def _windowed(q, k, v, groups, pack, *, window, scaling, dropout):
     """A sliding-window layer (Gemma-3's 5 of 6, Mistral's): the dense mask with the window, on every
     backend. Dense costs L² scores where blocks skips the masked ones; a kernel with the window in its
     blocks is left for when a model spends its time here."""
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=pack.windowed_LL(window, q.device), dropout_p=dropout,
-                                          scale=scaling)
+    return _dense(q, k, v, groups, pack, scaling=scaling, dropout=dropout, mask_LL=pack.windowed_LL(window, q.device))
 
 
 def attend(q_1HLD: torch.Tensor, k_1KLD: torch.Tensor, v_1KLD: torch.Tensor, pack: PackMask, *, scaling: float,
@@ -257,7 +257,7 @@ def attend(q_1HLD: torch.Tensor, k_1KLD: torch.Tensor, v_1KLD: torch.Tensor, pac
     if window is not None:
         return _windowed(q_1HLD, k_1KLD, v_1KLD, groups, pack, window=window, scaling=scaling, dropout=dropout)
     return _KERNELS[pack.resolved_backend(q_1HLD.device)](
-        q_1HLD, k_1KLD, v_1KLD, q_1HLD.shape[1] // k_1KLD.shape[1], pack, scaling=scaling, dropout=dropout)
+        q_1HLD, k_1KLD, v_1KLD, groups, pack, scaling=scaling, dropout=dropout)
 _COMPILED: dict = {}
 
 AttentionInterface.register(ATTN_NAME, _attention)
