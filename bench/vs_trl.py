@@ -33,8 +33,10 @@ Measured (medians over the steps after the first, then over --repeats):
   train); TRL from its own profiling timers: transformers.generate, _calculate_rewards, and the rest of
   the step after _prepare_inputs (training forward, backward, optimizer step).
 Threads: TRL one process with torch's default intra-op threads (or --trl-threads); Tidal as launched,
-its ranks pin cores // ranks threads each (controller/devices.py pin_threads; 1 each on 2 cores).
-The systems interleave (TRL, Tidal sync, Tidal periodic, TRL, ...); the load average is recorded before
+its ranks pin cores // ranks threads each (controller/devices.py pin_threads; 1 each on 2 cores; the
+co-located placement is one process with every core, like TRL's).
+--systems picks the Tidal runs of a round (default sync, periodic, colocated); they interleave with TRL
+(TRL, Tidal sync, Tidal periodic, Tidal co-located, TRL, ...); the load average is recorded before
 and after each run. TRL is an optional bench dependency, never a test one; `make bench-trl` builds
 .venv-trl and runs the defaults:
     .venv-trl/bin/python bench/vs_trl.py [--bf16] [--steps 10] [--repeats 3]
@@ -59,8 +61,9 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ("trl", "sync", "periodic")
-NAMES = {"trl": "TRL GRPOTrainer", "sync": "Tidal sync", "periodic": "Tidal periodic"}
+SYSTEMS = ("trl", "sync", "periodic", "colocated")
+NAMES = {"trl": "TRL GRPOTrainer", "sync": "Tidal sync", "periodic": "Tidal periodic",
+         "colocated": "Tidal co-located"}
 EMBEDDED_REWARD = "modeling.tiny.task:embedded_reward"
 
 
@@ -255,7 +258,9 @@ def run(system: str, *, args, job: dict, out: Path) -> dict:
                 "data.chat_template=false"]
         from launch import jobs  # TRL's venv also runs this file, for its worker
 
-        cmd = jobs.command("grpo", "--schedule", system, steps=args.steps, output_dir=out / "run", overrides=sets)
+        # co-located: one process runs every executor, the sync schedule (the only one it takes)
+        schedule, sets = ("sync", [*sets, "placement=colocated"]) if system == "colocated" else (system, sets)
+        cmd = jobs.command("grpo", "--schedule", schedule, steps=args.steps, output_dir=out / "run", overrides=sets)
     load = [os.getloadavg()[0]]
     with open(out / "stdout", "w") as so, open(out / "stderr", "w") as se:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=so, stderr=se, start_new_session=True)
@@ -289,8 +294,9 @@ def run(system: str, *, args, job: dict, out: Path) -> dict:
         rows = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
         timeline = [json.loads(line) for line in (out / "run/timeline.jsonl").read_text().splitlines()]
         role = {r["rank"]: r["executor"] for r in timeline if r["kind"] == "step"}
-        ends = [max(r["t1"] for r in timeline if r["kind"] == "step" and r["executor"] == "trainer" and r["step"] == k)
-                for k in range(args.steps)]
+        # the trainer's step ends (co-located: the one rank's, named after its host executor)
+        ends = [max(r["t1"] for r in timeline if r["kind"] == "step" and r["step"] == k
+                    and (r["executor"] == "trainer" or system == "colocated")) for k in range(args.steps)]
         later = rows[1:]
         step_s = [r["step_s"] for r in later]
         trained = [r["trainer/tokens"] for r in later]
@@ -339,7 +345,9 @@ def report(results: dict[str, list[dict]], args, job: dict, lengths: list[int]) 
         trl_mode = (f"fp32: bf16=False, fp16=False, weights {trl['param_dtype']}; autocast seen in generation: "
                     f"{gen_ac}, in training: {train_ac}")
         tidal_mode = "fp32: trainer.precision=fp32, model.dtype=float32 (trainer and generator)"
-    ranks = [p for p in results["sync"][0]["procs"] if p["label"].startswith("rank")]
+    systems = [s for s in SYSTEMS if s in results]
+    split = next((s for s in systems if s in ("sync", "periodic")), systems[-1])
+    ranks = [p for p in results[split][0]["procs"] if p["label"].startswith("rank")]
     loads = [x for runs in results.values() for r in runs for x in r["load"]]
     print(f"model {job['model']}; {len(lengths)} prompts of {min(lengths)}-{max(lengths)} tokens (median "
           f"{med(lengths):.0f}) in {job['data_src']}; reward {job['reward']}")
@@ -354,10 +362,10 @@ def report(results: dict[str, list[dict]], args, job: dict, lengths: list[int]) 
     print("tokens/s: trained tokens per step as each side counts them (TRL: prompt + completion of every row, "
           "each prompt G times, padding left out; Tidal: packed, each prompt once per group) over s/step\n")
 
-    tidal_procs = ", ".join(p["label"].split(" (")[0] for p in results["sync"][0]["procs"])
+    tidal_procs = ", ".join(p["label"].split(" (")[0] for p in results[split][0]["procs"])
     body = []
     for i in range(args.repeats):
-        for s in SYSTEMS:
+        for s in systems:
             r = results[s][i]
             body.append([i + 1, NAMES[s], f"{r['load'][0]:.2f} -> {r['load'][1]:.2f}", r["s_step"], r["cpu_step"],
                          r["cpu_whole"], " + ".join(f"{p['peak_gib']:.2f}" for p in r["procs"])])
@@ -369,7 +377,7 @@ def report(results: dict[str, list[dict]], args, job: dict, lengths: list[int]) 
         return med(results[s][i][key] / results["trl"][i][key] for i in range(args.repeats))
 
     body = []
-    for s in SYSTEMS:
+    for s in systems:
         runs = results[s]
         s_step = med(r["s_step"] for r in runs)
         trained = med(r["trained"] for r in runs)
@@ -381,7 +389,7 @@ def report(results: dict[str, list[dict]], args, job: dict, lengths: list[int]) 
           f"(rows x columns)\n")
 
     body = []
-    for s in SYSTEMS:
+    for s in systems:
         procs = defaultdict(list)
         for r in results[s]:
             for p in r["procs"]:
@@ -393,7 +401,7 @@ def report(results: dict[str, list[dict]], args, job: dict, lengths: list[int]) 
     print()
 
     body = []
-    for s in SYSTEMS:
+    for s in systems:
         phases = {k: med(r["phases"][k] for r in results[s]) for k in results[s][0]["phases"]}
         split = ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
         if s != "trl":
@@ -421,12 +429,18 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--bf16", action="store_true", help="both sides in bf16 (see the module's docstring)")
     p.add_argument("--steps", type=int, default=10, help="steps per run; the first is left out")
-    p.add_argument("--repeats", type=int, default=3, help="rounds of (TRL, Tidal sync, Tidal periodic)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of (TRL and the Tidal --systems)")
+    p.add_argument("--systems", default="sync,periodic,colocated",
+                   help="the Tidal runs of a round, comma-separated: sync, periodic, colocated (co-located placement, "
+                        "sync schedule; one process with every core)")
     p.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0: torch's default")
     p.add_argument("--poll", type=float, default=0.2, help="seconds between polls of the processes")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
     p.add_argument("--keep", type=Path, help="keep the runs here instead of a temporary directory")
     args = p.parse_args()
+    tidal = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not tidal or set(tidal) - set(SYSTEMS[1:]):
+        p.error(f"--systems {args.systems!r}: a comma-separated subset of {', '.join(SYSTEMS[1:])}")
     if args.steps < 2:
         p.error("--steps must be 2 or more: the first step is left out")
     if args.reward is None and args.data:
@@ -438,9 +452,9 @@ def main() -> None:
         job = {"model": model, "data": str(data), "data_src": args.data or "the embedded task",
                "reward": args.reward or EMBEDDED_REWARD, "max_prompt": max(lengths), "B": args.prompts,
                "G": args.samples, "N": args.max_new_tokens, "temperature": args.temperature, "lr": args.lr}
-        results = {s: [] for s in SYSTEMS}
+        results = {s: [] for s in ("trl", *tidal)}
         for i in range(args.repeats):
-            for s in SYSTEMS:
+            for s in results:
                 print(f"vs_trl: {NAMES[s]} ({i + 1}/{args.repeats})", file=sys.stderr, flush=True)
                 results[s].append(run(s, args=args, job=job, out=tmp / f"{s}-{i}"))
         report(results, args, job, lengths)

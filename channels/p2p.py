@@ -42,6 +42,29 @@ class _FromSelf:
         return self.done
 
 
+class _TakenFromSelf:
+    """A message from this rank, taken as it was posted (no copy into a buffer): `message` once waited."""
+
+    def __init__(self, key: tuple):
+        self.key, self.message = key, None
+
+    def wait(self, timeout=None) -> bool:
+        if self.message is None:
+            queue = _mailbox[self.key]
+            assert queue, f"rank {dist.get_rank()}: a take from itself (tag {self.key[1]}) has no message posted"
+            self.message = queue.popleft()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.message is not None
+
+
+def take_from_self(*, group=None, tag: int = 0) -> _TakenFromSelf:
+    """The next message this rank sent itself on (group, tag), the sent bytes themselves: with
+    `owned` sends, a view of the sender's tensor. In posting order, among irecvs from itself too."""
+    return _TakenFromSelf((group, tag))
+
+
 def isend(tensor: torch.Tensor, dst: int, *, group=None, tag: int = 0, owned: bool = False):
     """`owned`: nobody writes `tensor` after this (a message packed for it), so a send to oneself keeps
     it instead of a copy."""

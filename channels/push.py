@@ -12,7 +12,7 @@ stream graph is acyclic (trainer -> replica -> replica), so no deadlock.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Mapping
+from typing import Mapping, MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -71,8 +71,13 @@ class WeightPush:
         return sum(b.numel() for b in self._buffers.values())
 
     @torch.no_grad()
-    def run(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def run(self, tensors: MutableMapping[str, torch.Tensor]) -> None:
         """One push: returns when this rank's sends and receives are complete.
+
+        A receiving rank that is also the sender of a whole destination tensor (placement=colocated,
+        same layout and dtype) finds the sender's tensor in its place in `tensors` afterwards, not
+        copied into the old one: the sender posted a view of its own shard (WeightsSender), which
+        nothing writes until the receiver's next push; its engine then samples with that memory.
 
         Two phases, in the same order on both ends of every link: first the buckets received
         straight into their destination (every receive posted at once: they need no buffer),
@@ -80,8 +85,7 @@ class WeightPush:
         pending: dict[tuple, list[dist.Work]] = defaultdict(list)  # sends out of a buffer
         try:
             direct = [(s, [b for b in s.buckets if b.dst_direct]) for s in self.incoming]
-            posted = [(s, b, self._irecv(s, self._dst_buffer(tensors, b)))
-                      for s, buckets in direct for b in buckets]
+            posted = [(s, b, self._post_direct(tensors, s, b)) for s, buckets in direct for b in buckets]
             for s in self.outgoing:
                 for r, bucket in enumerate(b for b in s.buckets if b.dst_direct):
                     self._send(tensors, s, bucket, slot=r % 2, pending=pending)
@@ -93,15 +97,23 @@ class WeightPush:
                 _wait(works)
 
     @torch.no_grad()
-    def pack(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
-        """This rank's messages of one push, copied out of `tensors`, for a rank that only sends (a
-        trainer rank): [(receiver, bytes)] in the order `run` posts them on the other end (per link:
-        the direct buckets, then the rounds). The lagged push of the offpolicy schedule: the weights
-        change before the generator takes them, steps later."""
+    def pack(self, tensors: Mapping[str, torch.Tensor], *, copy: bool = True) -> list[tuple[int, torch.Tensor]]:
+        """This rank's messages of one push, for a rank that only sends (a trainer rank): [(receiver,
+        bytes)] in the order `run` posts them on the other end (per link: the direct buckets, then the
+        rounds). copy=True: every message copied out of `tensors` (the lagged push of the offpolicy
+        schedule: the weights change before the generator takes them, steps later). copy=False: a
+        bucket that is one contiguous run of its source tensor is a view of it, not a copy (the
+        co-located sync push: nothing writes the weights before the generator takes them, at its
+        next step's start, and a copy would hold a second model's worth of memory until then)."""
         assert not self.incoming, f"rank {self.rank} receives in this push: pack() is for side='send'"
         messages = []
         for s in self.outgoing:
             for bucket in [b for b in s.buckets if b.dst_direct] + [b for b in s.buckets if not b.dst_direct]:
+                if bucket.src_direct and not copy:
+                    p = self.plan.pieces[bucket.entries[0][0]]
+                    view = _contiguous_view(tensors[p.name][_view(p.src_slice)])
+                    messages.append((s.receiver, view.reshape(-1).view(torch.uint8)))
+                    continue
                 buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
                 for i, offset in bucket.entries:
                     p = self.plan.pieces[i]
@@ -133,6 +145,18 @@ class WeightPush:
             for s, bucket, (buf, work) in recvs.pop(r):
                 self._received(tensors, s, bucket, buf, work, key=_key(s, r % 2), pending=pending)
 
+    def _post_direct(self, tensors, s: Stream, bucket: Bucket):
+        """(buffer, work) of a bucket received straight into its destination. One this rank sends
+        itself that is a whole destination tensor (placement=colocated, the same layout and dtype on
+        both sides) is taken as sent (buffer None): the destination gets the sender's tensor instead
+        of a copy of it, so the process holds the model once (see `run`)."""
+        p = self.plan.pieces[bucket.entries[0][0]]
+        dst = tensors[p.name]
+        if (s.sender == self.rank and len(bucket.entries) == 1 and dst.dtype == p.dtype
+                and tuple(dst.shape) == p.shape and p.dst_slice == tuple((0, n) for n in dst.shape)):
+            return None, p2p.take_from_self(group=self.group, tag=self.tag)
+        return self._irecv(s, self._dst_buffer(tensors, bucket))
+
     def _irecv(self, s: Stream, buf: torch.Tensor):
         return buf, p2p.irecv(buf, s.sender, group=self.group, tag=self.tag)
 
@@ -155,8 +179,13 @@ class WeightPush:
         pending[_key(s, slot)].append(p2p.isend(buf[:bucket.nbytes], s.receiver, group=self.group, tag=self.tag))
 
     def _received(self, tensors, s: Stream, bucket: Bucket, buf, work, *, key, pending) -> None:
-        """Wait for one bucket; forward it down the relay chain first, then unpack it."""
+        """Wait for one bucket; forward it down the relay chain first, then unpack it (or, taken from
+        this rank itself, put the sent tensor in the destination's place)."""
         work.wait()
+        if buf is None:
+            p = self.plan.pieces[bucket.entries[0][0]]
+            buf = work.message
+            tensors[p.name] = _typed(buf, 0, p)
         for f in self.forwards[s.origin]:  # relay first: the next replica waits on it
             pending[key].append(p2p.isend(buf, f.receiver, group=self.group, tag=self.tag))
         if not bucket.dst_direct:

@@ -227,9 +227,14 @@ def build_plan(*, specs: Mapping[str, ParamSpec], trainer: TrainerLayout, genera
                     both = _intersect(tbox, gbox)
                     if both is None:
                         continue
-                    for sub in _cut(both, max_numel):
-                        dst = generator.rank(k, t)
-                        src = dst if dst in shared and dst in ranks else min(ranks, key=lambda r: (load[r], order[r]))
+                    dst = generator.rank(k, t)
+                    local = dst in shared and dst in ranks
+                    # a piece a rank sends itself, contiguous on both sides and not cast, is handed over
+                    # whole (no bucket, no copy: channels/push.py): not cut to the buckets' size
+                    whole = (local and dtype == spec.dtype and _contiguous(_shift(both, tbox), tbox)
+                             and _contiguous(_shift(both, gbox), gbox))
+                    for sub in [both] if whole else _cut(both, max_numel):
+                        src = dst if local else min(ranks, key=lambda r: (load[r], order[r]))
                         src_slice, dst_slice = _shift(sub, tbox), _shift(sub, gbox)
                         big = (zero_copy_min_bytes is not None
                                and math.prod(b - a for a, b in sub) * dtype.itemsize >= zero_copy_min_bytes)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -120,9 +120,11 @@ class WeightsSender(_Endpoint):
         # posted, not waited for: lagged, or co-located (this rank's generator, or another rank's,
         # receives at the start of the next step, and until then these ranks are all here)
         self._plan(specs)
-        # packed even when nobody will take it in this run: a checkpoint of this step keeps it
+        # packed even when nobody will take it in this run: a checkpoint of this step keeps it.
+        # Co-located with lag 1 (sync), nothing changes the weights before the generator takes them:
+        # the messages are views of the shards where they can be (no second copy of the model)
         self._recent = {j: m for j, m in self._recent.items() if j > self.step - lag}
-        self._recent[self.step] = self._push.pack(shards)
+        self._recent[self.step] = self._push.pack(shards, copy=lag > 1)
         if self.deliverable:
             self._post(self.step)
 
@@ -183,8 +185,9 @@ class WeightsReceiver(_Endpoint):
         """`step`: the step whose push this is (the consumer's step - lag)."""
         self.step, self.expected = step, expected
 
-    def receive_into(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> bool:
-        """Receive this step's weights into `shards` ({name: local shard}, in place); False when
+    def receive_into(self, shards: MutableMapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> bool:
+        """Receive this step's weights into `shards` ({name: local shard}, in place; an entry this rank's
+        own trainer sends whole is replaced by the trainer's tensor: channels/push.py); False when
         none are due (the first step)."""
         self._into = (shards, specs)
         if not self.expected:

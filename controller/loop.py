@@ -29,6 +29,7 @@ from pathlib import Path
 
 from controller import checkpoint as ckpt
 from controller.control import Decision, StepControl
+from common.host_memory import trim_host_memory
 from controller.devices import take_peak_gb
 from controller.progress import Progress
 from controller.metrics import post_metrics
@@ -65,6 +66,7 @@ class Controller:
             for executor in executors:
                 t0 = time.perf_counter()
                 executor.init(self.world.envs[executor.name])
+                trim_host_memory()  # the model load's transient copies, before the next executor's
                 if self.world.envs[executor.name].is_leader:
                     print(f"tidal: {executor.name} ready in {time.perf_counter() - t0:.1f} s "
                           f"(rank {env.rank})", file=sys.stderr, flush=True)
@@ -94,6 +96,7 @@ class Controller:
                 for out in outlets:
                     out.flush()
             peak_gb = take_peak_gb(env.device)  # this rank's step, whichever executors ran on it
+            trim_host_memory()
             if not dropped and env.is_leader:
                 memory = {} if peak_gb is None else {"device_peak_gb": peak_gb}
                 for executor, record in zip(executors, records):

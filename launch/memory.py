@@ -311,8 +311,26 @@ def colocated_bytes(every: list[dict[str, float]], *, device: str) -> float:
     return total - min(kv, adam)
 
 
-def _colocated_row(every: list[dict[str, float]], *, device: str) -> list[str]:
+def handed_over(cfg: RunConfig) -> str | None:
+    """placement=colocated: the generator's part that the push replaces by the trainer's own tensors
+    (whole tensors a rank sends itself in one layout and dtype are handed over, not copied:
+    channels/push_plan.py), so the rank holds it once, from the first push on: the native engine's
+    weights, vLLM's push buffer. None where the layouts differ (tp, FSDP, EP), the native engine's
+    weights are tp-sharded DTensors (it copies into their shards) or the push carries LoRA's
+    adapters alone (the engine keeps its own base). The dtypes agree: the trainer pushes what the
+    generator runs in."""
+    t, g = cfg.trainer, cfg.generator
+    if cfg.placement != "colocated" or g.tp != t.tp or t.fsdp or t.ep > 1 or t.lora.on:
+        return None
+    if ENGINES.get(g.engine).push_buffer:
+        return "push buffer"
+    return "weights" if g.tp == 1 else None
+
+
+def _colocated_row(every: list[dict[str, float]], *, device: str, handed: str | None) -> list[str]:
     how = "every row above, one process" if device == "cpu" else "every row above; the KV cache and AdamW state take turns"
+    if handed:
+        how += f"; the generator's {handed} are the trainer's weights (the push hands them over)"
     return ["co-located rank", how, _size(colocated_bytes(every, device=device))]
 
 
@@ -333,7 +351,8 @@ def describe_memory(cfg: RunConfig, m: Shape | None, *, executors: tuple[str, ..
         if parts is None:
             rows.append([name, "no estimate (its config.json lacks a Llama-style decoder's sizes)", "?"])
             continue
-        every.append(parts.copy())
+        handed = handed_over(cfg) if name == "generator" else None
+        every.append({**parts, **({handed: 0.0} if handed else {})})
         if device == "cpu":  # host memory is the rank's whole RSS; a device's holds no interpreter
             parts["process"] = PROCESS_BYTES
         shown = ", ".join(f"{k} {_size(v)}" for k, v in parts.items() if v)
@@ -346,7 +365,7 @@ def describe_memory(cfg: RunConfig, m: Shape | None, *, executors: tuple[str, ..
             total += f" + {note}"
         rows.append([name, shown, total])
     if cfg.placement == "colocated" and every:
-        rows.append(_colocated_row(every, device=device))
+        rows.append(_colocated_row(every, device=device, handed=handed_over(cfg)))
     count = _count(m.params) + (f" ({_count(m.active_params)} active per token)" if m.active_params else "")
     where = ("process: python with torch and transformers, as measured on CPU" if device == "cpu" else
              f"plus each rank's {device} runtime context, not counted")

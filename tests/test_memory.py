@@ -159,17 +159,23 @@ def test_reward_model_gets_a_row_of_its_own(tmp_path):
 
 
 def test_a_colocated_rank_holds_every_executor_and_the_kv_and_adam_take_turns():
-    """placement=colocated: one rank holds the generator's and the trainer's parts; on a device its peak
-    leaves out the smaller of the KV cache and AdamW's state (they are never there together), on CPU
-    everything is one process's memory."""
+    """placement=colocated: one rank holds the generator's and the trainer's parts, the generator's
+    weights once (the push hands it the trainer's: channels/push_plan.py) where both have one layout;
+    on a device its peak leaves out the smaller of the KV cache and AdamW's state (they are never there
+    together), on CPU everything is one process's memory."""
     from launch.memory import PROCESS_BYTES, PARTS, _size, describe_memory
 
-    cfg = small_config(placement="colocated", schedule="sync")
-    shape = Shape.of(None)
-    gen, trn = PARTS["generator"](cfg, shape), PARTS["trainer"](cfg, shape)
-    total = sum(gen.values()) + sum(trn.values())
     row = lambda text: next(line for line in text.splitlines() if line.startswith("co-located rank"))  # noqa: E731
-    assert row(describe_memory(cfg, shape, device="cpu")).endswith(_size(total + PROCESS_BYTES))
-    assert row(describe_memory(cfg, shape, device="cuda")).endswith(
-        _size(total - min(gen["KV cache"], trn["AdamW state"])))
+    shape = Shape.of(None)
+    # tp 2 on both sides: the native engine's DTensor shards take a copy
+    for trainer, generator, handed in (({}, {}, True), ({"lora": {"rank": 4}}, {}, False), ({"tp": 2}, {}, False),
+                                       ({"tp": 2}, {"tp": 2}, False)):
+        cfg = small_config(placement="colocated", schedule="sync", trainer=trainer, generator=generator)
+        gen, trn = PARTS["generator"](cfg, shape), PARTS["trainer"](cfg, shape)
+        total = sum(gen.values()) + sum(trn.values()) - (gen["weights"] if handed else 0)
+        assert gen["weights"] > 0
+        assert row(describe_memory(cfg, shape, device="cpu")).endswith(_size(total + PROCESS_BYTES))
+        assert row(describe_memory(cfg, shape, device="cuda")).endswith(
+            _size(total - min(gen["KV cache"], trn["AdamW state"])))
+        assert ("the generator's weights are the trainer's" in describe_memory(cfg, shape, device="cpu")) == handed
     assert "co-located rank" not in describe_memory(small_config(), shape, device="cuda")

@@ -3,6 +3,7 @@ taking turns on each device) giving the same bits as the split placement."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -71,6 +72,7 @@ def test_messages_to_oneself_arrive_in_order_as_bytes():
 
 
 # ---- the push between layouts that share ranks ----------------------------------------------------------
+ZERO_COPY = 4096  # pieces this big go without a bucket: here most of the tiny model's weights
 SHARED = {  # trainer (ranks, tp, fsdp) -> generator (ranks, tp), on 2 ranks
     "dp2 > x2": ((0, 1), 1, False, (0, 1), 1),
     "tp2 > x2": ((0, 1), 2, False, (0, 1), 1),
@@ -91,25 +93,29 @@ def _push_shared():
         g_mesh = build_mesh(ranks=g_ranks, tp=tp_g, members_only=False) if tp_g > 1 else None
         specs = param_specs(qwen3(meta=True))
         plan = build_plan(specs=specs, trainer=TrainerLayout(ranks=t_ranks, tp=tp_t, fsdp=fsdp),
-                          generator=GeneratorLayout(ranks=g_ranks, tp=tp_g), bucket_bytes=8192)
+                          generator=GeneratorLayout(ranks=g_ranks, tp=tp_g), bucket_bytes=8192,
+                          zero_copy_min_bytes=ZERO_COPY)
         sender, receiver = WeightPush(plan, rank=rank, side="send"), WeightPush(plan, rank=rank, side="receive")
         engine = qwen3(seed=1)
         if tp_g > 1:
             parallelize(engine, mesh=g_mesh, tp=True, fsdp=False)
-        works, full = [], None
-        if rank in t_ranks:  # as the trainer's barrier posts it (channels/weights.py: co-located)
+        works, full, sent = [], None, {}
+        if rank in t_ranks:  # as the trainer's barrier posts it (channels/weights.py: co-located, sync)
             model = parallelize(qwen3(seed=0), mesh=t_mesh, tp=tp_t > 1, fsdp=fsdp)
             _train_step(model, seed=0)
-            works = [p2p.isend(buf, dst, owned=True) for dst, buf in
-                     sender.pack({n: local(p.detach()) for n, p in model.named_parameters()})]
+            sent = {n: local(p.detach()) for n, p in model.named_parameters()}
+            works = [p2p.isend(buf, dst, owned=True) for dst, buf in sender.pack(sent, copy=False)]
             full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                     for n, p in model.named_parameters()}
-        receiver.run({n: local(p.detach()) for n, p in engine.named_parameters()})  # as the next step's start
+        shards = {n: local(p.detach()) for n, p in engine.named_parameters()}
+        receiver.run(shards)  # as the next step's start
         for w in works:
             w.wait()
         local_bytes = sum(p.nbytes for p in plan.pieces if p.src == p.dst)
-        out[name] = (full, {n: local(p.detach()).clone() for n, p in engine.named_parameters()}, local_bytes,
-                     sum(p.nbytes for p in plan.pieces))
+        # the entries that are now the trainer's own memory: the generator holds the model once
+        taken = {n for n, t in shards.items() if n in sent and t.data_ptr() == sent[n].data_ptr()}
+        out[name] = (full, {n: t.clone() for n, t in shards.items()}, local_bytes,
+                     sum(p.nbytes for p in plan.pieces), taken)
         dist.barrier()
     dist.destroy_process_group()
     return out
@@ -132,10 +138,18 @@ def test_push_between_shared_ranks_lands_bit_for_bit(pushed_shared, layout):
     specs = param_specs(qwen3(meta=True))
     g = GeneratorLayout(ranks=g_ranks, tp=tp_g)
     for rank in g_ranks:
-        _, got, local_bytes, total = pushed_shared[rank][layout]
+        _, got, local_bytes, total, taken = pushed_shared[rank][layout]
         t = g_ranks.index(rank) % tp_g
         for n, s in specs.items():
             assert torch.equal(got[n], full[n][_sl(g.box(s, t=t))]), (layout, rank, n)
+        # a whole tensor the rank's own trainer holds in the same layout and dtype is handed over, not
+        # copied (the smaller ones travel in buckets); a part of one (tp 2 into tp 1) is copied
+        big = {n for n, s in specs.items() if math.prod(s.shape) * 4 >= ZERO_COPY}
+        expected = big if layout == "dp2 > x2" or (layout.endswith("relayed") and rank == 0) else set()
+        if layout == "fsdp2 > tp2":  # FSDP's row halves meet tp's where their shapes agree
+            assert taken <= big, (layout, rank, sorted(taken - big)[:3])
+        else:
+            assert taken == expected, (layout, rank, sorted(taken ^ expected)[:3])
     if layout == "dp2 > x2":
         assert local_bytes == total  # each replica is fed by the trainer rank beside it
 

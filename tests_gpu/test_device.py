@@ -23,11 +23,12 @@ def _model(seed: int, device):
     return AutoModelForCausalLM.from_config(config).to(device)
 
 
-def _plan(model, t_ranks, g_ranks, *, g_tp: int = 1):
+def _plan(model, t_ranks, g_ranks, *, g_tp: int = 1, zero_copy_min_bytes: int = 1 << 16):
     from modeling.parallel import param_specs
 
     return build_plan(specs=param_specs(model), trainer=TrainerLayout(ranks=t_ranks, tp=1, fsdp=False),
-                      generator=GeneratorLayout(ranks=g_ranks, tp=g_tp), bucket_bytes=1 << 16)
+                      generator=GeneratorLayout(ranks=g_ranks, tp=g_tp), bucket_bytes=1 << 16,
+                      zero_copy_min_bytes=zero_copy_min_bytes)
 
 
 def _start(device_type: str, index: int):
@@ -66,24 +67,28 @@ def test_push_between_two_devices_over_the_device_backend(device):
 
 
 def _push_colocated(device_type: str):
-    """One rank is both (placement=colocated): the push is a copy in the device's memory."""
+    """One rank is both (placement=colocated, sync): whole tensors are handed over (the generator's
+    entries become the trainer's device memory), the small ones copied on the device."""
     device, trained, engine = _start(device_type, 0)
-    plan = _plan(trained, (0,), (0,))
+    plan = _plan(trained, (0,), (0,), zero_copy_min_bytes=8192)  # the tiny model's matrices: handed over
     assert all(p.src == p.dst == 0 for p in plan.pieces)
     sender = WeightPush(plan, rank=0, device=device, side="send")
     receiver = WeightPush(plan, rank=0, device=device, side="receive")
-    messages = sender.pack({n: p.detach() for n, p in trained.named_parameters()})
+    sent = {n: p.detach() for n, p in trained.named_parameters()}
+    messages = sender.pack(sent, copy=False)
     assert all(buf.device == device for _, buf in messages)
     works = [p2p.isend(buf, dst, owned=True) for dst, buf in messages]
-    receiver.run({n: p.detach() for n, p in engine.named_parameters()})
+    shards = {n: p.detach() for n, p in engine.named_parameters()}
+    receiver.run(shards)
     for w in works:
         w.wait()
-    same = all(torch.equal(a, b) for a, b in zip(trained.parameters(), engine.parameters()))
+    same = all(torch.equal(sent[n], shards[n]) and shards[n].device == device for n in sent)
+    handed = sum(shards[n].data_ptr() == sent[n].data_ptr() for n in sent)
     dist.destroy_process_group()
-    return same
+    return same and handed > 0
 
 
-def test_colocated_push_is_a_copy_on_the_device(device):
+def test_colocated_push_hands_over_the_trainer_tensors_on_the_device(device):
     assert spawn(_push_colocated, 1, device.type, timeout_s=300) == [True]
 
 

@@ -104,7 +104,9 @@ class Engine(Protocol):
         `budget`: tokens per sample in this call, past which a group comes back cut (partial rollouts)."""
 
     def load_weights(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> None:
-        """The WEIGHTS channel's push has landed in `shards`: make the engine sample with it."""
+        """The WEIGHTS channel's push has landed in `shards`: make the engine sample with it. An entry
+        may have been replaced by the sender's own tensor (placement=colocated: channels/push.py); it
+        holds the pushed weights until the next push."""
 
     def release(self) -> None:
         """Give the device's memory back between generations (placement=colocated: the trainer runs

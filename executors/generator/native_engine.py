@@ -64,9 +64,20 @@ class NativeEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @torch.no_grad()
     def load_weights(self, shards, specs) -> None:
-        """The WEIGHTS channel received straight into this engine's parameters: only the float32
-        copy of a bf16 head is stale."""
+        """The WEIGHTS channel received straight into this engine's parameters, except where it handed
+        over the trainer's own tensor (placement=colocated, channels/push.py): a parameter then takes
+        that memory as its own, so the process holds the model once (a tp-sharded one copies it into
+        its shard). Then only the float32 copy of a bf16 head is stale."""
+        for name, shard in shards.items():
+            param = self.model.get_parameter(name)
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if local.data_ptr() != shard.data_ptr():
+                if local is param:
+                    param.data = shard
+                else:
+                    local.copy_(shard)
         if self._fp32_head is not None:
             self._fp32_head.refresh()
 
