@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch.distributed as dist
 
 from channels.kinds import Kind
+from common.host_memory import map_large_blocks
 from controller.control import Cadence, StepControl, install_stop_signals
 from controller.failure import Watchdog
 from controller.graph import Graph
@@ -59,6 +60,7 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
     schedule = get_schedule(schedule) if isinstance(schedule, str) else schedule
     graph = with_schedule(graph, schedule)
     pin_threads()
+    map_large_blocks()  # before the models load: see common/host_memory.py
     timeout = timedelta(seconds=timeout_s)
     index = device_index(graph, rank=int(os.environ.get("RANK", "0")), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     device = init_distributed(detect_device(), timeout=timeout, index=index)
