@@ -136,21 +136,30 @@ def test_bf16_head_logits_are_float32_products_of_its_bf16_inputs():
 def test_fp32_head_hook_follows_pushed_weights():
     """The generator's hook keeps its head's float32 weight, and re-casts it after a push: one that
     lands through a torch op (the version counter moves) and one written into the weight's storage
-    unseen (as the WEIGHTS channel's receives are), announced by the engine's load_weights."""
+    unseen (as the WEIGHTS channel's receives are), announced by the engine's load_weights; and a tensor
+    handed over in place of the weight (co-located), which the engine's parameter takes as its own."""
     assert Fp32Head.install(tiny("llama", tie=False)) is None  # a float32 model keeps its own head
     model = tiny("llama", tie=False).bfloat16()
     engine = NativeEngine(model, eos_token_id=0, pad_token_id=0)
     ids = torch.randint(1, 96, (2, 5), generator=torch.Generator().manual_seed(2))
     weight = model.get_output_embeddings().weight
-    with torch.inference_mode():  # as the engine runs it
-        for push in (None, lambda: weight.mul_(2), lambda: weight.data.mul_(3)):
-            if push is not None:
+    shards = {n: p.detach() for n, p in model.named_parameters()}  # what the WEIGHTS channel lands in
+    name = next(n for n, p in model.named_parameters() if p is weight)
+
+    def hand_over():  # placement=colocated: the channel puts the trainer's own tensor in the entry's place
+        shards[name] = weight.detach() * 5
+
+    for push in (None, lambda: weight.mul_(2), lambda: weight.data.mul_(3), hand_over):
+        if push is not None:
+            with torch.no_grad():
                 push()
-                engine.load_weights(None, None)
+            engine.load_weights(shards, None)
+        assert model.get_output_embeddings().weight.data_ptr() == shards[name].data_ptr()  # the engine's own
+        with torch.inference_mode():  # as the engine runs it
             logits = model(input_ids=ids).logits
             h = model.model(input_ids=ids).last_hidden_state
-            assert logits.dtype == torch.float32
-            assert torch.equal(logits, F.linear(h.float(), weight.float()))
+        assert logits.dtype == torch.float32
+        assert torch.equal(logits, F.linear(h.float(), shards[name].float()))
 
 
 def _tp_head(world: int):
