@@ -330,7 +330,7 @@ def handed_over(cfg: RunConfig) -> str | None:
 def _colocated_row(every: list[dict[str, float]], *, device: str, handed: str | None) -> list[str]:
     how = "every row above, one process" if device == "cpu" else "every row above; the KV cache and AdamW state take turns"
     if handed:
-        how += f"; the generator's {handed} are the trainer's weights (the push hands them over)"
+        how += f"; the generator's {handed}: the trainer's own weights, counted once (the push hands them over)"
     return ["co-located rank", how, _size(colocated_bytes(every, device=device))]
 
 

@@ -177,5 +177,5 @@ def test_a_colocated_rank_holds_every_executor_and_the_kv_and_adam_take_turns():
         assert row(describe_memory(cfg, shape, device="cpu")).endswith(_size(total + PROCESS_BYTES))
         assert row(describe_memory(cfg, shape, device="cuda")).endswith(
             _size(total - min(gen["KV cache"], trn["AdamW state"])))
-        assert ("the generator's weights are the trainer's" in describe_memory(cfg, shape, device="cpu")) == handed
+        assert ("the generator's weights: the trainer's own" in describe_memory(cfg, shape, device="cpu")) == handed
     assert "co-located rank" not in describe_memory(small_config(), shape, device="cuda")
