@@ -34,10 +34,6 @@ def _libc():
         return None
 
 
-def _malloc_trim():
-    return None if _libc() is None else _libc().malloc_trim
-
-
 def map_large_blocks(threshold: int = LARGE_BLOCK_BYTES) -> None:
     """Serve every block of `threshold` bytes and more from a mapping of its own, returned at its free
     (glibc's threshold then stays fixed instead of rising to 32 MiB). A MALLOC_MMAP_THRESHOLD_ the
@@ -50,6 +46,5 @@ def trim_host_memory() -> None:
     """Give the C heap's free pages back to the system (glibc malloc_trim). A model loaded on the CPU
     leaves its transient copies (the checkpoint's dtype, then the cast) in the heap: Qwen2.5-Coder-0.5B
     in fp32, loaded twice in one process, 5.58 GB resident, 4.22 GB after a trim."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
+    if _libc() is not None:
+        _libc().malloc_trim(0)

@@ -207,7 +207,7 @@ def test_python_network_refused():
 NETWORK_PROBE = """
 import subprocess, sys
 # another interpreter, without the bootstrap's socket block, and ctypes' raw connect(2)
-code = "import socket; socket.create_connection(('127.0.0.1', PORT), timeout=60); print('connected')"
+code = "import socket; socket.create_connection(('127.0.0.1', PORT), timeout=120); print('connected')"
 child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
 print("subprocess:", (child.stdout or child.stderr.strip().splitlines()[-1]).strip())
 import ctypes, socket, struct
@@ -231,7 +231,7 @@ def test_python_network_namespace_holds_for_subprocesses_and_ctypes():
                     "the python tool is best effort only")
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # reachable from here
+        socket.create_connection(("127.0.0.1", port), timeout=120).close()  # reachable from here
         env = Python({"prompt": "p"}, timeout_s=30, site_packages=False)
         observation = env.run(NETWORK_PROBE.replace("PORT", str(port)))
     assert "subprocess: OSError: [Errno 101] Network is unreachable" in observation, observation
