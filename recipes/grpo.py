@@ -15,6 +15,8 @@ combiner (reward.model.combine_replicas ranks) sums the two before the trainer: 
 """
 from __future__ import annotations
 
+import dataclasses
+
 from algorithms.registry import get_algorithm
 from channels.channel import Channel
 from channels.kinds import Kind
@@ -156,6 +158,12 @@ def evaluation(cfg: RunConfig, *, generator: Generator, reward: Reward) -> tuple
                                        src_port=EvalSampler.held_out, dst_port=EvalScorer.held_out)]
 
 
+def _own(cls, record: dict):
+    """An executor's metrics dataclass from its posted record, which also carries its rank's figures
+    (device_peak_gb on an accelerator: controller/loop.py adds it to every executor's record)."""
+    return cls(**{f.name: record[f.name] for f in dataclasses.fields(cls)})
+
+
 def step_figures(records: dict, world_size: int, run: dict | None = None) -> dict:
     """From the generator's and trainer's records: step_s runs from the start of generation (or the
     end of the previous step's push, if later: the offpolicy schedule generates a step while the
@@ -164,7 +172,7 @@ def step_figures(records: dict, world_size: int, run: dict | None = None) -> dic
     generation still did. `run` (a dict kept across steps): run_tpspd, the periodic-asynchrony
     paper's whole-run figure: tokens trained since this process's first step, over the time since
     that step began and the devices (ranks)."""
-    gen, trn = GeneratorMetrics(**records["generator"]), TrainerMetrics(**records["trainer"])
+    gen, trn = _own(GeneratorMetrics, records["generator"]), _own(TrainerMetrics, records["trainer"])
     start_t = max(gen.gen_start_t, (run or {}).get("push_end_t", 0.0))
     step_s = trn.push_end_t - start_t
     figures = {"step_s": step_s, "tpspd": trn.tokens / step_s / world_size,

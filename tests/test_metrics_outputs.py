@@ -233,3 +233,19 @@ def test_loading_bars_stay_out_of_logs(tmp_path):
     assert "Loading weights" in stderr_of(plain, "0")  # what a rank's log got
     ours = f"from modeling.hf import load_model; load_model({str(tmp_path)!r})"
     assert "Loading weights" not in stderr_of(ours, "0") and "Loading weights" not in stderr_of(ours, "1")
+
+
+def test_step_figures_read_records_that_carry_the_ranks_device_peak():
+    """On an accelerator the loop adds device_peak_gb to every executor's record (controller/loop.py); the
+    recipe's figures read the executors' own fields beside it (the lent H100 failed every job here once)."""
+    from executors.generator.executor import GeneratorMetrics
+    from executors.trainer.stats import TrainerMetrics
+    from recipes.grpo import step_figures
+
+    gen = {f.name: 0 for f in dataclasses.fields(GeneratorMetrics)}
+    gen.update(gen_start_t=10.0, gen_end_t=14.0, gen_s=4.0, device_peak_gb=1.5)
+    trn = {f.name: None for f in dataclasses.fields(TrainerMetrics)}
+    trn.update(tokens=600, train_s=3.0, push_end_t=16.0, first_train_t=12.0, device_peak_gb=1.5)
+    figures = step_figures({"generator": gen, "trainer": trn}, world_size=3)
+    assert figures == {"step_s": 6.0, "tpspd": 600 / 6.0 / 3, "gen_idle_frac": 1 - 4.0 / 6.0,
+                       "train_idle_frac": 0.5, "first_group_s": 2.0, "overlap_s": 2.0}
