@@ -129,6 +129,16 @@ def sampled_logprobs(group, idx: list[int], *, like: torch.Tensor) -> torch.Tens
     return out_NT
 
 
+def sampled_versions(group, idx: list[int], *, like: torch.Tensor) -> torch.Tensor:
+    """The policy version that sampled each token of samples `idx` (RolloutGroup.versions, else its
+    policy_version), [N, T] long like a micro-batch's; -1 on padding."""
+    out_NT = torch.full(like.shape, -1, dtype=torch.long, device=like.device)
+    for n, i in enumerate(idx):
+        R = group.logprobs[i].numel()
+        out_NT[n, :R] = group.versions[i].long() if group.versions is not None else group.policy_version
+    return out_NT
+
+
 def response_logprobs(model, mb: MicroBatch, *, temperature: float, chunk: int = 0) -> torch.Tensor:
     """log_softmax(logits / T) of each response token, [N, T] float32 (0 where masked)."""
     return mb.logprobs(model, temperature=temperature, chunk=chunk)

@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -40,16 +39,19 @@ def fp32_logits(head: nn.Module, h_CH: torch.Tensor, *, weight_VH: torch.Tensor 
     whose full tensor is gathered, as ColwiseParallel(output_layouts=Replicate()) does."""
     from torch.distributed.tensor import DTensor, Replicate  # here: importing this module stays light
 
+    from modeling.numerics import linear_for
+
     w = head.weight
     if w.dtype == torch.float32 or not isinstance(head, nn.Linear):
         return head(h_CH).float()
+    linear = linear_for(head)  # exact numerics: rows padded as every other product
     w32 = weight_VH if weight_VH is not None else w.float()
     bias = None if head.bias is None else head.bias.float()
     if isinstance(w, DTensor):
         if not isinstance(h_CH, DTensor):  # replicated over tp, as the module's input hook would make it
             h_CH = DTensor.from_local(h_CH, w.device_mesh, [Replicate()] * w.device_mesh.ndim, run_check=False)
-        return F.linear(h_CH.float(), w32, bias).full_tensor()
-    return F.linear(h_CH.float(), w32, bias)
+        return linear(h_CH.float(), w32, bias).full_tensor()
+    return linear(h_CH.float(), w32, bias)
 
 
 class Fp32Head:

@@ -98,6 +98,11 @@ def packed_forward(pack: PackMask):
         _ACTIVE.reset(token)
 
 
+def active_pack() -> PackMask | None:
+    """The packed row a forward runs over now, if any (exact attention reads it too: modeling/numerics.py)."""
+    return _ACTIVE.get()
+
+
 def _mask(*args, **kwargs):
     pack = _ACTIVE.get()
     if pack is None:
@@ -271,8 +276,10 @@ def install(model) -> None:
     Persistent rather than per call: activation checkpointing replays layer forwards during backward,
     after any per-call switch would have been undone.
     """
+    from modeling.numerics import ATTN_NAME as EXACT  # exact attention takes packed rows itself
+
     impl = model.config._attn_implementation
-    if impl == ATTN_NAME:
+    if impl in (ATTN_NAME, EXACT):
         return
     if impl != "sdpa":
         raise ValueError(f"shared-prompt / varlen packing needs a model loaded with attn_implementation='sdpa', "

@@ -181,6 +181,29 @@ def check_engine(cfg: RunConfig) -> None:
     ENGINES.get(cfg.generator.engine).check(cfg.generator, cfg.model.path)
 
 
+def check_numerics(cfg: RunConfig) -> None:
+    """model.numerics=exact (modeling/numerics.py) against what it does not cover, one line each."""
+    if cfg.model.numerics != "exact":
+        return
+    field, g, t = "model.numerics=exact", cfg.generator, cfg.trainer
+    if g.engine != "native":
+        raise ValueError(f"{field} with generator.engine={g.engine}: the trainer cannot run vLLM's kernels, and "
+                         f"vLLM's own batch-invariant mode is CUDA-only; use generator.engine=native")
+    if t.backend != "torch":
+        raise ValueError(f"{field} with trainer.backend={t.backend}: megatron-core's layers are not batch-invariant "
+                         f"here; use trainer.backend=torch")
+    for name, tp in (("generator.tp", g.tp), ("trainer.tp", t.tp), ("trainer.ep", t.ep)):
+        if tp > 1:
+            raise ValueError(f"{field} with {name}={tp}: a sharded product ends in an all-reduce whose order is not "
+                             f"the single device's; exact mode runs tp=1 and ep=1 (dp and FSDP are fine)")
+    from modeling.hf import load_config
+
+    config = load_config(cfg.model.path)
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        raise ValueError(f"{field} with sliding-window attention layers ({config.model_type}): not supported yet; "
+                         f"use model.numerics=default")
+
+
 def check_groups(cfg: RunConfig) -> None:
     """One sample per prompt under a group-relative advantage: every advantage is exactly 0 (the
     group's mean is its only sample), so the run would spend its compute training nothing."""

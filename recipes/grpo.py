@@ -35,7 +35,8 @@ from executors.trainer.executor import Trainer
 from executors.trainer.stats import TrainerMetrics
 from recipes.advantages import ADVANTAGE_SOURCES
 from recipes.base import Phase, Recipe
-from recipes.checks import (check_engine, check_eval, check_lora, check_moe, check_partial, check_placement,
+from recipes.checks import (check_engine, check_eval, check_lora, check_moe, check_numerics, check_partial,
+                            check_placement,
                             check_rollout, check_tp, check_trainer)
 from recipes.config import RunConfig
 
@@ -73,6 +74,7 @@ def build(cfg: RunConfig) -> Graph:
     check_moe(cfg, critic="critic" in source.sections)
     check_lora(cfg)
     check_engine(cfg)
+    check_numerics(cfg)
     check_rollout(cfg)
     check_eval(cfg)
     keep = (lambda rewards_G: algorithm.keeps_group(rewards_G, algo_cfg)) if dynamic else None
@@ -142,7 +144,8 @@ def reward_stage(cfg: RunConfig, *, keep=None) -> tuple[list, list[Channel], str
 
 
 def trainer(cfg: RunConfig, *, algorithm, algo_cfg, token_advantages: bool = False) -> Trainer:
-    return Trainer(config=cfg.trainer, model_path=cfg.model.path, dtype=cfg.model.torch_dtype, algorithm=algorithm,
+    return Trainer(config=cfg.trainer, model_path=cfg.model.path, dtype=cfg.model.torch_dtype, numerics=cfg.model.numerics,
+                   algorithm=algorithm,
                    algo_config=algo_cfg, temperature=cfg.generator.logprob_temperature, total_steps=cfg.steps,
                    samples_every=cfg.logging.samples_every, token_advantages=token_advantages)
 

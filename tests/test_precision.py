@@ -140,8 +140,14 @@ def test_mismatch_figures_by_hand():
     # |d| sorted: 0, 0, 0.25, 0.5, 1; p99 interpolates at 0.99 * 4 = 3.96 between 0.5 and 1
     k3 = sum(math.exp(x) - 1 - x for x in d) / 5  # KL(sampler || trainer), tokens drawn from the sampler
     assert got == pytest.approx({"logp_mismatch_max": 1.0, "logp_mismatch_mean": 0.35,
-                                 "logp_mismatch_p99": 0.98, "logp_mismatch_kl": k3}, rel=1e-12)
+                                 "logp_mismatch_p99": 0.98, "logp_mismatch_kl": k3, "logp_mismatch_fresh_max": 1.0},
+                                rel=1e-12)
     assert Mismatch().summary() == dict.fromkeys(got, 0.0)  # a step without tokens
+    # tokens of an older policy (offpolicy, partial rollouts) count in every figure but the fresh one's
+    m = Mismatch()
+    m.add(logp_NT=torch.tensor([[0.5, -1.0, 0.25]]), sampled_NT=torch.zeros(1, 3), mask_NT=torch.ones(1, 3),
+          fresh_NT=torch.tensor([[True, False, True]]))
+    assert m.summary()["logp_mismatch_max"] == 1.0 and m.summary()["logp_mismatch_fresh_max"] == 0.5
 
 
 def _gathered(diffs_per_rank: list[list[list[float]]]):

@@ -126,3 +126,30 @@ def test_flex_shared_prompt_mask_equals_dense(device, shared):
     if got["flex"][1] is not None:
         for a, b in zip(got["dense"][1], got["flex"][1]):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_exact_numerics_on_the_device(device, dtype):
+    """model.numerics=exact on the device: the engine's log-probs against the trainer's packed forward, and
+    a prompt alone against in a batch. On CUDA, cuBLAS picks kernels by shape; whether padding the rows to
+    16 pins them as it does on the CPU is what this measures (not run on a GPU before)."""
+    from executors.generator.contract import PromptRequest, SamplingParams
+    from executors.generator.native_engine import NativeEngine
+    from modeling.packing import make_micro_batches
+
+    model = _model(0, device).to(dtype)
+    engine = NativeEngine(model, eos_token_id=0, pad_token_id=0, max_batch_prompts=4, numerics="exact")
+    g = torch.Generator().manual_seed(0)
+    reqs = [PromptRequest(index=i, prompt_ids=torch.randint(1, 128, (n,), generator=g).tolist())
+            for i, n in enumerate((5, 17, 9, 30, 3, 12))]
+    params = SamplingParams(n=4, max_new_tokens=24, seed=1, temperature=1.0)
+    groups = {grp.index: grp for grp in engine.generate(reqs, params, step=0)}
+    alone = next(iter(engine.generate(reqs[3:4], params, step=0)))
+    assert all(torch.equal(a, b) for a, b in zip(alone.logprobs, groups[3].logprobs))
+    with torch.no_grad():
+        for grp in groups.values():
+            for mb in make_micro_batches(grp.prompt_ids_P, grp.response_ids, mode="on", token_budget=4096,
+                                         micro_batch_size=8, pad_id=0, device=device):
+                logp_NT = mb.logprobs(model, temperature=1.0)
+                for n, i in enumerate(mb.samples):
+                    assert torch.equal(logp_NT[n, :len(grp.logprobs[i])].cpu(), grp.logprobs[i].cpu())

@@ -14,6 +14,10 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str | None = Field(None, description="HF model directory; None = the embedded tiny Qwen3")
     dtype: Literal["float32", "bfloat16"] = "float32"
+    numerics: Literal["default", "exact"] = Field(
+        "default", description="exact: batch-invariant products and attention in the native engine and the torch "
+                               "trainer, so the sampler's log-probs are the trainer's bit for bit (modeling/numerics.py); "
+                               "default: the library kernels")
 
     @property
     def torch_dtype(self) -> torch.dtype:

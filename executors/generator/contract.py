@@ -139,6 +139,7 @@ class EngineSpec:
     seed: int
     time_shared: bool = False  # placement=colocated: the engine gives its memory back between steps
     leader: bool = False  # the generator's first rank: it says when a slow engine is ready
+    numerics: str = "default"  # model.numerics: "exact" makes the native engine batch-invariant (modeling/numerics.py)
 
     @property
     def tp_rank(self) -> int:

@@ -101,7 +101,8 @@ def _build_native(spec: EngineSpec):
         mesh = build_mesh(ranks=spec.ranks, tp=spec.config.tp, device_type=spec.device.type, parent=spec.group)
         apply_tp(model, mesh=mesh["tp"])
     engine = NativeEngine(model, eos_token_id=spec.tokenizer.eos_token_id, pad_token_id=spec.tokenizer.pad_token_id,
-                          max_batch_prompts=spec.config.max_batch_prompts, admission=spec.config.admission)
+                          max_batch_prompts=spec.config.max_batch_prompts, admission=spec.config.admission,
+                          numerics=spec.numerics)
     specs, shards = param_specs(model), local_shards(model)  # pushes land in the model itself
     if spec.lora is not None:  # ... the adapters alone
         from modeling.lora import is_adapter

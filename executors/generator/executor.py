@@ -108,7 +108,8 @@ class Generator(Executor):
                           dtype=self.model_cfg.torch_dtype, tokenizer=self.tokenizer,
                           max_tokens=self.data_cfg.max_prompt_tokens + self.longest_response, config=self.cfg,
                           device=env.device, ranks=env.ranks, unit=env.units[env.unit_index], rank=env.rank,
-                          group=env.group, seed=env.seed, time_shared=env.time_shared, leader=env.is_leader)
+                          group=env.group, seed=env.seed, time_shared=env.time_shared, leader=env.is_leader,
+                          numerics=self.model_cfg.numerics)
 
     def embedded_row(self, row: dict) -> PromptRow:
         """An embedded-task prompt as this generator's rollout poses it (also an evaluation's way to it)."""

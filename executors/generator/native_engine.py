@@ -36,9 +36,10 @@ ADMISSIONS = ("continuous", "chunked")
 
 class NativeEngine:
     def __init__(self, model: transformers.PreTrainedModel, *, eos_token_id: int, pad_token_id: int,
-                 max_batch_prompts: int = 16, admission: str = "chunked", routing=None):
+                 max_batch_prompts: int = 16, admission: str = "chunked", routing=None, numerics: str = "default"):
         """routing: the recorder of an MoE model's routing (executors/generator/routing.py); None: the
-        model's own (recorder_for), NO_ROUTING for a dense one."""
+        model's own (recorder_for), NO_ROUTING for a dense one. numerics: "exact" runs the model's products
+        and attention batch-invariant (modeling/numerics.py), as the trainer does under model.numerics=exact."""
         if max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts must be >= 1, got {max_batch_prompts}")
         if admission not in ADMISSIONS:
@@ -49,7 +50,11 @@ class NativeEngine:
         from modeling.head import Fp32Head  # DTensor: loaded on the generator's ranks only
 
         self._fp32_head = Fp32Head.install(model)
-        if next(model.parameters()).dtype != torch.float32 and model.config._attn_implementation == "sdpa":
+        if numerics == "exact":
+            from modeling.numerics import install as install_exact
+
+            install_exact(model)
+        elif next(model.parameters()).dtype != torch.float32 and model.config._attn_implementation == "sdpa":
             from modeling.packed_attention import install
 
             install(model)

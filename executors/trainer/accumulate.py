@@ -29,13 +29,19 @@ class Mismatch:
     barrier; `summary` sorts them first, so arrival order cannot change a bit of any figure."""
 
     diffs: list[torch.Tensor] = field(default_factory=list)  # float64, CPU, one per micro-batch
+    # the same tokens' staleness 0 flags: sampled by the weights that score them (offpolicy and partial
+    # rollouts train older tokens too, whose difference is staleness, not numerics)
+    fresh: list[torch.Tensor] = field(default_factory=list)
 
-    def add(self, *, logp_NT: torch.Tensor, sampled_NT: torch.Tensor, mask_NT: torch.Tensor) -> None:
+    def add(self, *, logp_NT: torch.Tensor, sampled_NT: torch.Tensor, mask_NT: torch.Tensor,
+            fresh_NT: torch.Tensor | None = None) -> None:
         mask_NT = mask_NT.bool()
         self.diffs.append((logp_NT.detach()[mask_NT].double() - sampled_NT[mask_NT].double()).cpu())
+        self.fresh.append(torch.ones(self.diffs[-1].shape, dtype=torch.bool) if fresh_NT is None
+                          else fresh_NT.to(mask_NT.device)[mask_NT].cpu())
 
     def __iadd__(self, other: "Mismatch") -> "Mismatch":
-        self.diffs = self.diffs + other.diffs
+        self.diffs, self.fresh = self.diffs + other.diffs, self.fresh + other.fresh
         return self
 
     def values(self) -> torch.Tensor:
@@ -44,24 +50,31 @@ class Mismatch:
     def all_gather(self, *, group: dist.ProcessGroup | None) -> "Mismatch":
         """Every dp rank's values on every rank, in rank order."""
         d_K = self.values()
+        f_K = torch.cat(self.fresh) if self.fresh else torch.zeros(0, dtype=torch.bool)
         if group is None or dist.get_world_size(group) == 1:
-            return Mismatch([d_K])
+            return Mismatch([d_K], [f_K])
         gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, d_K, group=group)  # sizes differ by rank: objects, not tensors
-        return Mismatch(gathered)
+        dist.all_gather_object(gathered, (d_K, f_K), group=group)  # sizes differ by rank: objects, not tensors
+        return Mismatch([d for d, _ in gathered], [f for _, f in gathered])
 
     def summary(self) -> dict[str, float]:
         """logp_mismatch_{max, mean, p99} of |trainer - sampler| over the tokens, and logp_mismatch_kl:
         KL(sampler || trainer) per token, k3 estimator exp(d) - 1 - d with d = trainer - sampler (the
-        tokens were drawn from the sampler; k3 is >= 0 and unbiased); 0 for a step with no tokens."""
-        d_K = self.values().sort().values  # sorted: the sums below are independent of arrival order
+        tokens were drawn from the sampler; k3 is >= 0 and unbiased); 0 for a step with no tokens.
+        logp_mismatch_fresh_max: the largest over the tokens of staleness 0 alone (what numerics decide:
+        exactly 0 under model.numerics=exact, whatever the schedule)."""
+        values = self.values()
+        fresh = values[torch.cat(self.fresh)] if self.fresh else values
+        fresh_max = fresh.abs().max().item() if fresh.numel() else 0.0
+        d_K = values.sort().values  # sorted: the sums below are independent of arrival order
         if d_K.numel() == 0:
             return {"logp_mismatch_max": 0.0, "logp_mismatch_mean": 0.0, "logp_mismatch_p99": 0.0,
-                    "logp_mismatch_kl": 0.0}
+                    "logp_mismatch_kl": 0.0, "logp_mismatch_fresh_max": 0.0}
         abs_K = d_K.abs().sort().values
         k3_K = (torch.expm1(d_K) - d_K).sort().values
         return {"logp_mismatch_max": abs_K[-1].item(), "logp_mismatch_mean": abs_K.mean().item(),
-                "logp_mismatch_p99": torch.quantile(abs_K, 0.99).item(), "logp_mismatch_kl": k3_K.mean().item()}
+                "logp_mismatch_p99": torch.quantile(abs_K, 0.99).item(), "logp_mismatch_kl": k3_K.mean().item(),
+                "logp_mismatch_fresh_max": fresh_max}
 
 
 def _largest() -> float:

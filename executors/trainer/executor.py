@@ -31,7 +31,7 @@ from executors.base import ExecutorEnv, Input, Output, StepContext, unit_aborted
 from executors.trainer.accumulate import GroupRecord, LossSums, Pass
 from executors.trainer.config import TrainerConfig
 from executors.trainer.stats import StepState, TrainerMetrics, group_digest
-from modeling.batching import sampled_logprobs
+from modeling.batching import sampled_logprobs, sampled_versions
 from executors.learner.learner import Learner
 from executors.learner.order import Work
 
@@ -44,13 +44,13 @@ class Trainer(Learner):
 
     def __init__(self, *, name: str = "trainer", config: TrainerConfig, model_path: str | None,
                  dtype: torch.dtype, algorithm: Algorithm, algo_config: AlgoConfig, temperature: float,
-                 total_steps: int, samples_every: int = 0, token_advantages: bool = False):
+                 total_steps: int, samples_every: int = 0, token_advantages: bool = False, numerics: str = "default"):
         """samples_every: write samples.jsonl every N steps (0: never). token_advantages: the advantages
         arrive with each group, one per response token (AdvantagedGroup: PPO's critic), instead of being
         computed from its rewards (the recipe knows the algorithm's advantage source)."""
         super().__init__(name=name, config=config)
         self.samples_every = samples_every
-        self.model_path, self.dtype = model_path, dtype
+        self.model_path, self.dtype, self.numerics = model_path, dtype, numerics
         self.temperature, self.total_steps = temperature, total_steps
         self.objective = Objective(algorithm, algo_config, token_advantages=token_advantages)
 
@@ -74,7 +74,7 @@ class Trainer(Learner):
 
         self.models = BACKENDS.get(self.cfg.backend).models().build(model_path=self.model_path, dtype=self.dtype, env=env, cfg=self.cfg,
                                      temperature=self.temperature, reference=self.objective.needs_reference,
-                                     snapshot=self.passes > 1, policy_path=env.weights_from)
+                                     snapshot=self.passes > 1, policy_path=env.weights_from, numerics=self.numerics)
         self.optim = Barrier(self.models.master, compute=self.models.policy, cfg=self.cfg.optim, total_steps=self.total_steps,
                              mesh=self.models.mesh, dp_group=self.models.dp_group, passes=self.objective.first_passes,
                              replicated_dp=not self.shards_over_units, tp_partial=self.models.tp_partial(),
@@ -91,7 +91,7 @@ class Trainer(Learner):
         self.onload(ctx)
         # the step's starting weights: the sampler's on-policy, the proximal policy under offpolicy
         self.models.snapshot_()
-        state = StepState()
+        state = StepState(step=ctx.step)
         for work in self._work(self._in_order(ctx.inbound[self.scored])):  # as the schedule hands them over
             # a stop drops the step: its groups need not be trained (not in lockstep, where every dp
             # rank would have to agree at the same round)
@@ -157,7 +157,8 @@ class Trainer(Learner):
                                               sums=sums, behaviour=behaviour)
             if first_pass:  # on-policy check: the trainer recomputes what the generator sampled
                 sampled_NT = mu_NT if mu_NT is not None else sampled_logprobs(group, idx, like=logp_NT)
-                sums.mismatch.add(logp_NT=logp_NT, sampled_NT=sampled_NT, mask_NT=mb.mask_NT)
+                sums.mismatch.add(logp_NT=logp_NT, sampled_NT=sampled_NT, mask_NT=mb.mask_NT,
+                                  fresh_NT=sampled_versions(group, idx, like=logp_NT) == state.step)
         return sums
 
     def _micro_step(self, mb, ref_NT, score, *, first_pass: bool, linear: bool, sums: LossSums,

@@ -48,7 +48,9 @@ class MegatronTriModel(TriModel):
 
     @classmethod
     def build(cls, *, model_path: str | None, dtype: torch.dtype, env: ExecutorEnv, cfg: LearnerConfig,
-              temperature: float, reference: bool, snapshot: bool, policy_path=None) -> "MegatronTriModel":
+              temperature: float, reference: bool, snapshot: bool, policy_path=None,
+              numerics: str = "default") -> "MegatronTriModel":
+        assert numerics == "default", "model.numerics=exact is refused for the megatron backend (recipes/checks.py)"
         from modeling.megatron import model as meg, shims
         from modeling.megatron.groups import process_groups
 

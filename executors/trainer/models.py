@@ -35,6 +35,7 @@ from modeling.parallel import copy_params_, local_shards, param_specs
 from executors.trainer.config import TrainerConfig
 from executors.learner.models import (PRECISIONS, LearnerModels, frozen_logprobs, lay_out, learner_mesh, save_full,
                                        shares_prompt, trainable_copy)
+from modeling.numerics import install as install_exact
 from modeling.packed_attention import install as install_packed_attention
 
 
@@ -56,7 +57,8 @@ class TriModel(LearnerModels):
 
     @classmethod
     def build(cls, *, model_path: str | None, dtype: torch.dtype, env: ExecutorEnv, cfg: TrainerConfig,
-              temperature: float, reference: bool, snapshot: bool, policy_path=None) -> "TriModel":
+              temperature: float, reference: bool, snapshot: bool, policy_path=None,
+              numerics: str = "default") -> "TriModel":
         """policy_path: a checkpoint's HF directory to take the policy from (a resumed run); the
         reference stays the initial model of `model_path`."""
         mesh = learner_mesh(env, cfg)
@@ -77,7 +79,9 @@ class TriModel(LearnerModels):
             initial = load_model(model_path, dtype=dtype, seed=env.seed).to(env.device)
             initial = initial if cfg.fsdp or compute is None else cast_parameters(initial, compute)
         for model in {id(policy): policy, id(initial): initial}.values():
-            if cfg.shared_prompt != "padded":  # packed rows need the block-mask attention (copies inherit it)
+            if numerics == "exact":  # batch-invariant products and attention, packed rows included (copies inherit it)
+                install_exact(model)
+            elif cfg.shared_prompt != "padded":  # packed rows need the block-mask attention (copies inherit it)
                 install_packed_attention(model)
         ref = copy.deepcopy(initial).eval().requires_grad_(False) if reference and not lora.on else None
         old = copy.deepcopy(policy).eval().requires_grad_(False) if snapshot else None

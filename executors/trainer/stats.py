@@ -29,6 +29,7 @@ class StepState:
     logged: list[ScoredGroup] = field(default_factory=list)  # for samples.jsonl, on a logging step
     train_s: float = 0.0
     first_train_t: float | None = None  # wall clock of the first group trained
+    step: int = 0  # the step trained: a token sampled by its weights has staleness 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class TrainerMetrics:
     logp_mismatch_mean: float
     logp_mismatch_p99: float
     logp_mismatch_kl: float
+    logp_mismatch_fresh_max: float  # the largest over the tokens of staleness 0 (the same as max on-policy)
     # MoE with the generator's routing recorded: the fraction of the tokens trained whose trainer top-k
     # differed from it in some routed layer (replayed or not: trainer.routing_replay); None for a dense model
     routing_mismatch_frac: float | None
