@@ -40,7 +40,7 @@ BASELINE = {"exact fp32": "default fp32", "exact bf16": "default bf16"}
 MISMATCH = ("mean", "p99", "max", "kl")
 
 
-def measure(name: str, sets: list[str], common: list[str], *, steps: int, out: Path) -> dict:
+def measure(sets: list[str], common: list[str], *, steps: int, out: Path) -> dict:
     args = [a for s in common + sets for a in ("--set", s)]
     jobs.run("grpo", *args, steps=steps, output_dir=out, nproc=3, timeout=3600)
     rows = jobs.read_metrics(out)[1:]  # step 0 carries the start-up
@@ -107,7 +107,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tidal-exact-") as tmp:
         for r in range(args.repeats):
             for name, sets in CONFIGS.items():
-                runs[name].append(measure(name, sets, common, steps=args.steps, out=Path(tmp) / f"{r}-{name.replace(' ', '-')}"))
+                runs[name].append(measure(sets, common, steps=args.steps, out=Path(tmp) / f"{r}-{name.replace(' ', '-')}"))
                 print(f"{name} (repeat {r + 1}): {runs[name][-1]}", flush=True)
     fig = {name: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for name, rs in runs.items()}
     table = []

@@ -102,14 +102,18 @@ def linear_for(head: nn.Module):
     return exact_linear if isinstance(head, ExactLinear) else F.linear
 
 
+def check_model(config) -> None:
+    """What of a model exact mode cannot run, as a ValueError (recipes/checks.py asks before any rank starts)."""
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        raise ValueError(f"model.numerics=exact with sliding-window attention layers ({config.model_type}): not "
+                         f"supported yet; use model.numerics=default")
+
+
 def install(model: nn.Module) -> None:
     """Exact numerics on `model`, in place (idempotent): its Linear layers and its attention. Copies made
     afterwards (the old policy, the reference) inherit both."""
     config = model.config
-    if getattr(config, "sliding_window", None) and any(
-            t == "sliding_attention" for t in (getattr(config, "layer_types", None) or [])):
-        raise ValueError("model.numerics=exact: sliding-window attention layers are not supported "
-                         f"({config.model_type}); use model.numerics=default")
+    check_model(config)
     from modeling.moe import FAMILIES
 
     family = FAMILIES.get(config.model_type) if config.model_type in FAMILIES else None

@@ -197,11 +197,9 @@ def check_numerics(cfg: RunConfig) -> None:
             raise ValueError(f"{field} with {name}={tp}: a sharded product ends in an all-reduce whose order is not "
                              f"the single device's; exact mode runs tp=1 and ep=1 (dp and FSDP are fine)")
     from modeling.hf import load_config
+    from modeling.numerics import check_model
 
-    config = load_config(cfg.model.path)
-    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
-        raise ValueError(f"{field} with sliding-window attention layers ({config.model_type}): not supported yet; "
-                         f"use model.numerics=default")
+    check_model(load_config(cfg.model.path))
 
 
 def check_groups(cfg: RunConfig) -> None:

@@ -164,6 +164,11 @@ def test_exact_mode_refuses_what_it_does_not_cover(tmp_path):
     with pytest.raises(ValueError, match=r"with trainer.backend=megatron"):
         check_numerics(cfg(trainer={"backend": "megatron"}))
     check_numerics(cfg(model={"path": str(write_embedded_moe(tmp_path / "moe")), "numerics": "exact"}))
+    gemma = transformers.Gemma3TextConfig(num_hidden_layers=6, hidden_size=64, intermediate_size=128,
+                                          num_attention_heads=4, num_key_value_heads=1, head_dim=16)
+    with pytest.raises(ValueError, match=r"sliding-window attention layers \(gemma3_text\)"):
+        numerics.check_model(gemma)
+    numerics.check_model(transformers.Qwen3Config())
 
 
 # ---- whole jobs: the mismatch of every step is exactly 0 --------------------------------------------------
