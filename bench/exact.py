@@ -2,13 +2,16 @@
 
 Each config is a whole job, as a user runs it (launch/jobs.py, torchrun, the split placement under the
 periodic schedule), `--steps` steps, `--repeats` times alternating; the first step (start-up) is left out and
-the figures are medians over the rest. Configs: default and exact numerics, each in float32 and in bf16
-(trainer.precision=bf16: bf16 compute with float32 masters; the engine decodes in bf16).
+the figures are medians over the rest. Configs: default and exact numerics, each in float32, bf16 and fp16
+(trainer.precision=bf16 / fp16: compute in it with float32 masters, fp16 with a dynamic loss scale; the
+engine decodes in it). `--configs` runs a subset (fp16 GEMMs are ~10x slower than bf16 on CPUs without
+fp16 arithmetic, as here).
 
 Columns: the per-step log-prob mismatch |trainer - sampler| of the sampled tokens (mean, p99, max and the
 per-token KL, trainer/logp_mismatch_*), generation tokens/s (generator/gen_tokens_per_s), training tokens/s
-(trainer/tokens / trainer/train_s), s/step; each exact row's ratios against the default row of its precision,
-measured in the same invocation. Then, in this process, how much a prompt's samples depend on their batch in
+(trainer/tokens / trainer/train_s), s/step, the optimizer steps an fp16 overflow skipped; each row's ratios
+against its baseline (exact: the default of its precision; default fp16: default bf16), measured in the
+same invocation. Then, in this process, how much a prompt's samples depend on their batch in
 each mode: prompt 0's G samples decoded alone and as one of 16 prompts (chunked admission, 4 at a time): the
 samples whose tokens differ and the largest log-prob difference over the tokens both wrote alike.
 
@@ -33,20 +36,25 @@ from launch import jobs  # noqa: E402
 CONFIGS = {
     "default fp32": ["model.numerics=default"],
     "default bf16": ["model.numerics=default", "trainer.precision=bf16"],
+    "default fp16": ["model.numerics=default", "trainer.precision=fp16"],
     "exact fp32": ["model.numerics=exact"],
     "exact bf16": ["model.numerics=exact", "trainer.precision=bf16"],
+    "exact fp16": ["model.numerics=exact", "trainer.precision=fp16"],
 }
-BASELINE = {"exact fp32": "default fp32", "exact bf16": "default bf16"}
+BASELINE = {"exact fp32": "default fp32", "exact bf16": "default bf16", "exact fp16": "default fp16",
+            "default fp16": "default bf16"}
 MISMATCH = ("mean", "p99", "max", "kl")
 
 
 def measure(sets: list[str], common: list[str], *, steps: int, out: Path) -> dict:
     args = [a for s in common + sets for a in ("--set", s)]
     jobs.run("grpo", *args, steps=steps, output_dir=out, nproc=3, timeout=3600)
-    rows = jobs.read_metrics(out)[1:]  # step 0 carries the start-up
+    every = jobs.read_metrics(out)
+    rows = every[1:]  # step 0 carries the start-up
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     return {"step_s": med("step_s"), "gen_tps": med("generator/gen_tokens_per_s"),
             "train_tps": statistics.median(r["trainer/tokens"] / r["trainer/train_s"] for r in rows),
+            "skipped": sum(r["trainer/skipped_steps"] for r in every),
             **{m: max(r[f"trainer/logp_mismatch_{m}"] for r in rows) for m in MISMATCH}}
 
 
@@ -71,7 +79,7 @@ def batch_dependence(model_path: str | None, data: str | None, *, max_new_tokens
     params = SamplingParams(n=8, max_new_tokens=max_new_tokens, seed=5, temperature=1.0)
     out = []
     for numerics in ("default", "exact"):
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
             eng = NativeEngine(load_model(model_path, dtype=dtype, seed=0), eos_token_id=tok.eos_token_id,
                                pad_token_id=tok.pad_token_id, max_batch_prompts=4, numerics=numerics)
             alone = next(iter(eng.generate(reqs[:1], params, step=0)))
@@ -93,6 +101,7 @@ def main() -> None:
     p.add_argument("--reward", help="module:function for --data")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
     p.add_argument("--batch-tokens", type=int, default=64, help="new tokens a sample in the batch comparison (0: skip it)")
     p.add_argument("--set", action="append", default=[], help="more overrides for every config (KEY=VALUE)")
     args = p.parse_args()
@@ -103,23 +112,27 @@ def main() -> None:
         if not args.reward:
             p.error("--data needs --reward")
         common += [f"data.path={args.data}", f"reward.functions=[{args.reward}]"]
-    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    chosen = [c.strip() for c in args.configs.split(",")]
+    if unknown := set(chosen) - set(CONFIGS):
+        p.error(f"--configs: unknown {sorted(unknown)}; choose from {list(CONFIGS)}")
+    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS if name in chosen}
     with tempfile.TemporaryDirectory(prefix="tidal-exact-") as tmp:
         for r in range(args.repeats):
-            for name, sets in CONFIGS.items():
-                runs[name].append(measure(sets, common, steps=args.steps, out=Path(tmp) / f"{r}-{name.replace(' ', '-')}"))
+            for name in runs:
+                runs[name].append(measure(CONFIGS[name], common, steps=args.steps, out=Path(tmp) / f"{r}-{name.replace(' ', '-')}"))
                 print(f"{name} (repeat {r + 1}): {runs[name][-1]}", flush=True)
     fig = {name: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for name, rs in runs.items()}
     table = []
     for name, f in fig.items():
         base = fig.get(BASELINE.get(name, ""))
-        ratio = (lambda k: f"{f[k] / base[k]:.2f}") if base else (lambda k: "1")  # noqa: E731
-        table.append([name, *(f"{f[m]:.3g}" for m in MISMATCH), f"{f['gen_tps']:.0f}", ratio("gen_tps"),
-                      f"{f['train_tps']:.0f}", ratio("train_tps"), f"{f['step_s']:.2f}", ratio("step_s")])
+        ratio = (lambda k: f"{f[k] / base[k]:.2f}") if base else (lambda k: "-")  # noqa: E731
+        table.append([name, BASELINE.get(name, "-") if base else "-", *(f"{f[m]:.3g}" for m in MISMATCH),
+                      f"{f['gen_tps']:.0f}", ratio("gen_tps"), f"{f['train_tps']:.0f}", ratio("train_tps"),
+                      f"{f['step_s']:.2f}", ratio("step_s"), f"{f['skipped']:.0f}"])
     print(f"\nmodel: {args.model or 'embedded'}; {args.steps} steps (the first left out), {args.repeats} repeat(s); "
-          f"mismatch: the largest step's; rates and s/step: medians; ratios against default of the same precision")
-    print(tabulate(table, headers=["config", "mismatch mean", "p99", "max", "KL", "gen tok/s", "vs default",
-                                   "train tok/s", "vs default", "s/step", "vs default"], tablefmt="github"))
+          f"mismatch: the largest step's; rates and s/step: medians; ratios against the baseline's")
+    print(tabulate(table, headers=["config", "baseline", "mismatch mean", "p99", "max", "KL", "gen tok/s", "ratio",
+                                   "train tok/s", "ratio", "s/step", "ratio", "skipped steps"], tablefmt="github"))
     if not args.batch_tokens:
         return
     print("\nprompt 0's 8 samples decoded alone and among 16 prompts (native engine, chunked admission, 4 at a time):")

@@ -179,11 +179,12 @@ def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passe
     params = m.params - m.expert_params + m.expert_params / t.ep
     m = dataclasses.replace(m, params=params)
     trained = adapters or m.params
-    compute_copy = t.precision == "bf16" and not t.fsdp  # a bf16 copy beside the fp32 master
+    half = t.precision in ("bf16", "fp16")  # a 2-byte compute dtype
+    compute_copy = half and not t.fsdp  # a bf16/fp16 copy beside the fp32 master
     in_place = (passes == 1 and not t.fp64_grad_accumulation and t.precision == "fp32" and stored == 4
                 and t.tp == 1 and not t.fsdp and t.ep == 1)
     copy_bytes = 2 if compute_copy else stored  # reference / old policy: copies of the compute weights
-    act_bytes = 2 if t.precision == "bf16" or stored == 2 else 4
+    act_bytes = 2 if half or stored == 2 else 4
     per_token_layer = (8 * m.hidden + 5 * m.intermediate) * act_bytes / t.tp
     row, responses = tokens
     if t.activation_checkpointing:
@@ -200,9 +201,9 @@ def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passe
         # one float32 pass over plain float32 parameters sums in their own .grad (modeling/optim.py InPlaceGradients)
         "grad accumulators": 0 if in_place else passes * trained * (8 if t.fp64_grad_accumulation else 4) / shard,
         # the backward writes each micro-batch's gradient in the compute dtype before it is accumulated
-        "gradient": trained * (2 if t.precision == "bf16" else stored) / shard,
+        "gradient": trained * (2 if half else stored) / shard,
         "held gradients (grad_spares)": held_gradients(t, micro_batches=micro_batches) * passes * trained
-        * (2 if t.precision == "bf16" else stored) / shard,
+        * (2 if half else stored) / shard,
         "activations (rough)": activations,
     }
 
@@ -244,7 +245,7 @@ def critic_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
 
 def generator_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
     g = cfg.generator
-    dtype = 2 if cfg.trainer.precision == "bf16" or cfg.model.dtype == "bfloat16" else 4
+    dtype = 2 if cfg.trainer.precision in ("bf16", "fp16") or cfg.model.dtype == "bfloat16" else 4
     weights = m.params * dtype / g.tp
     engine = ENGINES.get(g.engine)
     adapters = _adapters(cfg, m) * dtype  # with LoRA the pushes, and the engine's copy of them, are the adapters

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from modeling.loss_scale import LossScaler
 from modeling.optim_config import OptimConfig, lr_factor
 from modeling.parallel import clip_grad_norm_, copy_params_, local
 
@@ -134,15 +135,18 @@ class Optimizer:
     def __init__(self, model: torch.nn.Module, *, cfg: OptimConfig, total_steps: int, mesh, dp_group,
                  passes: tuple[Hashable, ...], replicated_dp: bool, compute: torch.nn.Module | None = None,
                  tp_partial: list[bool] | None = None, zero: bool = False, experts: list[bool] | None = None,
-                 edp_group: dist.ProcessGroup | None = None):
+                 edp_group: dist.ProcessGroup | None = None, scaler: LossScaler | None = None):
         """model: the weights the optimizer steps. compute: their lower-precision copy that the
         forwards and backwards run on (its gradients are accumulated; it is refreshed after each
         step); None: the model itself. tp_partial: per trainable parameter, whether its gradient is a
         partial sum over mesh["tp"] (megatron's q/k norms). zero: shard AdamW's state over dp (ZeRO-1:
         each dp rank steps a share of the parameters and broadcasts them); its checkpoint is per rank.
         experts: per trainable parameter, whether it is split over expert-parallel ranks; its replicas
-        are `edp_group`, over which alone its gradient sums (modeling/parallel/ep.py)."""
+        are `edp_group`, over which alone its gradient sums (modeling/parallel/ep.py). scaler: fp16's
+        dynamic loss scale (modeling/loss_scale.py): losses go through `scaled` before their backward,
+        and a step whose gradient norm is not finite is skipped."""
         self.model, self.compute = model, compute if compute is not model else None
+        self.scaler = scaler
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.cfg, self.mesh, self.dp_group = cfg, mesh, dp_group
         self.replicated_dp = replicated_dp  # dp replicas hold full copies: their gradients need a sum
@@ -179,10 +183,18 @@ class Optimizer:
                     if partial:
                         dist.all_reduce(acc, group=self.mesh.get_group("tp"))
 
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to backpropagate: times the loss scale under fp16 (its gradients land S x too large,
+        in fp16's range; `apply` divides them back), else itself."""
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
     def apply(self, grads: list[torch.Tensor], *, denom: float) -> tuple[float, float]:
         """Step on the summed gradients `grads` / denom: clip, AdamW, refresh the compute copy; zero
-        every accumulator. Returns (the gradient norm before clipping, the lr stepped with)."""
+        every accumulator. Returns (the gradient norm before clipping, the lr stepped with). Under a loss
+        scale, a non-finite norm (an fp16 overflow on some rank: the norm is global) skips the step."""
         assert denom > 0, "optimizer step with an empty mini-batch"
+        if self.scaler is not None:
+            denom *= self.scaler.scale
         if all(g is p.grad for g, p in zip(grads, self.params)):  # InPlaceGradients: normalised where they are
             for g in grads:
                 g.div_(denom)
@@ -194,6 +206,9 @@ class Optimizer:
                                             run_check=False) if isinstance(p, DTensor) else g
         grad_norm = clip_grad_norm_(self.params, self.cfg.grad_clip, mesh=self.mesh)
         lr = self.opt.param_groups[0]["lr"]
+        if self.scaler is not None and not self.scaler.update(grad_norm):
+            self.opt.zero_grad(set_to_none=True)  # the weights, their compute copy and AdamW's moments unchanged
+            return grad_norm, lr
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.compute is not None:  # the bf16 weights of the next forwards, cast from the stepped master
@@ -228,7 +243,7 @@ class Optimizer:
                      process_group=group)
         if leader:
             path.mkdir(parents=True, exist_ok=True)
-            (path / "schedule.json").write_text(json.dumps(self.sched.state_dict()))
+            self._save_schedule(path)
 
     def load(self, path: Path, *, group) -> None:
         if self.per_rank:
@@ -241,7 +256,18 @@ class Optimizer:
             state = {"optimizer": get_optimizer_state_dict(self.model, self.opt)}
             dcp.load(state, checkpoint_id=path, process_group=group)
             set_optimizer_state_dict(self.model, self.opt, state["optimizer"])
+        self._load_schedule(path)
+
+    def _save_schedule(self, path: Path) -> None:
+        """The lr schedule's position, and fp16's loss scale (a resume skips and scales as the run would have)."""
+        (path / "schedule.json").write_text(json.dumps(self.sched.state_dict()))
+        if self.scaler is not None:
+            (path / "loss_scale.json").write_text(json.dumps(self.scaler.state_dict()))
+
+    def _load_schedule(self, path: Path) -> None:
         self.sched.load_state_dict(json.loads((path / "schedule.json").read_text()))
+        if self.scaler is not None and (path / "loss_scale.json").is_file():  # else saved in fp32/bf16: a fresh scale
+            self.scaler.load_state_dict(json.loads((path / "loss_scale.json").read_text()))
 
     # ---- per-rank checkpoints (zero=True: megatron's plain tp-sharded tensors and ZeRO's share of the
     # state carry no global layout dcp could reshard): each rank its own file; a resume keeps the layout
@@ -256,7 +282,7 @@ class Optimizer:
         path.mkdir(parents=True, exist_ok=True)
         torch.save(self._local().state_dict(), path / f"optimizer.rank{dist.get_rank(group)}.pt")
         if leader:
-            (path / "schedule.json").write_text(json.dumps(self.sched.state_dict()))
+            self._save_schedule(path)
             (path / "layout.json").write_text(json.dumps(self._layout(group)))
 
     def _load_per_rank(self, path: Path, *, group) -> None:
@@ -264,4 +290,4 @@ class Optimizer:
         # launch/run.py refuses another layout before any rank starts
         assert saved == self._layout(group), (path, saved, self._layout(group))
         self._local().load_state_dict(torch.load(path / f"optimizer.rank{dist.get_rank(group)}.pt"))
-        self.sched.load_state_dict(json.loads((path / "schedule.json").read_text()))
+        self._load_schedule(path)

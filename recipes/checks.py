@@ -17,9 +17,12 @@ def check_trainer(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
     if dynamic_sampling and t.fsdp and t.dp > 1:
         raise ValueError("algorithm.dynamic_sampling with trainer.fsdp and trainer.dp > 1 is not supported: FSDP "
                          "ranks train in rounds of one group each, which needs every prompt index of the batch")
-    if t.precision == "bf16" and cfg.model.dtype != "float32":
-        raise ValueError("trainer.precision=bf16 keeps float32 master weights: it needs model.dtype=float32 "
+    if t.precision != "fp32" and cfg.model.dtype != "float32":
+        raise ValueError(f"trainer.precision={t.precision} keeps float32 master weights: it needs model.dtype=float32 "
                          f"(got {cfg.model.dtype}; model.dtype=bfloat16 alone trains pure bf16 weights)")
+    if t.precision == "fp16" and t.backend != "torch":
+        raise ValueError(f"trainer.precision=fp16 with trainer.backend={t.backend}: its loss scale is built for "
+                         f"the torch backend only; use trainer.precision=bf16 there")
     BACKENDS.get(t.backend).check(t, cfg.model.path)
     if dynamic_sampling and t.mini_batches > 1:
         raise ValueError("algorithm.dynamic_sampling with trainer.mini_batches > 1 is not supported yet "
@@ -106,8 +109,8 @@ def check_lora(cfg: RunConfig) -> None:
     if t.tp > 1 or t.fsdp or cfg.generator.tp > 1:
         raise ValueError(f"{field} with trainer.tp={t.tp}, trainer.fsdp={t.fsdp}, generator.tp={cfg.generator.tp}: "
                          f"LoRA runs with tp=1 and without fsdp (the frozen base replicated over dp)")
-    if t.precision == "bf16":
-        raise ValueError(f"{field} with trainer.precision=bf16: a LoRA run keeps no fp32 master copy of the frozen "
+    if t.precision != "fp32":
+        raise ValueError(f"{field} with trainer.precision={t.precision}: a LoRA run keeps no fp32 master copy of the frozen "
                          f"base; use model.dtype=bfloat16 for a bf16 base (the adapters train in its dtype)")
     from modeling.hf import load_config
     from modeling.lora import check_targets
@@ -129,6 +132,9 @@ def check_critic(cfg: RunConfig) -> None:
     if c.mini_batches * c.dp > cfg.data.prompts_per_step:
         raise ValueError(f"critic.mini_batches ({c.mini_batches}) x critic.dp ({c.dp}) exceeds "
                          f"data.prompts_per_step ({cfg.data.prompts_per_step}): a mini-batch would be empty")
+    if c.precision == "fp16":
+        raise ValueError("critic.precision=fp16: the critic has no loss scale (fp16 is the trainer's alone); "
+                         "use critic.precision=bf16 or fp32")
     if c.precision == "bf16" and cfg.model.dtype != "float32":
         raise ValueError("critic.precision=bf16 keeps float32 master weights: it needs model.dtype=float32 "
                          f"(got {cfg.model.dtype})")

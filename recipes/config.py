@@ -85,11 +85,10 @@ class RunConfig(BaseModel):
 
     @property
     def generator_model(self) -> ModelConfig:
-        """The model as the generator loads it: in the trainer's compute dtype (bf16 under
-        trainer.precision=bf16, whose pushes are bf16), else in model.dtype."""
-        if self.trainer.precision == "bf16":
-            return self.model.model_copy(update={"dtype": "bfloat16"})
-        return self.model
+        """The model as the generator loads it: in the trainer's compute dtype (bf16 / fp16 under
+        trainer.precision=bf16 / fp16, whose pushes are in it), else in model.dtype."""
+        compute = {"bf16": "bfloat16", "fp16": "float16"}.get(self.trainer.precision)
+        return self.model.model_copy(update={"dtype": compute}) if compute else self.model
 
     @property
     def response_tokens(self) -> int:

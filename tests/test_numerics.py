@@ -174,7 +174,7 @@ def test_exact_mode_refuses_what_it_does_not_cover(tmp_path):
 # ---- whole jobs: the mismatch of every step is exactly 0 --------------------------------------------------
 
 EXACT = ("--set", "model.numerics=exact")
-JOBS = {  # name: (arguments, ranks); between them: both precisions, both admissions, every trainer layout kind
+JOBS = {  # name: (arguments, ranks); between them: the three precisions, both admissions, every trainer layout kind
     "bf16 periodic, 2 replicas, continuous, varlen rows": (
         ("--set", "trainer.precision=bf16", "--set", "generator.replicas=2", "--set", "generator.admission=continuous",
          "--set", "trainer.shared_prompt=off"), 4),
@@ -183,7 +183,8 @@ JOBS = {  # name: (arguments, ranks); between them: both precisions, both admiss
     "bf16 co-located, LoRA": (
         ("--set", "placement=colocated", "--schedule", "sync", "--set", "model.dtype=bfloat16",
          "--set", "trainer.lora.rank=8", "--set", "trainer.lr=1e-2"), 1),
-    "fp32 offpolicy, lag 1": (("--schedule", "offpolicy", "--set", "schedule.max_lag=1"), 3),
+    "fp16 offpolicy, lag 1": (("--schedule", "offpolicy", "--set", "schedule.max_lag=1", "--set",
+                               "trainer.precision=fp16"), 3),
     "bf16 mixture of experts, no replay": (("--set", "model.path={moe}", "--set", "trainer.precision=bf16"), 3),
 }
 
@@ -217,6 +218,8 @@ def test_exact_jobs_have_no_mismatch_on_any_step(exact_jobs, name):
 def test_offpolicy_tokens_of_staleness_0_have_no_mismatch(exact_jobs):
     """The generator runs a step ahead: most tokens were sampled by the weights before the ones that score
     them, a difference of staleness rather than numerics; the tokens of staleness 0 alone match exactly."""
-    rows = exact_jobs["fp32 offpolicy, lag 1"]
+    rows = exact_jobs["fp16 offpolicy, lag 1"]
     assert max(r["trainer/staleness_max"] for r in rows) == 1
+    # fp16 compute, its loss scaled (the default's headroom: no step skipped) and the engine in fp16
+    assert [(r["trainer/loss_scale"], r["trainer/skipped_steps"]) for r in rows] == [(256.0, 0)] * 3
     assert [r["trainer/logp_mismatch_fresh_max"] for r in rows] == [0.0] * 3

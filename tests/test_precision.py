@@ -1,4 +1,4 @@
-"""trainer.precision=bf16: fp32 master weights, bf16 compute, bf16 pushes.
+"""trainer.precision=bf16 and fp16: fp32 master weights, bf16/fp16 compute and pushes; fp16's loss scale.
 
 In-process (one rank) against the fp32 trainer on the same groups; the multi-rank cases (FSDP2's
 mixed precision, sync == periodic bit for bit in bf16, a bf16 generator receiving the pushes) run
@@ -122,6 +122,65 @@ def test_bf16_activation_checkpointing_and_head_chunks(groups):
     assert all(torch.equal(grads["ac"][n], g) for n, g in plain.items())
     err = max(((grads["chunks"][n] - g).abs().max() / g.abs().max()).item() for n, g in plain.items())
     assert err < 1e-2, err
+
+
+def test_fp16_scales_the_loss_into_range_and_keeps_fp32_masters(groups):
+    """fp16 compute, fp32 masters and AdamW state, fp16 pushes; the gradients the optimizer sees are the
+    fp32 ones (the scale divided back out) within fp16 rounding."""
+    fp32, fp16 = _trainer("fp32"), _trainer("fp16")
+    master, policy = fp16.models.master, fp16.models.policy
+    assert {p.dtype for p in master.parameters()} == {torch.float32}
+    assert {p.dtype for p in policy.parameters()} == {torch.float16}
+    g32, g16 = _grads_seen(fp32), _grads_seen(fp16)
+    m32, _ = _step(fp32, groups)
+    m16, pushed = _step(fp16, groups)
+    assert m16.loss_scale == 2.0**8 and m16.skipped_steps == 0 and m32.loss_scale is None
+    state = fp16.optim.opt.state[next(master.parameters())]
+    assert state["exp_avg"].dtype == torch.float32 and int(state["step"]) == 1
+    num = sum(((g16[n] - g32[n]) ** 2).sum() for n in g32).sqrt()
+    den = sum((g ** 2).sum() for g in g32.values()).sqrt()
+    assert num / den < 0.01, (num / den).item()  # fp16 keeps 3 more bits than bf16; unscaled, same size
+    for name, p in master.named_parameters():
+        assert pushed[name].dtype == torch.float16 and torch.equal(pushed[name], p.to(torch.float16))
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale(groups, tmp_path):
+    """A scale that overflows fp16's backward: the step changes no weight and no AdamW moment, the scale
+    halves, and the next step (in range) trains; the scaler's state is part of the checkpoint."""
+    trainer = _trainer("fp16", loss_scale={"init": 2.0**70, "window": 2})
+    master = trainer.models.master
+    init = {n: p.detach().clone() for n, p in master.named_parameters()}
+    m, pushed = _step(trainer, groups)
+    assert m.skipped_steps == 1 and m.loss_scale == 2.0**70 and not math.isfinite(m.grad_norm)
+    assert trainer.optim.scaler.scale == 2.0**69 and not trainer.optim.opt.state
+    assert all(torch.equal(p, init[n]) for n, p in master.named_parameters())
+    assert all(torch.equal(pushed[n], init[n].to(torch.float16)) for n in init)
+    trainer.optim.scaler.scale = 2.0**10
+    m, _ = _step(trainer, groups)
+    assert m.skipped_steps == 0 and math.isfinite(m.grad_norm) and m.loss_scale == 2.0**10
+    assert any(not torch.equal(p, init[n]) for n, p in master.named_parameters())
+    m, _ = _step(trainer, groups)  # the window's second good step: the scale doubles
+    assert trainer.optim.scaler.state_dict() == {"scale": 2.0**11, "good_steps": 0, "skipped": 1}
+    trainer.optim.save(tmp_path, group=None, leader=True)
+    resumed = _trainer("fp16", loss_scale={"init": 2.0**70, "window": 2})
+    resumed.optim.load(tmp_path, group=None)
+    assert resumed.optim.scaler.state_dict() == trainer.optim.scaler.state_dict()
+
+
+@pytest.mark.parametrize("algo, args, message", [
+    ("grpo", ("trainer.backend=megatron",), "trainer.precision=fp16 with trainer.backend=megatron"),
+    ("grpo", ("trainer.lora.rank=8",), "trainer.lora.rank=8 with trainer.precision=fp16"),
+    ("grpo", ("model.dtype=bfloat16",), "trainer.precision=fp16 keeps float32 master weights"),
+    ("ppo", ("critic.precision=fp16",), "critic.precision=fp16: the critic has no loss scale"),
+])
+def test_fp16_refuses_what_has_no_loss_scale(algo, args, message):
+    from launch.cli import parser, resolve
+    from recipes.grpo import build  # PPO's recipe builds with it too
+
+    sets = [x for a in ("trainer.precision=fp16", *args) for x in ("--set", a)]
+    with pytest.raises(ValueError) as err:
+        build(resolve(parser().parse_args(["--algo", algo, *sets])))
+    assert message in str(err.value)
 
 
 def _mismatch_of(diffs: list[list[float]]) -> Mismatch:

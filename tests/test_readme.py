@@ -16,6 +16,7 @@ from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig,
 from executors.reward.config import RewardConfig, RewardModelConfig
 from executors.trainer.config import TrainerConfig
 from modeling.lora import LoraConfig
+from modeling.loss_scale import LossScaleConfig
 from recipes.config import LoggingConfig, RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +24,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TABLE = (ROOT / "docs" / "configuration.md").read_text()
 SECTIONS = {"top level": RunConfig, "`model`": ModelConfig, "`data`": DataConfig, "`generator`": GeneratorConfig,
             "`generator.vllm`": VllmConfig, "`reward`": RewardConfig, "`reward.model`": RewardModelConfig,
-            "`trainer`": TrainerConfig, "`trainer.lora`": LoraConfig, "`critic`": CriticConfig,
+            "`trainer`": TrainerConfig, "`trainer.lora`": LoraConfig,
+            "`trainer.loss_scale`": LossScaleConfig, "`critic`": CriticConfig,
             "`eval`": EvalConfig, "`logging`": LoggingConfig, "`multi_turn`": MultiTurnConfig}
 NOT_OPTIONS = {"algo", "algo_config", "sources"}  # set by --algo and the CLI, not by a config
 

@@ -21,9 +21,10 @@ class LearnerConfig(BaseModel):
     ep: int = Field(1, ge=1, description="expert parallel (mixture-of-experts models): each group of ep dp ranks "
                     "splits the experts, ep ranks holding experts/ep each; tokens reach their experts by "
                     "all-to-all (must divide dp and the experts; tp 1, no fsdp)")
-    precision: Literal["fp32", "bf16"] = Field(
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="bf16: forward and backward in bfloat16 on a bf16 copy of fp32 master weights (the "
-        "optimizer steps the fp32 weights; FSDP2's mixed precision with fsdp)")
+        "optimizer steps the fp32 weights; FSDP2's mixed precision with fsdp); fp16: the same in float16, "
+        "with a dynamic loss scale (trainer only; trainer.loss_scale)")
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)

@@ -21,7 +21,7 @@ from modeling.batching import Routes
 from executors.learner.config import LearnerConfig
 from modeling.packing import auto_shared_prompt, make_micro_batches
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # the compute dtype; None: the weights' own
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the compute dtype; None: the weights' own
 
 
 def learner_mesh(env: ExecutorEnv, cfg: LearnerConfig) -> DeviceMesh | None:
@@ -32,8 +32,8 @@ def learner_mesh(env: ExecutorEnv, cfg: LearnerConfig) -> DeviceMesh | None:
 
 
 def trainable_copy(master: nn.Module, cfg: LearnerConfig) -> nn.Module:
-    """The model the forwards and backwards run on: `master` itself, or under precision=bf16 without
-    FSDP its bf16 copy (FSDP2 casts the sharded master itself); each decoder layer checkpointed
+    """The model the forwards and backwards run on: `master` itself, or under precision=bf16/fp16
+    without FSDP its bf16/fp16 copy (FSDP2 casts the sharded master itself); each decoder layer checkpointed
     with activation_checkpointing (forward-only copies made from it later are unaffected)."""
     compute = PRECISIONS[cfg.precision]
     model = cast_parameters(copy.deepcopy(master), compute) if compute is not None and not cfg.fsdp else master

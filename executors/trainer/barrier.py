@@ -20,12 +20,15 @@ from modeling.optim import Optimizer
 @dataclass(frozen=True)
 class OptimizerStep:
     """What one optimizer step reports: its sums over dp (LossSums), the loss as the objective combines
-    its passes, the gradient norm before clipping and the lr stepped with."""
+    its passes, the gradient norm before clipping and the lr stepped with; under fp16 the loss scale its
+    backward ran with, and whether an overflow skipped it."""
 
     sums: LossSums
     loss: float  # summed over the batch (batch scope: combined at the batch's mean and scale)
     grad_norm: float
     lr: float
+    loss_scale: float | None = None
+    skipped: bool = False
 
 
 class Barrier(Optimizer):
@@ -41,5 +44,7 @@ class Barrier(Optimizer):
         if combine is not None:
             grads = [combine(dict(zip(by_pass, per_param))) for per_param in zip(*by_pass.values())]
             loss = combine({name: sums.loss[name] for name in by_pass})
+        scale, skipped = (self.scaler.scale, self.scaler.skipped) if self.scaler is not None else (None, 0)
         grad_norm, lr = self.apply(grads, denom=sums.denom)
-        return OptimizerStep(sums, loss, grad_norm, lr)
+        return OptimizerStep(sums, loss, grad_norm, lr, loss_scale=scale,
+                             skipped=self.scaler is not None and self.scaler.skipped > skipped)

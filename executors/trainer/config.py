@@ -4,12 +4,13 @@ from __future__ import annotations
 from pydantic import Field
 
 from modeling.lora import LoraConfig
+from modeling.loss_scale import LossScaleConfig
 from executors.learner.config import LearnerConfig
 
 
 class TrainerConfig(LearnerConfig):
-    """The policy's trainer. Its copies (old policy, reference) share its layout; with precision=bf16 the
-    generator runs in bf16 too (its pushes are cast once, on the trainer's side)."""
+    """The policy's trainer. Its copies (old policy, reference) share its layout; with precision=bf16 or
+    fp16 the generator runs in that dtype too (its pushes are cast once, on the trainer's side)."""
 
     backend: str = Field(
         "torch", description="torch: HF model classes with DTensor tp and FSDP2; megatron: megatron-core's "
@@ -22,3 +23,6 @@ class TrainerConfig(LearnerConfig):
         False, description="mixture-of-experts models: route each token through the experts the generator "
         "used (recorded by the native engine) instead of the trainer's own top-k; either way metrics report "
         "routing_mismatch_frac, the tokens whose own choice differed (modeling/moe.py)")
+    loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig, description="precision=fp16's dynamic "
+                                        "loss scale: a step that overflows is skipped and the scale halves "
+                                        "(modeling/loss_scale.py)")

@@ -69,6 +69,7 @@ class Trainer(Learner):
         # model code (transformers, DTensor) loads here, on the trainer's ranks: building a graph
         # (the CLI, --dry-run) stays light
         from executors.trainer.barrier import Barrier
+        from modeling.loss_scale import LossScaler
 
         from executors.trainer.backends import BACKENDS
 
@@ -79,7 +80,8 @@ class Trainer(Learner):
                              mesh=self.models.mesh, dp_group=self.models.dp_group, passes=self.objective.first_passes,
                              replicated_dp=not self.shards_over_units, tp_partial=self.models.tp_partial(),
                              zero=self.models.per_rank_optimizer, experts=self.models.expert_params(),
-                             edp_group=self.models.ep_mesh.get_group("edp") if self.models.ep_mesh else None)
+                             edp_group=self.models.ep_mesh.get_group("edp") if self.models.ep_mesh else None,
+                             scaler=LossScaler(self.cfg.loss_scale) if self.cfg.precision == "fp16" else None)
         self._order_sums()
         if env.resume is not None:  # the policy came from the checkpoint; the optimizer and schedule too
             self.optim.load(env.resume / "trainer", group=env.group)
@@ -191,7 +193,7 @@ class Trainer(Learner):
                                                      **_advantages(adv, like=logp_NT)))
                 loss = out.loss_sum
                 sums.add_loss(name, out, tokens=mb.mask_NT.sum().item())
-            loss.backward(retain_graph=not recompute and k < len(passes) - 1)
+            self.optim.scaled(loss).backward(retain_graph=not recompute and k < len(passes) - 1)
             self._accumulate(name)
         return logp_NT, mu_NT
 

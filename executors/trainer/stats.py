@@ -55,6 +55,10 @@ class TrainerMetrics:
     entropy: float  # the policy's mean token entropy (at the sampling temperature) over the tokens trained on
     grad_norm: float  # mean over the step's optimizer steps, before clipping
     lr: float
+    # trainer.precision=fp16: the loss scale of the step's last optimizer step, and how many of its optimizer
+    # steps an overflow skipped (modeling/loss_scale.py); None and 0 in fp32 and bf16
+    loss_scale: float | None
+    skipped_steps: int
     # on-policy check, |trainer - sampler| log-prob of the sampled tokens (accumulate.Mismatch): the
     # largest, the mean, the exact 99th percentile over the step's tokens, and the per-token KL(sampler || trainer)
     logp_mismatch_max: float
@@ -85,7 +89,8 @@ class TrainerMetrics:
         the first reward error of each group that had one, over all dp ranks; `staleness`: (mean, max)."""
         if not steps:  # no group ended in the step (partial rollouts): nothing to average
             empty = dict.fromkeys((f.name for f in fields(cls) if f.type == "float"), math.nan)
-            return cls(**{**empty, **timing}, routing_mismatch_frac=None, staleness_max=0, groups=0, samples=0,
+            return cls(**{**empty, **timing}, routing_mismatch_frac=None, loss_scale=None, skipped_steps=0,
+                       staleness_max=0, groups=0, samples=0,
                        reward_failures=0,
                        reward_first_error=None, tokens=0, optimizer_steps=0,
                        rollout_digest=hashlib.sha256(b"").hexdigest()[:16])
@@ -104,6 +109,7 @@ class TrainerMetrics:
                    staleness_mean=staleness[0], staleness_max=staleness[1],
                    entropy=total.entropy_sum / max(1.0, tokens),
                    grad_norm=sum(s.grad_norm / len(steps) for s in steps), lr=steps[-1].lr,
+                   loss_scale=steps[-1].loss_scale, skipped_steps=sum(s.skipped for s in steps),
                    **total.mismatch.summary(),  # only a batch's first pass has values
                    routing_mismatch_frac=total.routing_differs / total.routed_tokens if total.routed_tokens else None,
                    groups=int(record.groups), samples=int(record.samples), reward_failures=int(record.reward_failures),
