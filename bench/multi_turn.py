@@ -7,17 +7,27 @@
 2. periodic vs sync on a multi-turn job whose turn counts vary by prompt (`Chain`: a prompt needs
    1 to 4 looks before its digit shows), with the placement planner's prediction of both, calibrated
    as bench/periodic_vs_sync.py does.
+3. `--latency L1,L2,..`: every environment call (reset and step) made to take L s more (`Latent`, around
+   the lookup task or `--env`), with the calls inline on the decode loop (multi_turn.env_workers=0:
+   serial, what Tidal did before issue 45) and on the pool (the default): s/step, the share of the step
+   the engine waited with nothing to decode (generator/env_wait_s), and the bound a hidden latency
+   meets: the no-latency step plus (1 + turns per sample) x L, a sample's calls one after another.
+   Serial runs only up to `--serial-max` s (B x G x turns x L a step past it).
 
     .venv/bin/python bench/multi_turn.py [--repeats 3] [--steps 6] [--part 1|2]
     .venv-vllm/bin/python bench/multi_turn.py --part 1 --engine vllm
+    .venv/bin/python bench/multi_turn.py --latency 0,0.05,0.2,1.0 --repeats 1 --steps 3
+    PYTHONPATH=../shared/real .venv/bin/python bench/multi_turn.py --latency 0 --env python --set model.path=DIR ...
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from tabulate import tabulate
@@ -44,6 +54,72 @@ class Chain(Lookup):
             return EnvStep(done=True)
         self.looks += 1
         return EnvStep(observation=" " + self.reveal if self.looks >= self.needed else " not yet .")
+
+
+class Latent:
+    """Any environment (env_args `inner`: a registered name or module:Class) whose every call takes
+    `latency` s more: a tool's round trip (off the decode loop, where the inner one may run inline)."""
+
+    deterministic = True
+    inline = False
+
+    def __init__(self, sample: dict, *, latency: float, inner: str = "lookup", **inner_args):
+        from executors.environments.base import env_class
+
+        self.latency = latency
+        self.env = env_class(inner)(sample, **inner_args)
+
+    def reset(self):
+        time.sleep(self.latency)
+        return self.env.reset()
+
+    def step(self, turn) -> EnvStep:
+        time.sleep(self.latency)
+        return self.env.step(turn)
+
+
+def part3(args, tmp: Path) -> None:
+    latencies = [float(x) for x in args.latency.split(",")]
+    base = [*MULTI_TURN, "multi_turn.env=bench.multi_turn:Latent", *args.set]
+    inner = {"inner": args.env} if args.env else {}
+    runs: dict[tuple[float, str], list[dict]] = {}
+    for r in range(args.repeats):
+        for L in latencies:
+            for mode, workers in (("serial", 0), ("pool", None)):
+                if mode == "serial" and L > args.serial_max:
+                    continue
+                env_args = json.dumps({"latency": L, **inner})
+                extra = [f"multi_turn.env_args={env_args}"] + ([f"multi_turn.env_workers={workers}"]
+                                                               if workers is not None else [])
+                rows = jobs.run("grpo", "--schedule", args.schedule, output_dir=tmp / f"{r}-{L}-{mode}",
+                                steps=args.steps, overrides=[*base, *extra], nproc=3).metrics
+                runs.setdefault((L, mode), []).append(
+                    {"step_s": med(rows, lambda x: x["step_s"]), "gen_s": med(rows, lambda x: x["generator/gen_s"]),
+                     "wait": med(rows, lambda x: x["generator/env_wait_s"] / x["step_s"]),
+                     "turns": med(rows, lambda x: x["generator/turns_mean"]),
+                     "digests": [x["trainer/rollout_digest"] for x in rows]})
+                print(f"L={L} {mode} (repeat {r + 1}): {runs[(L, mode)][-1]['step_s']:.2f} s/step", flush=True)
+    fig = {k: {m: statistics.median(v[m] for v in vs) for m in ("step_s", "gen_s", "wait", "turns")}
+           for k, vs in runs.items()}
+    zero = fig.get((0.0, "pool"))
+    reference = runs.get((0.0, "serial"))  # the rollouts of inline calls without latency, per repeat
+
+    def same(key) -> str:
+        if reference is None:
+            return "-"
+        return f"{sum(a['digests'] == b['digests'] for a, b in zip(runs[key], reference))}/{len(reference)}"
+    table = []
+    for L in latencies:
+        pool, serial = fig[(L, "pool")], fig.get((L, "serial"))
+        bound = zero["step_s"] + (1 + pool["turns"]) * L if zero else float("nan")
+        table.append([L, f"{serial['step_s']:.2f}" if serial else "-", f"{serial['wait']:.0%}" if serial else "-",
+                      pool["step_s"], f"{pool['wait']:.0%}", f"{serial['step_s'] / pool['step_s']:.1f}" if serial else "-",
+                      bound, "yes" if pool["step_s"] <= bound else "no", pool["turns"], same((L, "pool"))])
+    print(f"\npart 3: tool latency, {args.schedule}, medians of {args.repeats} run(s) x {args.steps - 1} steps "
+          f"(step 0 left out); env idle: the share of the step the engine waited for the environment")
+    print(tabulate(table, floatfmt=".2f", headers=[
+        "latency s", "serial s/step", "serial env idle", "pool s/step", "pool env idle", "speed-up", "bound s",
+        "within", "turns/sample", "rollouts = serial at 0"]))
 
 
 def med(rows: list[dict], key) -> float:
@@ -122,8 +198,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--part", type=int, choices=(1, 2))
     p.add_argument("--engine", default="native", choices=("native", "vllm"))
+    p.add_argument("--latency", help="part 3: comma-separated tool latencies in seconds")
+    p.add_argument("--serial-max", type=float, default=0.2, help="part 3: the largest latency run serially too")
+    p.add_argument("--schedule", default="sync", help="part 3: the schedule")
+    p.add_argument("--env", help="part 3: the environment under the latency (default: the lookup task)")
+    p.add_argument("--set", action="append", default=[], help="part 3: more overrides (KEY=VALUE)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp_dir:
+        if args.latency:
+            return part3(args, Path(tmp_dir))
         if args.part in (None, 1):
             part1(args, Path(tmp_dir))
         if args.part in (None, 2):

@@ -49,15 +49,10 @@ def _isolation(cfg: RunConfig) -> str:
     """A multi-turn environment that runs the model's code says how it is kept off the network."""
     if cfg.rollout != "multi_turn":
         return ""
-    from executors.environments.base import env_class
+    from executors.environments.base import isolation_note
 
-    env = env_class(cfg.multi_turn.env or "lookup")
-    if not hasattr(env, "isolation"):
-        return ""
-    how = ("each call in a network namespace of its own (no network)" if env.isolation() == "network namespace" else
-           "BEST EFFORT: no network namespace can be made here (not root, no unprivileged user namespaces), "
-           "only the socket module is blocked")
-    return f"\nmulti_turn.env={cfg.multi_turn.env}: {how}"
+    note = isolation_note(cfg.multi_turn.env or "lookup")
+    return f"\n{note}" if note else ""
 
 
 def _partial(cfg: RunConfig) -> str:

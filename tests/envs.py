@@ -1,4 +1,7 @@
 """Environments used by e2e tests through the `module:Class` config path."""
+import random
+import time
+
 from executors.environments.lookup import Lookup
 
 
@@ -8,4 +11,18 @@ class BreaksOnSomePrompts(Lookup):
     def step(self, turn):
         if sum(map(ord, self.reveal)) % 3 == 0:
             raise RuntimeError("the tool is down")
+        return super().step(turn)
+
+
+class SlowLookup(Lookup):
+    """The embedded lookup, whose every call takes a random 0-300 ms (unseeded: each run's latencies differ)."""
+
+    inline = False  # a tool's round trip: off the decode loop
+
+    def reset(self):
+        time.sleep(random.uniform(0.0, 0.3))
+        return super().reset()
+
+    def step(self, turn):
+        time.sleep(random.uniform(0.0, 0.3))
         return super().step(turn)

@@ -62,6 +62,24 @@ def test_parse_no_call_is_a_final_answer():
     assert parse_tool_call("The answer is \\boxed{5}.", ["calculator"]) is None
 
 
+@pytest.mark.parametrize("text, call", [
+    # as Qwen2.5-Coder-0.5B-Instruct wrote its calls on HumanEval: no tags, alone or in a ```json fence
+    ('{\n"name": "python",\n"arguments": {\n    "code": "print(1)"\n}\n}', ToolCall("python", {"code": "print(1)"})),
+    ('```json\n{"name": "python", "arguments": {"code": "x"}}\n```', ToolCall("python", {"code": "x"})),
+    ('The answer is {"name": "python", "arguments": {}}', None),  # text around it: an answer
+    ('```python\nd = {"name": "python", "arguments": {}}\n```', None),  # code, not a call
+    ('{"name": "python", "arguments": {}, "id": 3}', None),  # not exactly a call's two keys
+    ('{"name": "python", "arguments": {', None),  # not JSON
+])
+def test_a_bare_call_without_tags_is_read_as_a_call(text, call):
+    assert parse_tool_call(text, ["python"]) == call
+
+
+def test_a_bare_call_of_an_unknown_tool_is_told_so():
+    with pytest.raises(MalformedCall, match="unknown tool 'below_zero'; tools: python"):
+        parse_tool_call('```json\n{"name": "below_zero", "arguments": {"operations": [1]}}\n```', ["python"])
+
+
 def test_tool_schema_shape():
     schema = tool_schema("calculator", "Evaluate.", {"expression": "the expression", "n": {"type": "integer"}})
     assert schema == {"type": "function", "function": {

@@ -3,7 +3,9 @@ gives the log-probs of a fresh forward over the whole sequence; per-sample deter
 rendering through a chat template; and every bad input of an environment."""
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
 import time
 
 import pytest
@@ -13,13 +15,13 @@ from executors.data import PromptRow
 from modeling.tiny.task import embedded_prompts, hide_digit
 from executors.environments.base import EnvStep
 from executors.generator.config import MultiTurnConfig
-from executors.generator.contract import PromptRequest, SamplingParams
+from executors.generator.contract import AnsweredTurns, PromptRequest, SamplingParams
 from executors.generator.rollouts import EnvError, MultiTurn, ObservationRenderer
 
 from tests.test_engine import _engine, model, tok  # noqa: F401 (fixtures: the embedded model and tokenizer)
 
 
-class Echo:
+class Echo(AnsweredTurns):
     """Observations of varying length: turn k of sample j of prompt i gets (i + j + k) % 4 + 1 tokens
     derived from what the model wrote; the episode ends after the third turn, turn k capped at caps[k]."""
 
@@ -30,7 +32,7 @@ class Echo:
     def max_tokens(self, *, index, sample):
         return self.caps[len(self.calls.get((index, sample), []))]
 
-    def __call__(self, *, index, sample, turn_ids, ended):
+    def answer(self, *, index, sample, turn_ids, ended):
         turns = self.calls.setdefault((index, sample), [])
         turns.append(turn_ids.clone())
         if len(turns) == 3:
@@ -88,10 +90,10 @@ def test_multi_turn_samples_do_not_depend_on_batching(model, tok):
 
 
 def test_a_turn_that_never_ends_is_cut_at_the_budget(model, tok):
-    class Never:  # always answers, never ends the episode
+    class Never(AnsweredTurns):  # always answers, never ends the episode
         max_total_tokens = 20
 
-        def __call__(self, **_):
+        def answer(self, **_):
             return [5, 6]
 
         def max_tokens(self, **_):
@@ -116,6 +118,45 @@ def test_each_turn_stops_at_the_cap_the_rollout_gives_it(model, tok, admission):
                 assert len(ids) == cap or (eos and len(ids) < cap), (cap, ids)
                 cut += not eos
     assert cut > 0
+
+
+class Delayed(Echo):
+    """Echo's answers, each held back for 0-4 of the engine's iterations (a function of the sample and turn):
+    rows leave the batch and come back in another order, next to other rows, at other cache widths."""
+
+    held: list = []
+
+    def submit(self, *, index, sample, turn_ids, ended):
+        obs = self.answer(index=index, sample=sample, turn_ids=turn_ids, ended=ended)
+        self.held.append([(index * 7 + sample * 3 + len(turn_ids)) % 5, index, sample, obs])
+
+    def ready(self, *, wait_s=0.0):
+        for held in self.held:
+            held[0] -= 1
+        out = [(i, j, obs) for n, i, j, obs in self.held if n < 0]
+        self.held = [h for h in self.held if h[0] >= 0]
+        return out
+
+
+@pytest.mark.parametrize("admission", ["chunked", "continuous"])
+def test_with_exact_numerics_answers_late_change_no_token_or_logprob(tok, admission):
+    """The environment's answers held back by 0-4 iterations against answered at once: with
+    model.numerics=exact every sample's tokens and log-probs are the same bit for bit (what lets a tool's
+    latency change nothing: issue 45)."""
+    from executors.generator.native_engine import NativeEngine
+    from modeling.hf import load_model
+
+    engine = NativeEngine(load_model(None, seed=0), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                          max_batch_prompts=2, admission=admission, numerics="exact")
+    params = SamplingParams(n=3, max_new_tokens=5, seed=4)
+    now = {g.index: g for g in engine.generate(_requests(tok), params, step=0, turns=Echo())}
+    delayed = Delayed()
+    delayed.held = []
+    late = {g.index: g for g in engine.generate(_requests(tok), params, step=0, turns=delayed)}
+    assert now.keys() == late.keys() == set(range(6))
+    for i, g in now.items():
+        for name in ("response_ids", "logprobs", "loss_masks"):
+            assert all(torch.equal(a, b) for a, b in zip(getattr(g, name), getattr(late[i], name))), (i, name)
 
 
 # ---- the rollout: environments, rendering, errors ---------------------------------------------------
@@ -236,6 +277,89 @@ def test_the_environment_caps_each_turn(model, tok):
         groups = _run_rollout(_rollout(tok, env="tests.test_multi_turn:Caps", env_args={"at_reset": at_reset}),
                               model, tok, _rows(1))
         assert [ep["error"].endswith(message) for ep in groups[0].episodes] == [True, True], groups[0].episodes
+
+
+class Waits:
+    """The first step() of all waits (60 s at most) until another sample's second step() has come: only an
+    engine that decodes the other samples while an environment call runs gets past it at once."""
+    deterministic = True
+    lock, gate, log, waiter = threading.Lock(), threading.Event(), [], None
+
+    def __init__(self, sample):
+        self.n = 0
+
+    def reset(self):
+        return None
+
+    def step(self, turn):
+        self.n += 1
+        with Waits.lock:
+            first = Waits.waiter is None
+            Waits.waiter = Waits.waiter or self
+        if first:
+            Waits.log.append(("waiter released", Waits.gate.wait(60)))
+        elif self.n == 2 and not Waits.gate.is_set():
+            Waits.log.append(("another sample's second step", True))
+            Waits.gate.set()
+        return EnvStep(observation=" ok")
+
+
+def test_the_other_samples_decode_while_an_environment_call_waits(model, tok):
+    Waits.gate.clear()
+    Waits.log, Waits.waiter = [], None
+    groups = _run_rollout(_rollout(tok, env="tests.test_multi_turn:Waits", max_turns=3, timeout_s=120), model, tok,
+                          _rows(2))
+    assert Waits.log == [("another sample's second step", True), ("waiter released", True)]
+    assert all(ep["error"] is None and ep["turns"] == 3 for g in groups.values() for ep in g.episodes)
+
+
+class Async:
+    """`async def step`: its calls run as coroutines on the pool's event loop, several at once."""
+    deterministic = True
+    running = peak = 0
+
+    def __init__(self, sample):
+        pass
+
+    def reset(self):
+        return None
+
+    async def step(self, turn):
+        Async.running += 1  # one event loop: no lock needed
+        Async.peak = max(Async.peak, Async.running)
+        await asyncio.sleep(0.02)
+        Async.running -= 1
+        return EnvStep(observation=" ok", done=turn.index == 1)
+
+
+def test_an_async_step_runs_on_the_event_loop(model, tok):
+    Async.peak = 0
+    groups = _run_rollout(_rollout(tok, env="tests.test_multi_turn:Async", max_turns=4), model, tok, _rows(2))
+    assert all(ep["error"] is None and ep["turns"] == 2 for g in groups.values() for ep in g.episodes)
+    assert Async.peak > 1  # the calls of several samples were in flight together
+
+
+class Hangs(Waits):
+    def step(self, turn):
+        Waits.log.append("called")
+        Waits.gate.wait(60)
+        Waits.log.append("returned")
+        return EnvStep(observation=" ok")
+
+
+def test_a_stop_abandons_the_calls_in_flight(model, tok):
+    """A stop while every sample's call hangs: the stream ends without waiting for them, nothing is
+    handed out, and the rollout runs again afterwards (the abandoned answers are dropped)."""
+    Waits.gate.clear()
+    Waits.log = []
+    rollout = _rollout(tok, env="tests.test_multi_turn:Hangs", timeout_s=120)
+    prompts = [(i, row, tok(row.prompt).input_ids) for i, row in enumerate(_rows(2))]
+    params = SamplingParams(n=2, max_new_tokens=6, seed=0)
+    out = list(rollout.run(_engine(model, tok), prompts, params, step=0, stop=lambda: "called" in Waits.log))
+    assert out == [] and "returned" not in Waits.log  # ended with the calls still running
+    Waits.gate.set()
+    again = _run_rollout(rollout, model, tok, _rows(2))
+    assert sorted(again) == [0, 1] and all(ep["error"] is None for g in again.values() for ep in g.episodes)
 
 
 def test_unknown_environment_and_nondeterministic_refusal(tok):

@@ -95,13 +95,15 @@ def test_ppo_with_the_vllm_engine(tmp_path):
 def test_multi_turn_rollouts_with_vllm(tmp_path):
     """The embedded lookup task with vLLM: each turn after the first is a new request of the sample's
     whole token sequence (prefix caching finds its KV); the trainer recomputes vLLM's log-probs of the
-    model's tokens, observations are masked out, and sync equals periodic."""
+    model's tokens, observations are masked out, and sync equals periodic: the periodic run's environment
+    answers off the engine's loop (each next turn submitted as its answer arrives), the sync run's inline
+    (multi_turn.env_workers=0). The digests hash the tokens, which fp32 keeps across the batches' changes."""
     mt = ("--set", "rollout=multi_turn")
-    rows = _run(tmp_path / "periodic", *mt, "--schedule", "periodic")
+    rows = _run(tmp_path / "periodic", *mt, "--schedule", "periodic", "--set", "multi_turn.env=tests.envs:SlowLookup")
     for row in rows:
         assert 1.5 < row["generator/turns_mean"] <= 3 and row["generator/env_errors"] == 0
         assert row["trainer/logp_mismatch_max"] < 1e-4, row["trainer/logp_mismatch_max"]
-    sync = _run(tmp_path / "sync", *mt, "--schedule", "sync")
+    sync = _run(tmp_path / "sync", *mt, "--schedule", "sync", "--set", "multi_turn.env_workers=0")
     assert [r["trainer/rollout_digest"] for r in sync] == [r["trainer/rollout_digest"] for r in rows]
     import json
 

@@ -79,14 +79,16 @@ def _checks(tp: int) -> dict:
         out["finished_has_eos"] = all(bool(r[-1] == tok.eos_token_id) == bool(f)
                                       for g in first.values() for r, f in zip(g.response_ids, g.finished_G))
 
-        class Capped:  # three turns capped at 1, 3 and 2 tokens, a two-token observation between them
+        from executors.generator.contract import AnsweredTurns
+
+        class Capped(AnsweredTurns):  # three turns capped at 1, 3 and 2 tokens, a two-token observation between them
             max_total_tokens = 40
             caps, seen = (1, 3, 2), {}
 
             def max_tokens(self, *, index, sample):
                 return self.caps[len(self.seen.get((index, sample), []))]
 
-            def __call__(self, *, index, sample, turn_ids, ended):
+            def answer(self, *, index, sample, turn_ids, ended):
                 self.seen.setdefault((index, sample), []).append((turn_ids.tolist(), ended))
                 return None if len(self.seen[(index, sample)]) == 3 else [5, 6]
 

@@ -15,6 +15,9 @@ sampled, `turn.text` their decoding. Tool calls in the chat templates' format: t
 An environment is named in the config (`multi_turn.env`) by its registered name or as `module:Class`,
 like reward functions. `deterministic = False` on a class says its observations are not a function
 of the sample alone (a clock, the network): the sync == periodic equivalence cannot hold for it.
+Its calls run off the engine's decode loop (executors/environments/pool.py; `step` may be `async
+def`); `inline = True` on a class whose calls take microseconds makes them on the loop instead, where
+they cost less than a thread's hand-off (the built-in lookup and calculator).
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ class EnvStep:
 
 class Env(Protocol):
     deterministic: bool
+    inline: bool  # optional, False if absent
 
     def reset(self) -> str | list[int] | EnvStep | None: ...
 
@@ -75,3 +79,15 @@ def _load_builtins() -> None:
     # each module registers its classes on import; imported here so the registry is complete
     for name in ("lookup", "calculator", "python"):
         importlib.import_module(f"executors.environments.{name}")
+
+
+def isolation_note(spec: str) -> str:
+    """How an environment that runs the model's code is kept off the network ("" for one that runs none):
+    printed by --dry-run and at the start of a run."""
+    env = env_class(spec)
+    if not hasattr(env, "isolation"):
+        return ""
+    if env.isolation() == "network namespace":
+        return f"multi_turn.env={spec}: each call in a network namespace of its own (no network)"
+    return (f"multi_turn.env={spec}: BEST EFFORT: no network namespace can be made here (not root, no unprivileged "
+            f"user namespaces), only the socket module is blocked")

@@ -99,6 +99,8 @@ def format_result(value: int | float) -> str:
 class Calculator(ToolEnv):
     """Answers `calculator` tool calls; deterministic (the result is a function of the expression)."""
 
+    inline = True  # microseconds of arithmetic: cheaper on the decode loop than a thread's hand-off (pool.py)
+
     deterministic = True
     TOOLS = [tool_schema("calculator", "Evaluate an arithmetic expression: numbers, + - * / // % ** and "
                          "parentheses.", {"expression": "the expression, e.g. (2+3)*4"})]

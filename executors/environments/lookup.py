@@ -22,6 +22,7 @@ from executors.environments.base import ENVS, EnvStep, ModelTurn
 
 class Lookup:
     deterministic = True
+    inline = True  # a dictionary read: cheaper on the decode loop than a thread's hand-off (pool.py)
 
     def __init__(self, sample: dict):
         if "reveal" not in sample:

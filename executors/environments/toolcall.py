@@ -6,7 +6,10 @@ A model calls a tool by writing, anywhere in its turn,
     {"name": "calculator", "arguments": {"expression": "2+3"}}
     </tool_call>
 
-`parse_tool_call` reads the first such call; a turn without `<tool_call>` is a final answer. A call
+`parse_tool_call` reads the first such call. Small models often drop the tags: Qwen2.5-Coder-0.5B-Instruct
+wrote its calls on HumanEval as a bare object, `{"name": ..., "arguments": {...}}`, alone or in a
+```json fence, in 2 of 8 sampled turns, and never with the tags; a turn that is exactly such an object
+(both keys) is read as a call too. Any other turn without `<tool_call>` is a final answer. A call
 the model got wrong raises `MalformedCall`, whose message is written for the model to read (it is
 sent back as the observation), so that it can fix the call on its next turn instead of the episode
 crashing. `ToolEnv` is the shared episode logic of the tool environments (calculator.py, python.py):
@@ -52,12 +55,34 @@ def parse_tool_call(text: str, tools: Collection[str] | None = None) -> ToolCall
     """
     start = text.find(OPEN)
     if start < 0:
-        return None
+        return _bare_call(text, tools)
     body_start = start + len(OPEN)
     end = text.find(CLOSE, body_start)
     if end < 0:
         raise MalformedCall(f"no closing {CLOSE} after {OPEN}")
     call = _decode_call(text[body_start:end].strip())
+    if tools is not None and call.name not in tools:
+        raise MalformedCall(f"unknown tool {call.name!r}; tools: {', '.join(sorted(tools))}")
+    return call
+
+
+def _bare_call(text: str, tools: Collection[str] | None) -> ToolCall | None:
+    """A turn that is one JSON object with "name" and "arguments" (in a ```json fence or not), as a call."""
+    body = text.strip()
+    if body.startswith("```"):
+        first, _, rest = body.partition("\n")
+        if first.strip("`").strip() not in ("", "json") or not rest.rstrip().endswith("```"):
+            return None
+        body = rest.rstrip()[:-3].strip()
+    if not (body.startswith("{") and body.endswith("}")):
+        return None
+    try:
+        obj = json.loads(body, strict=False)
+    except json.JSONDecodeError:
+        return None  # not a call: an answer that happens to be braces
+    if not isinstance(obj, dict) or set(obj) != {"name", "arguments"}:
+        return None
+    call = _decode_call(body)
     if tools is not None and call.name not in tools:
         raise MalformedCall(f"unknown tool {call.name!r}; tools: {', '.join(sorted(tools))}")
     return call

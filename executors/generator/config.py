@@ -105,6 +105,11 @@ class MultiTurnConfig(BaseModel):
     max_total_tokens: int | None = Field(None, ge=2, description="a response's tokens, model turns and observations "
                                          "together; None: max_turns x (generator.max_new_tokens + 32)")
     timeout_s: float = Field(30.0, gt=0, description="each reset()/step() call of the environment")
+    env_workers: int | None = Field(None, ge=0, description="environment calls in flight at once, each on a thread "
+                                    "of its own (an `async def step` runs on one event loop instead) while the engine "
+                                    "decodes the other samples (executors/environments/pool.py); None: as many as "
+                                    "there are calls (sized for I/O-bound tools: a latency is hidden whole); N: at "
+                                    "most N (a CPU-bound tool); 0: each call inline, the engine waiting")
     on_error: Literal["zero", "fail"] = Field(
         "zero", description="an environment that raises, hangs past timeout_s or answers with something that is "
         "not text or token ids: zero ends the sample with its turns so far and reward 0 (counted in "

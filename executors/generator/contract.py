@@ -83,7 +83,9 @@ class GroupCompletion:
 class Turns(Protocol):
     """A multi-turn rollout's side of the engine (executors/generator/rollouts.py). With it, a sample's
     response is its turns and the observations between them; `max_tokens` caps each turn (at most
-    `SamplingParams.max_new_tokens`), `max_total_tokens` the whole response."""
+    `SamplingParams.max_new_tokens`), `max_total_tokens` the whole response. The environment answers
+    off the engine's loop: a turn is submitted, and its answer comes back from `ready` later (the
+    engine decodes its other samples meanwhile)."""
 
     max_total_tokens: int
 
@@ -91,9 +93,35 @@ class Turns(Protocol):
         """The token cap of the current turn of sample `sample` of prompt `index` (asked again after
         every turn: the environment may change it)."""
 
-    def __call__(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> list[int] | None:
-        """Sample `sample` of prompt `index` ended a turn (`ended`: with EOS, else at the turn's cap):
-        the observation's token ids to append before its next turn, or None: its episode is over."""
+    def submit(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> None:
+        """Sample `sample` of prompt `index` ended a turn (`ended`: with EOS, else at the turn's cap)."""
+
+    def ready(self, *, wait_s: float = 0.0) -> list[tuple[int, int, list[int] | None]]:
+        """(index, sample, answer) of the turns answered since the last call, waiting up to `wait_s` for
+        one: the observation's token ids to append before the sample's next turn, or None: its episode
+        is over."""
+
+    def abandon(self) -> None:
+        """A stop: forget the turns in flight."""
+
+
+class AnsweredTurns:
+    """Turns whose answers are a function of the turn, given at once (`answer`): engine tests and
+    simple rollouts implement `answer` and `max_tokens` alone."""
+
+    def answer(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> list[int] | None:
+        raise NotImplementedError
+
+    def submit(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> None:
+        self.__dict__.setdefault("_answered", []).append(
+            (index, sample, self.answer(index=index, sample=sample, turn_ids=turn_ids, ended=ended)))
+
+    def ready(self, *, wait_s: float = 0.0) -> list[tuple[int, int, list[int] | None]]:
+        out, self._answered = self.__dict__.get("_answered", []), []
+        return out
+
+    def abandon(self) -> None:
+        self._answered = []
 
 
 class Engine(Protocol):

@@ -31,7 +31,8 @@ class GeneratorMetrics:
     prompts_generated: int  # B, plus the top-ups of dynamic sampling
     sampling_rounds: int
     turns_mean: float  # model turns per sample (1 in a single-turn rollout)
-    env_s: float  # time in the environment's calls (multi-turn), summed over samples
+    env_s: float  # time in the environment's calls (multi-turn), summed over samples (calls overlap: multi_turn.env_workers)
+    env_wait_s: float  # of gen_s, the time the engine waited for the environment with no sample to decode
     env_errors: int  # samples an environment failed in (multi_turn.on_error=zero: scored 0)
     # partial rollouts (generator.partial_rollout_tokens): groups cut at the step's token budget and
     # left for the next step, and groups cut before that this step resumed (finished or cut again)
@@ -85,6 +86,11 @@ class Generator(Executor):
                 [self.embedded_row(r) for r in embedded_prompts(self.data_cfg.embedded_prompts, seed=env.seed)])
         self.prompts = PromptSet(rows, tokenizer=self.tokenizer, max_prompt_tokens=self.data_cfg.max_prompt_tokens,
                                  apply_chat_template=self.data_cfg.chat_template, tools=self.rollout.tools)
+        if self.rollout_name == "multi_turn" and env.is_leader:  # the record says how a code tool is isolated
+            from executors.environments.base import isolation_note
+
+            if note := isolation_note(self.multi_turn.env or "lookup"):
+                print(f"tidal: {note}", flush=True)
         if self.prompts.dropped and env.is_leader:
             print(f"tidal: {self.prompts.dropped} of {len(rows)} prompts are longer than "
                   f"max_prompt_tokens={self.data_cfg.max_prompt_tokens} and were dropped", flush=True)
@@ -143,7 +149,7 @@ class Generator(Executor):
         if received:
             with ctx.timeline.span("weights_load"):
                 self.engine.load_weights(self.shards, self.specs)
-        t0, start_t = time.perf_counter(), time.time()
+        t0, start_t, waited = time.perf_counter(), time.time(), self.rollout.env_wait_s
         B = self.data_cfg.prompts_per_step
         indices, kept, next_index, rounds, tokens = list(range(B)), 0, B, 0, 0
         self.episodes = []  # this step's multi-turn episodes, for the metrics
@@ -175,6 +181,7 @@ class Generator(Executor):
                                 turns_mean=(sum(e["turns"] for e in self.episodes) / len(self.episodes)
                                             if self.episodes else 1.0),
                                 env_s=sum(e["env_s"] for e in self.episodes), env_errors=len(errors),
+                                env_wait_s=self.rollout.env_wait_s - waited,
                                 partial_groups=cut, resumed_groups=resumed)
 
     def _partial_counts(self, step: int) -> tuple[int, int]:

@@ -9,7 +9,9 @@ generator executor can swap engines. Two properties matter more than speed here:
 
 Layout: up to `max_batch_prompts` groups decode together. A prompt is prefilled once and its KV
 cache repeated G times. Finished samples stay in the batch (fed pad tokens) until their whole group
-is done; then the group's rows leave the batch and cache. Admission: `chunked` (the default) starts
+is done; then the group's rows leave the batch and cache. Multi-turn (_TurnBatch): a sample leaves
+the batch when its turn ends, while the environment answers off the decode loop, and comes back with
+the observation. Admission: `chunked` (the default) starts
 the next max_batch_prompts prompts when the whole batch is done; `continuous` gives a freed slot to
 the next prompt at once, left-padded into the running cache. Continuous keeps the batch full (fewer,
 fuller forwards: what a device whose decode step costs the same for 8 rows as for 64 wants), but on
@@ -120,16 +122,19 @@ class NativeEngine:
 
     def _stream(self, waiting, params, step, stop, turns, budget) -> Iterator[GroupCompletion]:
         waiting = collections.deque(waiting)
-        batch = _Batch(self, params, step, turns, budget)
-        while (waiting or batch.groups) and not stop():
-            free = self.max_batch_prompts - len(batch.groups)
-            # continuous: a finished group's slot takes the next prompt at once; chunked: the next
+        batch = _Batch(self, params, step, budget) if turns is None else _TurnBatch(self, params, step, turns)
+        while (waiting or batch.live) and not stop():
+            free = self.max_batch_prompts - batch.busy
+            # continuous: a finished group's slot takes the next prompt at once (under turns, so does the
+            # slot of a group whose samples all wait for the environment); chunked: the next
             # max_batch_prompts prompts start when the whole batch is done
-            if waiting and free and (self.admission == "continuous" or not batch.groups):
+            if waiting and free > 0 and (self.admission == "continuous" or not batch.live):
                 batch.admit([waiting.popleft() for _ in range(min(free, len(waiting)))])
             # Yield outside inference_mode: the caller (a trainer in the same thread) runs between
             # yields and must not inherit it; the yielded tensors are plain clones.
             yield from batch.advance()
+        if turns is not None and stop():
+            turns.abandon()  # the environment calls in flight are dropped with the step
 
 
 @dataclass
@@ -156,7 +161,11 @@ class _Rows:
         return _Rows(*(x[rows if isinstance(rows, slice) else rows.to(x.device)] for x in self._tensors()))
 
     def cat(self, other: "_Rows") -> "_Rows":
-        return _Rows(*(torch.cat([a, b]) for a, b in zip(self._tensors(), other._tensors())))
+        return _Rows.join([self, other])
+
+    @staticmethod
+    def join(parts: list["_Rows"]) -> "_Rows":
+        return _Rows(*(torch.cat(column) for column in zip(*(p._tensors() for p in parts))))
 
 
 class _Batch:
@@ -166,17 +175,30 @@ class _Batch:
     column; rows admitted later are left-padded (mask 0) to the batch's length, and columns no live
     row attends to are dropped as groups leave."""
 
-    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, turns: Turns | None = None,
-                 budget: int | None = None):
-        self.engine, self.params, self.step, self.turns = engine, params, step, turns
-        # a response holds every turn and observation under turns; one turn's tokens otherwise
-        self.T = params.max_new_tokens if turns is None else turns.max_total_tokens
+    turns = None
+
+    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, budget: int | None = None):
+        self.engine, self.params, self.step = engine, params, step
+        self.T = self._response_tokens()
         self.budget = budget
         self.routing = engine.routing
-        self.routing.start(whole_single_turn=turns is None and budget is None, max_new_tokens=params.max_new_tokens)
-        self.groups: list[tuple[int, torch.Tensor]] = []  # (prompt index, prompt ids) per live group
+        self.routing.start(whole_single_turn=self.turns is None and budget is None, max_new_tokens=params.max_new_tokens)
+        self.groups: list[tuple[int, torch.Tensor]] = []  # (prompt index, prompt ids) per group in the batch
         self.rows: _Rows | None = None
         self.cache = self.mask_BS = None
+
+    def _response_tokens(self) -> int:
+        return self.params.max_new_tokens
+
+    @property
+    def live(self) -> int:
+        """Groups admitted and not yet handed out."""
+        return len(self.groups)
+
+    @property
+    def busy(self) -> int:
+        """Groups holding a decode slot (max_batch_prompts)."""
+        return len(self.groups)
 
     def admit(self, prompts: list[tuple[int, torch.Tensor, Resume | None]]) -> None:
         """New prompts join the batch, each prefilled once (its G samples share a copy of the cache);
@@ -260,17 +282,21 @@ class _Batch:
         return cache, mask_BS, rows
 
     def _join(self, cache, mask_BS: torch.Tensor, rows: _Rows, *, groups: list[tuple[int, torch.Tensor]]) -> None:
-        """New rows and their cache join the batch behind the live ones, left-padded to one length."""
-        if not self.groups:
-            self.cache, self.mask_BS, self.rows = cache, mask_BS, rows
-        else:
-            S = max(self.mask_BS.shape[1], mask_BS.shape[1])
-            for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-                mine.keys = torch.cat([_left_pad(mine.keys, S, dim=2), _left_pad(theirs.keys, S, dim=2)])
-                mine.values = torch.cat([_left_pad(mine.values, S, dim=2), _left_pad(theirs.values, S, dim=2)])
-            self.mask_BS = torch.cat([_left_pad(self.mask_BS, S, dim=1), _left_pad(mask_BS, S, dim=1)])
-            self.rows = self.rows.cat(rows)
+        """New groups' rows and their cache join the batch."""
+        self._append(cache, mask_BS, rows)
         self.groups += groups
+
+    def _append(self, cache, mask_BS: torch.Tensor, rows: _Rows) -> None:
+        """Rows and their cache join the batch behind the live ones, left-padded to one length."""
+        if self.rows is None:
+            self.cache, self.mask_BS, self.rows = cache, mask_BS, rows
+            return
+        S = max(self.mask_BS.shape[1], mask_BS.shape[1])
+        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, S, dim=2), _left_pad(theirs.keys, S, dim=2)])
+            mine.values = torch.cat([_left_pad(mine.values, S, dim=2), _left_pad(theirs.values, S, dim=2)])
+        self.mask_BS = torch.cat([_left_pad(self.mask_BS, S, dim=1), _left_pad(mask_BS, S, dim=1)])
+        self.rows = self.rows.cat(rows)
 
     def advance(self) -> Iterator[GroupCompletion]:
         """Decode one token for every live sample, then hand out the groups that just finished
@@ -292,8 +318,6 @@ class _Batch:
         """Sample the next token of every row and feed it; return the groups that finished, each
         with its G rows."""
         p, eng, r = self.params, self.engine, self.rows
-        if self.turns is not None:
-            return self._decode_turn()
         tok_B, logp_B = sample_tokens(r.logits_BV, seeds_R=r.seeds_B, t=r.t_B.to(r.seeds_B.device),
                                       temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
         tok_B, logp_B = tok_B.cpu(), logp_B.cpu()
@@ -312,49 +336,6 @@ class _Batch:
         self._feed(feed_B[:, None], torch.ones_like(feed_B[:, None]), self.rows.pos_B[:, None])
         # a row that fed its new token (not a pad): that token's experts
         self.routing.decoded([i for i, _ in self.groups], fed_B=~done_B, t_B=self.rows.t_B)
-        return finished
-
-    @torch.inference_mode()
-    def _decode_turn(self) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
-        """`_decode_one` with turns: a row whose turn ends hands it to the rollout, and the observation
-        it gets back is fed with its last token in the same forward (its KV appended to the row's).
-        The uniform of a token is indexed by its position in the response, unique across turns."""
-        p, eng, G, r = self.params, self.engine, self.params.n, self.rows
-        tok_B, logp_B = sample_tokens(r.logits_BV, seeds_R=r.seeds_B, t=r.len_B.to(r.seeds_B.device),
-                                      temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
-        tok_B, logp_B = tok_B.cpu(), logp_B.cpu()
-        chunks = [[] for _ in range(len(tok_B))]  # what each row feeds: its last token, and an observation
-        for b in (~r.eos_B).nonzero()[:, 0].tolist():  # eos_B: the row's episode is over
-            n = int(r.len_B[b])
-            r.tokens_BT[b, n], r.logp_BT[b, n], r.sampled_BT[b, n] = tok_B[b], logp_B[b], True
-            r.len_B[b] = n = n + 1
-            ended = int(tok_B[b]) == eng.eos_token_id
-            chunks[b] = [int(tok_B[b])]
-            k, j = self.groups[b // G][0], b % G
-            if not ended and n - int(r.turn_start_B[b]) < self.turns.max_tokens(index=k, sample=j):
-                if n == self.T:  # a turn that never ends is cut at the budget (finished stays False)
-                    r.eos_B[b] = True
-                continue
-            obs = self.turns(index=k, sample=j, turn_ids=r.tokens_BT[b, int(r.turn_start_B[b]):n].clone(), ended=ended)
-            if obs is None:
-                r.eos_B[b], r.t_B[b] = True, 1  # t_B = 1: the episode ended (finished), not cut
-            elif n + len(obs) >= self.T:  # no room for the observation and a turn after it
-                r.eos_B[b] = True
-            else:
-                r.tokens_BT[b, n:n + len(obs)] = torch.tensor(obs, dtype=torch.long)
-                r.len_B[b] = r.turn_start_B[b] = n + len(obs)
-                chunks[b] += obs
-        done_B = r.eos_B.clone()
-        finished = self._leave(done_B)
-        for _, rows in finished:  # finished_G: the episode ended, rather than being cut
-            rows.eos_B = rows.t_B == 1
-        if self.rows is None:
-            return finished
-        if finished:
-            chunks = [chunks[b] for b in self._kept.tolist()]
-        # a row whose episode is over feeds a pad, as in _decode_one
-        ids_BW, mask_BW, pos_BW = _right_aligned(chunks, self.rows.pos_B.cpu(), pad=eng.pad_token_id)
-        self._feed(ids_BW.to(eng.device), mask_BW.to(eng.device), pos_BW.to(eng.device))
         return finished
 
     def _leave(self, done_B: torch.Tensor) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
@@ -392,6 +373,167 @@ class _Batch:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
             self.mask_BS = self.mask_BS[:, first:]
+
+
+class _TurnBatch(_Batch):
+    """The decode batch of a multi-turn rollout. A row whose turn ends leaves the batch with its KV and
+    everything it wrote, and the turn goes to the environment (Turns.submit, answered on the rollout's
+    pool); the other rows decode on, and the group's slot counts as free while none of its rows
+    decodes. When the answer comes back (Turns.ready) the row rejoins, left-padded into the cache, and
+    feeds its turn's last token and the observation in one forward. A row whose episode is over leaves
+    for good; its group is handed out when all G have. Rows are known by (prompt index, sample), not by
+    place, so they may come back in any order: with model.numerics=exact a row's tokens and log-probs
+    do not depend on the rows around it or when it rejoins (modeling/numerics.py)."""
+
+    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, turns: Turns):
+        self.turns = turns
+        super().__init__(engine, params, step)
+        self.keys: list[tuple[int, int]] = []  # (prompt index, sample) of each batch row
+        self.prompts: dict[int, torch.Tensor] = {}  # the groups admitted and not handed out
+        self.away: dict[tuple[int, int], _Away] = {}  # rows whose turn the environment has
+        self.ended: dict[int, dict[int, _Rows]] = {}  # per group, its rows whose episode is over
+
+    def _response_tokens(self) -> int:
+        return self.turns.max_total_tokens  # every turn and observation of a sample
+
+    @property
+    def live(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def busy(self) -> int:
+        return len({k for k, _ in self.keys})
+
+    def _join(self, cache, mask_BS: torch.Tensor, rows: _Rows, *, groups: list[tuple[int, torch.Tensor]]) -> None:
+        self._append(cache, mask_BS, rows)
+        G = self.params.n
+        self.keys += [(i, j) for i, _ in groups for j in range(G)]
+        for i, prompt in groups:
+            self.prompts[i], self.ended[i] = prompt, {}
+
+    def advance(self) -> Iterator[GroupCompletion]:
+        if self.rows is None and not self.away:
+            return iter(())
+        return super().advance()
+
+    @torch.inference_mode()
+    def _decode_one(self) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
+        """Sample a token for every row in the batch; hand the turns that ended to the environment;
+        take its answers back in; feed every row's new tokens in one forward. The uniform of a token
+        is indexed by its position in the response, unique across turns."""
+        chunks: dict[tuple[int, int], list[int]] = {}  # what each row feeds next
+        if self.rows is not None:
+            self._sample(chunks)
+        back = [self._answered((k, j), obs, chunks) for k, j, obs in self._answers()]
+        if back := [key for key in back if key is not None]:
+            self._rejoin(back)
+        if self.rows is not None:
+            ids_BW, mask_BW, pos_BW = _right_aligned([chunks[key] for key in self.keys], self.rows.pos_B.cpu(),
+                                                     pad=self.engine.pad_token_id)
+            dev = self.engine.device
+            self._feed(ids_BW.to(dev), mask_BW.to(dev), pos_BW.to(dev))
+        finished = [k for k, rows in self.ended.items() if len(rows) == self.params.n]
+        out = []
+        for k in finished:
+            rows = self.ended.pop(k)
+            whole = _Rows.join([rows[j] for j in range(self.params.n)])
+            whole.eos_B = whole.t_B == 1  # finished_G: the episode ended, rather than being cut
+            out.append(((k, self.prompts.pop(k)), whole))
+        return out
+
+    def _answers(self) -> list[tuple[int, int, list[int] | None]]:
+        """The environment's answers that are back; with no row left to decode, wait for one (briefly:
+        the caller asks stop() and admits between waits)."""
+        if not self.away:
+            return []
+        return self.turns.ready(wait_s=0.05 if self.rows is None else 0.0)
+
+    def _sample(self, chunks: dict) -> None:
+        p, eng, r = self.params, self.engine, self.rows
+        tok_B, logp_B = sample_tokens(r.logits_BV, seeds_R=r.seeds_B, t=r.len_B.to(r.seeds_B.device),
+                                      temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+        tok_B, logp_B = tok_B.cpu(), logp_B.cpu()
+        away, over = [], []
+        for b, key in enumerate(self.keys):  # every row in the batch is writing a turn
+            n = int(r.len_B[b])
+            r.tokens_BT[b, n], r.logp_BT[b, n], r.sampled_BT[b, n] = tok_B[b], logp_B[b], True
+            r.len_B[b] = n = n + 1
+            ended = int(tok_B[b]) == eng.eos_token_id
+            if not ended and n - int(r.turn_start_B[b]) < self.turns.max_tokens(index=key[0], sample=key[1]):
+                if n == self.T:  # a turn that never ends is cut at the budget (finished stays False)
+                    over.append(b)
+                else:
+                    chunks[key] = [int(tok_B[b])]
+                continue
+            self.turns.submit(index=key[0], sample=key[1], turn_ids=r.tokens_BT[b, int(r.turn_start_B[b]):n].clone(),
+                              ended=ended)
+            away.append(b)
+        if away or over:
+            self._part(away, over, last=tok_B)
+
+    def _part(self, away: list[int], over: list[int], *, last: torch.Tensor) -> None:
+        """Rows `away` (waiting for the environment: their KV kept) and `over` leave the batch."""
+        r = self.rows
+        # copied out (one gather per tensor), not views: a view would keep the whole batch's old tensors
+        # alive while the row is away
+        for b in over:
+            self.ended[self.keys[b][0]][self.keys[b][1]] = r[torch.tensor([b])]
+        if away:
+            idx = torch.tensor(away)
+            dev_idx = idx.to(self.engine.device)
+            rows, mask = r[idx], self.mask_BS[dev_idx.to(self.mask_BS.device)]
+            kv = [(layer.keys[dev_idx], layer.values[dev_idx]) for layer in self.cache.layers]
+            for i, b in enumerate(away):
+                self.away[self.keys[b]] = _Away(rows=rows[i:i + 1], last=int(last[b]), mask_S=mask[i:i + 1],
+                                                kv=[(k[i:i + 1], v[i:i + 1]) for k, v in kv])
+        gone = set(away) | set(over)
+        kept = [b for b in range(len(self.keys)) if b not in gone]
+        self.keys = [self.keys[b] for b in kept]
+        if not kept:
+            self.rows = self.cache = self.mask_BS = None
+            return
+        kept_B = torch.tensor(kept)
+        self.rows = r[kept_B]
+        self.cache.batch_select_indices(kept_B.to(self.engine.device))
+        self.mask_BS = self.mask_BS[kept_B.to(self.mask_BS.device)]
+        self._trim()
+
+    def _answered(self, key: tuple[int, int], obs: list[int] | None, chunks: dict) -> tuple[int, int] | None:
+        """The environment's answer to a row's turn: the row is over (None), or comes back with the
+        observation (its key)."""
+        away = self.away[key]
+        r, n = away.rows, int(away.rows.len_B[0])
+        if obs is None or n + len(obs) >= self.T:  # over; or no room for the observation and a turn after it
+            r.t_B[0] = int(obs is None)  # t_B = 1: the episode ended (finished), not cut
+            self.ended[key[0]][key[1]] = r
+            del self.away[key]
+            return None
+        r.tokens_BT[0, n:n + len(obs)] = torch.tensor(obs, dtype=torch.long)
+        r.len_B[0] = r.turn_start_B[0] = n + len(obs)
+        chunks[key] = [away.last] + obs
+        return key
+
+    def _rejoin(self, keys: list[tuple[int, int]]) -> None:
+        """Rows back from the environment join the batch together, in one concatenation of the cache."""
+        from transformers import DynamicCache
+
+        back = [self.away.pop(key) for key in keys]
+        S = max(a.mask_S.shape[1] for a in back)
+        cache = DynamicCache(config=self.engine.model.config)
+        for i in range(len(back[0].kv)):
+            cache.update(torch.cat([_left_pad(a.kv[i][0], S, dim=2) for a in back]),
+                         torch.cat([_left_pad(a.kv[i][1], S, dim=2) for a in back]), i)
+        self._append(cache, torch.cat([_left_pad(a.mask_S, S, dim=1) for a in back]), _Rows.join([a.rows for a in back]))
+        self.keys += keys
+
+
+@dataclass
+class _Away:
+    """A row whose turn is with the environment: its rows, KV per layer and attention mask, set aside."""
+    rows: _Rows
+    last: int  # the turn's last token, fed with the observation when the row rejoins
+    mask_S: torch.Tensor
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def _right_aligned(chunks: list[list[int]], pos_B: torch.Tensor, *, pad: int):

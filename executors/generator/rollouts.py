@@ -14,7 +14,6 @@ reward parts and error, for the reward and metrics.
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
@@ -22,10 +21,12 @@ import torch
 
 from channels.payloads import RolloutGroup
 from common.registry import Registry
-from common.timeout import CallTimeout, call_with_timeout
+from common.stop import StepAborted, aborted
+from common.timeout import CallTimeout
 from executors.data import PromptRow
 from modeling.tiny.task import hide_digit
 from executors.environments.base import EnvStep, ModelTurn, env_class
+from executors.environments.pool import EnvPool
 from executors.generator.config import MultiTurnConfig
 from executors.generator.contract import GroupCompletion, PromptRequest, SamplingParams
 
@@ -35,6 +36,7 @@ Prompts = list[tuple[int, PromptRow, list[int]]]  # (index in the step, data row
 class Rollout(Protocol):
     tools: list[dict] | None  # JSON schemas of the environment's tools, for the chat template's prompts
     embedded_reward: str  # the reward of the embedded task as this rollout poses it
+    env_wait_s: float  # seconds the engine waited for an environment with nothing else to do, so far
 
     @staticmethod
     def response_tokens(config: MultiTurnConfig, max_new_tokens: int) -> int:
@@ -56,6 +58,7 @@ class EnvError(ValueError):
 class SingleTurn:
     tools = None
     embedded_reward = "embedded"
+    env_wait_s = 0.0
 
     @staticmethod
     def response_tokens(config: MultiTurnConfig, max_new_tokens: int) -> int:
@@ -92,6 +95,7 @@ class _Episode:
     env_s: float = 0.0
     reward_parts: dict = field(default_factory=dict)
     error: str | None = None
+    ended: bool = False  # the turn with the environment ended with the model's end-of-turn token
 
     def record(self) -> dict:
         return {"turns": self.turns, "env_s": self.env_s, "reward_parts": self.reward_parts, "error": self.error}
@@ -112,6 +116,10 @@ class MultiTurn:
                              f"and multi_turn.require_deterministic is set: sync and periodic runs would differ")
         self.max_total_tokens = self.response_tokens(config, max_new_tokens)
         self.render = ObservationRenderer(tokenizer)
+        # every environment call (constructor, reset, step) runs here, off the engine's decode loop; those
+        # of an environment whose calls take microseconds (inline = True) on it
+        inline = getattr(self.env_cls, "inline", False)
+        self.pool = EnvPool(workers=0 if inline else config.env_workers, timeout_s=config.timeout_s)
         # the tools a chat template describes in each prompt (data.chat_template=true)
         self.tools = getattr(self.env_cls, "TOOLS", None) or None
 
@@ -119,47 +127,85 @@ class MultiTurn:
         return hide_digit(row)  # the embedded multi-turn task: its digit is behind a tool
 
     def run(self, engine, prompts, params, *, step, stop):
-        episodes, requests, rows = {}, [], {}
+        requests, rows = [], {}
+        wheres = {index: f"step {step}, prompt {index}" + (f" (data row {row.line})" if row.line else "")
+                  for index, row, _ in prompts}
+        episodes = {(index, j): _Episode(env=None, where=f"{wheres[index]}, sample {j}",
+                                         max_new_tokens=params.max_new_tokens, cap=params.max_new_tokens)
+                    for index, _, _ in prompts for j in range(params.n)}
+        firsts = self._start({(index, j): row for index, row, _ in prompts for j in range(params.n)}, episodes)
         for index, row, ids in prompts:
-            where = f"step {step}, prompt {index}" + (f" (data row {row.line})" if row.line else "")
-            group = [self._start(row, f"{where}, sample {j}", params.max_new_tokens) for j in range(params.n)]
-            firsts = {tuple(first) for ep, first in group if ep.error is None} or {()}
-            if len(firsts) > 1:
-                raise ValueError(f"environment {self.spec!r}: reset() gave the samples of {where} different first "
-                                 f"observations; it must depend on the data row only (it extends the shared prompt)")
-            episodes.update({(index, j): ep for j, (ep, _) in enumerate(group)})
+            group = {tuple(firsts[(index, j)]) for j in range(params.n) if episodes[(index, j)].error is None} or {()}
+            if len(group) > 1:
+                raise ValueError(f"environment {self.spec!r}: reset() gave the samples of {wheres[index]} different "
+                                 f"first observations; it must depend on the data row only (it extends the shared "
+                                 f"prompt)")
             rows[index] = row
-            requests.append(PromptRequest(index=index, prompt_ids=list(ids) + list(firsts.pop())))
+            requests.append(PromptRequest(index=index, prompt_ids=list(ids) + list(group.pop())))
         turns = _Turns(self, episodes)
         for done in engine.generate(requests, params, step=step, stop=stop, turns=turns):
             yield rollout_group(step, rows[done.index], done,
-                         episodes=[episodes.pop((done.index, j)).record() for j in range(params.n)])
+                                episodes=[episodes.pop((done.index, j)).record() for j in range(params.n)])
 
-    def _start(self, row: PromptRow, where: str, max_new_tokens: int) -> tuple[_Episode, list[int]]:
-        ep = _Episode(env=None, where=where, max_new_tokens=max_new_tokens, cap=max_new_tokens)
-        try:
-            ep.env = self._call(ep, self.env_cls, {"prompt": row.prompt, **row.extras}, **self.cfg.env_args)
-            first = self._call(ep, ep.env.reset)
-            if isinstance(first, EnvStep):
-                if first.done or first.reward_parts:
-                    raise _Failed("reset() returned an EnvStep with done or reward_parts; before the first turn "
-                                  "only its observation and max_tokens apply")
-                self._cap(ep, first.max_tokens, "reset()")
-                first = first.observation
-            return ep, [] if first is None else self._tokens(first, closed=True)
-        except _Failed as failed:
-            self._failed(ep, str(failed))
-            return ep, []
+    def _start(self, rows: dict, episodes: dict) -> dict:
+        """Every sample's environment made and reset, the calls side by side on the pool: its first
+        observation's token ids ([] for none, or where it failed)."""
+        made = self._gather({key: (self.env_cls, ({"prompt": row.prompt, **row.extras},))
+                             for key, row in rows.items()}, episodes, kwargs=self.cfg.env_args)
+        for key, env in made.items():
+            episodes[key].env = env
+        firsts = dict.fromkeys(rows, [])
+        for key, first in self._gather({key: (env.reset, ()) for key, env in made.items()}, episodes).items():
+            ep = episodes[key]
+            try:
+                if isinstance(first, EnvStep):
+                    if first.done or first.reward_parts:
+                        raise _Failed("reset() returned an EnvStep with done or reward_parts; before the first turn "
+                                      "only its observation and max_tokens apply")
+                    self._cap(ep, first.max_tokens, "reset()")
+                    first = first.observation
+                firsts[key] = [] if first is None else self._tokens(first, closed=True)
+            except _Failed as failed:
+                self._failed(ep, str(failed))
+        return firsts
 
-    def turn(self, ep: _Episode, turn_ids: torch.Tensor, ended: bool) -> list[int] | None:
-        """The environment's answer to a model turn as token ids, or None: the episode is over."""
+    def _gather(self, calls: dict, episodes: dict, *, kwargs: dict | None = None) -> dict:
+        """{key: (fn, args)} submitted together; the values of those that succeeded (the others' episodes
+        fail, named). A stop abandons them."""
+        for key, (fn, args) in calls.items():
+            self.pool.submit(key, functools.partial(fn, **kwargs) if kwargs else fn, *args)
+        out, left = {}, set(calls)
+        while left:
+            if aborted():
+                self.pool.abandon()
+                raise StepAborted()
+            for answer in self.pool.ready(wait_s=0.1):
+                left.discard(answer.key)
+                try:
+                    out[answer.key] = self._value(episodes[answer.key], calls[answer.key][0], answer)
+                except _Failed as failed:
+                    self._failed(episodes[answer.key], str(failed))
+        return out
+
+    @property
+    def env_wait_s(self) -> float:
+        return self.pool.blocked_s
+
+    def submit(self, key, ep: _Episode, turn_ids: torch.Tensor, ended: bool) -> bool:
+        """A model turn ended: its step() goes to the pool (True), or the episode is over without one."""
         ep.turns += 1
         ep.tokens += turn_ids.numel()
         if ep.error is not None or ep.turns >= self.cfg.max_turns:
-            return None
+            return False
         text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
+        ep.ended = ended
+        self.pool.submit(key, ep.env.step, ModelTurn(index=ep.turns - 1, ids=turn_ids, text=text, ended=ended))
+        return True
+
+    def answer(self, ep: _Episode, answer) -> list[int] | None:
+        """The environment's answer to a model turn as token ids, or None: the episode is over."""
         try:
-            result = self._call(ep, ep.env.step, ModelTurn(index=ep.turns - 1, ids=turn_ids, text=text, ended=ended))
+            result = self._value(ep, ep.env.step, answer)
             if not isinstance(result, EnvStep):
                 raise _Failed(f"step() returned {type(result).__name__}, not an EnvStep")
             self._cap(ep, result.max_tokens, "step()")
@@ -167,7 +213,7 @@ class MultiTurn:
                 ep.reward_parts[name] = ep.reward_parts.get(name, 0.0) + float(value)
             if result.done:
                 return None
-            ids = [] if result.observation is None else self._tokens(result.observation, closed=ended)
+            ids = [] if result.observation is None else self._tokens(result.observation, closed=ep.ended)
             if ep.tokens + len(ids) + 1 > self.max_total_tokens:
                 raise _Failed(f"its observation of {len(ids)} tokens leaves no room for a turn in "
                               f"multi_turn.max_total_tokens={self.max_total_tokens} ({ep.tokens} used)")
@@ -186,17 +232,16 @@ class MultiTurn:
         else:
             raise _Failed(f"{call} asked for max_tokens={max_tokens!r}; a turn's token cap is an int >= 1")
 
-    def _call(self, ep: _Episode, fn, *args, **kwargs):
-        t0 = time.perf_counter()
-        name = "its constructor" if isinstance(fn, type) else f"{fn.__name__}()"
-        try:
-            return call_with_timeout(functools.partial(fn, **kwargs), args, timeout_s=self.cfg.timeout_s)
-        except CallTimeout:
-            raise _Failed(f"{name} timed out after {self.cfg.timeout_s:g} s") from None
-        except Exception as exc:  # any failure of user code is reported the same way
-            raise _Failed(f"{name} raised {type(exc).__name__}: {' '.join(str(exc).split())}") from exc
-        finally:
-            ep.env_s += time.perf_counter() - t0
+    def _value(self, ep: _Episode, fn, answer):
+        """A call's return value from its pool Answer, or _Failed naming what went wrong."""
+        ep.env_s += answer.seconds
+        name = "its constructor" if isinstance(fn, type) else f"{getattr(fn, '__name__', 'call')}()"
+        if answer.ok:
+            return answer.value
+        if isinstance(answer.value, CallTimeout):
+            raise _Failed(f"{name} timed out after {self.cfg.timeout_s:g} s")
+        exc = answer.value  # any failure of user code is reported the same way
+        raise _Failed(f"{name} raised {type(exc).__name__}: {' '.join(str(exc).split())}") from exc
 
     def _tokens(self, observation, *, closed: bool) -> list[int]:
         if isinstance(observation, str):
@@ -223,10 +268,12 @@ class _Failed(Exception):
 
 @dataclass
 class _Turns:
-    """The engine's side of a multi-turn rollout (executors/generator/contract.py Turns)."""
+    """The engine's side of a multi-turn rollout (executors/generator/contract.py Turns): turns go to
+    the environment on the rollout's pool, answers come back as the calls return."""
 
     rollout: MultiTurn
     episodes: dict
+    over: list = field(default_factory=list)  # turns that needed no call (max_turns, a failed episode)
 
     @property
     def max_total_tokens(self) -> int:
@@ -235,8 +282,19 @@ class _Turns:
     def max_tokens(self, *, index: int, sample: int) -> int:
         return self.episodes[(index, sample)].cap
 
-    def __call__(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> list[int] | None:
-        return self.rollout.turn(self.episodes[(index, sample)], turn_ids, ended)
+    def submit(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> None:
+        if not self.rollout.submit((index, sample), self.episodes[(index, sample)], turn_ids, ended):
+            self.over.append((index, sample, None))
+
+    def ready(self, *, wait_s: float = 0.0) -> list[tuple[int, int, list[int] | None]]:
+        out, self.over = self.over, []
+        for answer in self.rollout.pool.ready(wait_s=0.0 if out else wait_s):
+            out.append((*answer.key, self.rollout.answer(self.episodes[answer.key], answer)))
+        return out
+
+    def abandon(self) -> None:
+        self.over = []
+        self.rollout.pool.abandon()
 
 
 class ObservationRenderer:

@@ -198,11 +198,15 @@ class VllmEngine:
     def _stream(self, owner, prompts, params, step, stop, turns, budget, done: dict[int, dict[int, "_Sample"]],
                 live: dict[tuple[int, int], "_Sample"]) -> Iterator[GroupCompletion]:
         engine, G = self.llm.llm_engine, params.n
-        while engine.has_unfinished_requests():
+        away: dict[tuple[int, int], bool] = {}  # samples whose turn the environment has: whether it ended with EOS
+        while engine.has_unfinished_requests() or away:
             if stop():
                 engine.abort_request(list(owner))  # the engine is left empty for whatever comes next
+                if turns is not None:
+                    turns.abandon()
                 return
-            for out in engine.step():
+            settled = []  # (key, ended) of samples that are over
+            for out in engine.step() if engine.has_unfinished_requests() else ():
                 if not out.finished:
                     continue
                 key = index, j = owner.pop(out.request_id)
@@ -214,8 +218,16 @@ class VllmEngine:
                 sample.add(toks, logp, sampled=True)
                 ended = c.finish_reason == "stop"
                 # a sample that filled its budget is cut there (finished stays False), as the native engine does
-                cut = turns is not None and sample.length >= turns.max_total_tokens
-                obs = None if turns is None or cut else turns(index=index, sample=j, turn_ids=toks, ended=ended)
+                if turns is not None and sample.length < turns.max_total_tokens:
+                    turns.submit(index=index, sample=j, turn_ids=toks, ended=ended)  # answered off this loop
+                    away[key] = ended
+                    continue
+                settled.append((key, ended if turns is None else False))
+            # the environment's answers: a sample's next turn is a new request, submitted as its answer arrives
+            for index, j, obs in turns.ready(wait_s=0.0 if engine.has_unfinished_requests() else 0.05) if away else ():
+                key = (index, j)
+                del away[key]
+                sample = live[key]
                 if obs is not None and sample.length + len(obs) < turns.max_total_tokens:
                     sample.add(torch.tensor(obs, dtype=torch.long), torch.zeros(len(obs)), sampled=False)
                     room = turns.max_total_tokens - sample.length
@@ -223,12 +235,15 @@ class VllmEngine:
                     self._add(owner, key, prompts[index] + sample.ids().tolist(), params, seed=seed + sample.turns,
                               tag=f"s{step}-p{index}-j{j}-t{sample.turns}",
                               max_tokens=min(turns.max_tokens(index=index, sample=j), room))
-                    continue
+                else:  # the environment ended the episode (finished), or no room is left for it (cut)
+                    settled.append((key, obs is None))
+            for (index, j), finished in settled:
+                sample = live[(index, j)]
                 # single-turn: finished at EOS; multi-turn: the environment ended the episode (not cut)
-                sample.finished = ended if turns is None else not cut and obs is None
+                sample.finished = finished
                 # the call's budget ran out first: the group comes back cut, to be resumed
-                sample.cut = budget is not None and not ended and sample.length < params.max_new_tokens
-                done[index][j] = live.pop(key)
+                sample.cut = budget is not None and not finished and sample.length < params.max_new_tokens
+                done[index][j] = live.pop((index, j))
                 if len(done[index]) == G:
                     rows = [done[index].pop(k) for k in range(G)]
                     del done[index]
