@@ -105,9 +105,9 @@ def test_megatron_trainer_equals_the_torch_backend(single, tmp_path):
 
 
 def test_the_demo_learns_with_the_megatron_backend(tmp_path):
-    """The embedded job (make demo), 60 steps, trainer.backend=megatron: the reward rises (measured: the first
-    20 steps' mean 0.021, the last 20's 0.20 at 60 steps, 0.39 at 80; the bar is 0.093)."""
-    proc = launch(tmp_path, "--set", "trainer.backend=megatron", steps=60, timeout=900, defaults=True)
+    """The embedded job (make demo), 50 steps, trainer.backend=megatron: the reward rises (measured: the first
+    20 steps' mean 0.021, the last 20's 0.14 at 50 steps, 0.20 at 60, 0.39 at 80; the bar is 0.093)."""
+    proc = launch(tmp_path, "--set", "trainer.backend=megatron", steps=50, timeout=900, defaults=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rewards = [r["trainer/reward_mean"] for r in metrics(tmp_path)]
     first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
