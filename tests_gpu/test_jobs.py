@@ -54,15 +54,19 @@ def _half_billion(path, device) -> None:
     load_tokenizer(None).save_pretrained(path)
 
 
-def test_bf16_with_fp32_masters_on_a_half_billion_model(device, tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_bf16_with_fp32_masters_on_a_half_billion_model(device, tmp_path, precision):
+    """bf16, and fp16 with its loss scale (modeling/loss_scale.py), on fp32 masters."""
     model = tmp_path / "model"
     _half_billion(model, device)
     out = tmp_path / "run"
-    rows = _job("0.5B-shaped GRPO, bf16 + fp32 masters, co-located", out, device, "--set", f"model.path={model}",
-                "--set", "trainer.precision=bf16", *SMALL_STEP, "--set", "generator.max_new_tokens=32",
+    rows = _job(f"0.5B-shaped GRPO, {precision} + fp32 masters, co-located", out, device, "--set", f"model.path={model}",
+                "--set", f"trainer.precision={precision}", *SMALL_STEP, "--set", "generator.max_new_tokens=32",
                 "--set", "trainer.lr=1e-5", steps=3)
-    # the engine samples in bf16 with an fp32 head, the trainer recomputes in bf16: close, not equal
+    # the engine samples in bf16/fp16 with an fp32 head, the trainer recomputes in it: close, not equal
     assert all(0 <= r["trainer/logp_mismatch_max"] < 0.5 for r in rows), [r["trainer/logp_mismatch_max"] for r in rows]
+    if precision == "fp16":  # reported each step; a skipped step (an overflow) trained nothing
+        assert all(r["trainer/loss_scale"] > 0 for r in rows) and sum(r["trainer/skipped_steps"] for r in rows) < 3
     with safe_open(out / "final" / "model.safetensors", "pt") as f, safe_open(model / "model.safetensors", "pt") as g:
         name = next(n for n in f.keys() if n.endswith("mlp.down_proj.weight"))
         trained, init = f.get_tensor(name), g.get_tensor(name)
