@@ -293,14 +293,14 @@ class Waits:
 
     def step(self, turn):
         self.n += 1
-        with Waits.lock:
+        with Waits.lock:  # the checks and the gate together: two samples' second steps may run at once
             first = Waits.waiter is None
             Waits.waiter = Waits.waiter or self
+            if not first and self.n == 2 and not Waits.gate.is_set():
+                Waits.log.append(("another sample's second step", True))
+                Waits.gate.set()
         if first:
             Waits.log.append(("waiter released", Waits.gate.wait(60)))
-        elif self.n == 2 and not Waits.gate.is_set():
-            Waits.log.append(("another sample's second step", True))
-            Waits.gate.set()
         return EnvStep(observation=" ok")
 
 
