@@ -7,7 +7,9 @@ dim) in a parameter's full tensor:
 
 - trainer rank (d, t) holds the tp chunk t of the split dim, and with FSDP2 the dp chunk d of dim 0
   of that (FSDP2 shards the tp-local tensor again, torch.chunk style: ceil-sized, last ones short);
-- generator rank (k, t) of replica k holds the tp chunk t (replicas are identical).
+- generator rank (k, t) of replica k holds the tp chunk t (replicas are identical);
+- with pipeline stages (trainer.pp), trainer rank (d, s, t) holds only the parameters of stage s
+  (modeling/megatron/stages.py: a pure function of the HF name), so only that stage's ranks own them.
 
 A piece is the intersection of one trainer box and one generator box: (name, slice on the trainer
 side, source rank, destination rank, slice on the generator side). Pieces are cut no larger than a
@@ -33,6 +35,7 @@ from typing import Iterator, Mapping
 import torch
 
 from channels.payloads import ParamSpec, chunk
+from modeling.megatron.stages import hf_layers, hf_stage
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dim
 
@@ -48,26 +51,29 @@ def _tp_box(spec: ParamSpec, *, tp: int, t: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class TrainerLayout:
-    ranks: tuple[int, ...]  # global ranks, row-major over (dp, tp) like modeling/parallel/mesh.py
+    ranks: tuple[int, ...]  # global ranks, row-major over (dp, pp, tp) like modeling/parallel/mesh.py
     tp: int = 1
     fsdp: bool = False
     ep: int = 1  # dp rank d holds experts chunk d % ep of a parameter with an experts dim (ParamSpec.ep_dim)
+    pp: int = 1  # pipeline stages per unit
 
     def __post_init__(self):
-        if self.tp < 1 or not self.ranks or len(self.ranks) % self.tp:
-            raise ValueError(f"trainer tp={self.tp} must divide its {len(self.ranks)} ranks")
+        if self.tp < 1 or self.pp < 1 or not self.ranks or len(self.ranks) % (self.tp * self.pp):
+            stages = f" x pp={self.pp}" if self.pp > 1 else ""
+            raise ValueError(f"trainer tp={self.tp}{stages} must divide its {len(self.ranks)} ranks")
 
     @property
     def dp(self) -> int:
-        return len(self.ranks) // self.tp
+        return len(self.ranks) // (self.tp * self.pp)
+
 
     @property
     def copies(self) -> int:
         """Full copies of the model the trainer holds (FSDP2 shards one copy over dp)."""
         return 1 if self.fsdp else self.dp
 
-    def rank(self, d: int, t: int) -> int:
-        return self.ranks[d * self.tp + t]
+    def rank(self, d: int, t: int, s: int = 0) -> int:
+        return self.ranks[(d * self.pp + s) * self.tp + t]
 
     def box(self, spec: ParamSpec, *, d: int, t: int) -> Box:
         box = _tp_box(spec, tp=self.tp, t=t)
@@ -208,6 +214,7 @@ def build_plan(*, specs: Mapping[str, ParamSpec], trainer: TrainerLayout, genera
     if bucket_bytes < 1024:
         raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least 1024)")
     fed = min(generator.replicas, trainer.copies) if relay else generator.replicas  # by the trainer
+    layers = hf_layers(specs)
     load = {r: 0 for r in trainer.ranks}
     order = {r: i for i, r in enumerate(trainer.ranks)}
     pieces: list[Piece] = []
@@ -217,9 +224,10 @@ def build_plan(*, specs: Mapping[str, ParamSpec], trainer: TrainerLayout, genera
         dtype = generator.dtype or spec.dtype
         max_numel = max(1, bucket_bytes // dtype.itemsize)
         owners: dict[Box, list[int]] = defaultdict(list)  # identical trainer boxes: the dp replicas
+        stage = hf_stage(name, layers=layers, pp=trainer.pp)
         for d in range(trainer.dp):
             for t in range(trainer.tp):
-                owners[trainer.box(spec, d=d, t=t)].append(trainer.rank(d, t))
+                owners[trainer.box(spec, d=d, t=t)].append(trainer.rank(d, t, stage))
         for k in range(fed):
             for t in range(generator.tp):
                 gbox = generator.box(spec, t=t)

@@ -32,8 +32,9 @@ from channels.push_plan import GeneratorLayout, PushPlan, TrainerLayout, build_p
 
 
 def _layouts(route: Route) -> tuple[TrainerLayout, GeneratorLayout]:
-    trainer = TrainerLayout(ranks=tuple(r for u in route.src_units for r in u), tp=len(route.src_units[0]),
-                            fsdp=route.src_sharded, ep=route.src_ep)
+    trainer = TrainerLayout(ranks=tuple(r for u in route.src_units for r in u),
+                            tp=len(route.src_units[0]) // route.src_pp, fsdp=route.src_sharded, ep=route.src_ep,
+                            pp=route.src_pp)
     generator = GeneratorLayout(ranks=tuple(r for u in route.dst_units for r in u), tp=len(route.dst_units[0]))
     return trainer, generator
 
@@ -244,6 +245,7 @@ _IN_FLIGHT = "weights_in_flight"
 def _in_flight_meta(channel: Channel, route: Route, *, specs: dict | None) -> dict:
     return {"lag": channel.step_lag, "src_units": [list(u) for u in route.src_units],
             "dst_units": [list(u) for u in route.dst_units], "src_sharded": route.src_sharded, "src_ep": route.src_ep,
+            "src_pp": route.src_pp,
             "specs": specs}
 
 
@@ -256,7 +258,8 @@ def saved_through(resume: Path | None, channel: Channel, route: Route) -> int | 
     meta = resume / _IN_FLIGHT / f"{channel.name}.json"
     if not meta.is_file():
         return None
-    saved = {"src_ep": 1, **json.loads(meta.read_text())}  # written before expert parallel existed: 1
+    # written before expert / pipeline parallel existed: 1
+    saved = {"src_ep": 1, "src_pp": 1, **json.loads(meta.read_text())}
     same = {k: v for k, v in saved.items() if k not in ("specs", "through")} == \
         {k: v for k, v in _in_flight_meta(channel, route, specs=None).items() if k != "specs"}
     return saved["through"] if same else None

@@ -126,6 +126,9 @@ class Executor(ABC):
     # an MoE model's experts split over each run of this many consecutive units (expert parallel);
     # the WEIGHTS channel plans each expert from a unit that holds it
     expert_shards: int = 1
+    # a unit's ranks are this many pipeline stages of ranks_per_unit / stages ranks each (stage-major);
+    # the WEIGHTS channel plans each parameter from the stage that holds it
+    stages: int = 1
     # False: computes on the CPU only (its ranks hold no accelerator and join only gloo groups)
     needs_device: bool = True
 

@@ -118,11 +118,12 @@ def start(out: Path, *, cfg: RunConfig, resume: str | None) -> Start:
         raise ValueError(f"--resume: the config differs from the one checkpoint {found.path} was trained with: "
                          f"{'; '.join(changes)} (a resumed run may change only the layout, steps, timeouts, "
                          f"checkpoint and logging settings)")
-    saved = (found.config["trainer"]["dp"], found.config["trainer"]["tp"])
-    if BACKENDS.get(cfg.trainer.backend).per_rank_optimizer and saved != (cfg.trainer.dp, cfg.trainer.tp):
+    saved = tuple(found.config["trainer"].get(k, 1) for k in ("dp", "tp", "pp"))  # pp: 1 before it existed
+    if BACKENDS.get(cfg.trainer.backend).per_rank_optimizer and saved != (cfg.trainer.dp, cfg.trainer.tp, cfg.trainer.pp):
         raise ValueError(f"--resume: trainer.backend={cfg.trainer.backend} keeps its optimizer state per rank, so checkpoint "
                          f"{found.path} resumes with the layout it was saved under: trainer.dp={saved[0]}, "
-                         f"trainer.tp={saved[1]} (this run: {cfg.trainer.dp}, {cfg.trainer.tp})")
+                         f"trainer.tp={saved[1]}, trainer.pp={saved[2]} (this run: {cfg.trainer.dp}, {cfg.trainer.tp}, "
+                         f"{cfg.trainer.pp})")
     if found.step + 1 >= cfg.steps:
         raise ValueError(f"--resume: checkpoint {found.path} holds step {found.step}, the last of steps={cfg.steps}; "
                          f"raise --steps to train further")

@@ -135,7 +135,8 @@ class Optimizer:
     def __init__(self, model: torch.nn.Module, *, cfg: OptimConfig, total_steps: int, mesh, dp_group,
                  passes: tuple[Hashable, ...], replicated_dp: bool, compute: torch.nn.Module | None = None,
                  tp_partial: list[bool] | None = None, zero: bool = False, experts: list[bool] | None = None,
-                 edp_group: dist.ProcessGroup | None = None, scaler: LossScaler | None = None):
+                 edp_group: dist.ProcessGroup | None = None, scaler: LossScaler | None = None,
+                 tied: list[bool] | None = None, tied_group: dist.ProcessGroup | None = None):
         """model: the weights the optimizer steps. compute: their lower-precision copy that the
         forwards and backwards run on (its gradients are accumulated; it is refreshed after each
         step); None: the model itself. tp_partial: per trainable parameter, whether its gradient is a
@@ -144,7 +145,9 @@ class Optimizer:
         experts: per trainable parameter, whether it is split over expert-parallel ranks; its replicas
         are `edp_group`, over which alone its gradient sums (modeling/parallel/ep.py). scaler: fp16's
         dynamic loss scale (modeling/loss_scale.py): losses go through `scaled` before their backward,
-        and a step whose gradient norm is not finite is skipped."""
+        and a step whose gradient norm is not finite is skipped. tied: per trainable parameter, whether it
+        is one of a tied embedding's two copies on the first and last pipeline stages, whose gradients are
+        summed over `tied_group` so both copies take the same step (modeling/megatron/stages.py)."""
         self.model, self.compute = model, compute if compute is not model else None
         self.scaler = scaler
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -152,6 +155,7 @@ class Optimizer:
         self.replicated_dp = replicated_dp  # dp replicas hold full copies: their gradients need a sum
         self.tp_partial = tp_partial or [False] * len(self.params)
         self.experts, self.edp_group = experts, edp_group
+        self.tied, self.tied_group = tied, tied_group
         kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused_adamw(self.params))
         self.per_rank = zero
         if zero and dp_group is not None and dist.get_world_size(dp_group) > 1:
@@ -177,6 +181,8 @@ class Optimizer:
             self.grads.all_reduce_(passes, group=self.dp_group, which=dense)
             if self.experts is not None and dist.get_world_size(self.edp_group) > 1:
                 self.grads.all_reduce_(passes, group=self.edp_group, which=self.experts)
+        if self.tied_group is not None and any(self.tied):
+            self.grads.all_reduce_(passes, group=self.tied_group, which=self.tied)
         if any(self.tp_partial) and self.mesh["tp"].size() > 1:
             for name in passes:
                 for acc, partial in zip(self.grads.by_pass[name], self.tp_partial):
@@ -272,8 +278,12 @@ class Optimizer:
     # ---- per-rank checkpoints (zero=True: megatron's plain tp-sharded tensors and ZeRO's share of the
     # state carry no global layout dcp could reshard): each rank its own file; a resume keeps the layout
     def _layout(self, group) -> dict:
-        tp = self.mesh["tp"].size() if self.mesh is not None and "tp" in (self.mesh.mesh_dim_names or ()) else 1
-        return {"ranks": dist.get_world_size(group), "dp": dist.get_world_size(group) // tp, "tp": tp}
+        names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
+        tp = self.mesh["tp"].size() if "tp" in names else 1
+        layout = {"ranks": dist.get_world_size(group), "dp": dist.get_world_size(group) // tp, "tp": tp}
+        if "pp" in names:  # a layout saved before pipeline stages existed reads as pp 1 (no key)
+            layout |= {"dp": layout["dp"] // self.mesh["pp"].size(), "pp": self.mesh["pp"].size()}
+        return layout
 
     def _local(self) -> torch.optim.Optimizer:
         return getattr(self.opt, "optim", self.opt)  # ZeRO's own share, or the whole AdamW

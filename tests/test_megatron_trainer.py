@@ -28,7 +28,7 @@ TOL = 1e-5
 class _Pushed:
     bytes_per_push = 0  # what a WEIGHTS port reports (controller/world.py Outlet)
     def push(self, shards, specs):
-        assert shards.keys() == specs.keys()
+        assert shards.keys() <= specs.keys()  # pipeline stages: each its own layers
         self.named = {n: t.detach().clone() for n, t in shards.items()}
 
     def flush(self):
@@ -51,10 +51,20 @@ def _full_grads(trainer: Trainer, seen: dict) -> dict:
     from modeling.megatron.convert import to_hf, unshard
 
     parts = [None] * trainer.cfg.tp
-    dist.all_gather_object(parts, seen, group=trainer.models.tp_group)
+    dist.all_gather_object(parts, trainer.models._global(seen), group=trainer.models.tp_group)
     lay = trainer.models.layout
-    full = to_hf(unshard(parts, lay), lay)
+    full = unshard(parts, lay)
+    if trainer.models.pipeline is not None:  # every stage's layers
+        full = _stages(trainer, full)
+    full = to_hf(full, lay)
     return {n: full[n] for n in trainer.models.hf_specs}
+
+
+def _stages(trainer: Trainer, mine: dict) -> dict:
+    """{name: tensor} of every pipeline stage of this rank's unit, joined."""
+    stages = [None] * trainer.cfg.pp
+    dist.all_gather_object(stages, mine, group=trainer.models.pipeline.group)
+    return {k: v for part in stages for k, v in part.items()}
 
 
 def _run(env: ExecutorEnv, groups, *, schedule=Periodic(), **layout) -> dict:
@@ -62,7 +72,7 @@ def _run(env: ExecutorEnv, groups, *, schedule=Periodic(), **layout) -> dict:
     trainer = _trainer(env, **layout)
     logp, ent = {}, {}
     with torch.no_grad():
-        for g in groups:
+        for g in groups if layout.get("pp", 1) == 1 else ():  # stages: the log-probs are the last stage's alone
             for mb in trainer.models.micro_batches(g):
                 out = trainer.models.policy_logprobs(mb, entropy=True)
                 for n, i in enumerate(mb.samples):
@@ -81,8 +91,10 @@ def _run(env: ExecutorEnv, groups, *, schedule=Periodic(), **layout) -> dict:
                       timeline=Timeline(executor="trainer", rank=env.rank))
     metrics = trainer.barrier(ctx, trainer.step(ctx))
     checkpointed = trainer.cfg.backend == "megatron" and has_ac(None, layers=trainer.models.policy.decoder.layers)
-    return {"checkpointed": checkpointed, "logp": logp, "entropy": ent, "grads": _full_grads(trainer, seen), "pushed": pushed.named, "specs": trainer.models.specs,
-            "grad_norm": metrics.grad_norm}
+    named = _stages(trainer, pushed.named) if trainer.models.pipeline is not None else pushed.named
+    return {"checkpointed": checkpointed, "logp": logp, "entropy": ent, "grads": _full_grads(trainer, seen), "pushed": named, "specs": trainer.models.specs,
+            "grad_norm": metrics.grad_norm, "bubble": metrics.pipeline_bubble, "loss": metrics.loss,
+            "mismatch": metrics.logp_mismatch_max}
 
 
 def _ranks_main(tmp: str):
@@ -114,6 +126,32 @@ def _ranks_main(tmp: str):
     out["megatron/dp2/sync"] = _run(replicas, mine, schedule=Sync(), backend="megatron", dp=2)
     out["megatron/dp2/periodic-reversed"] = _run(replicas, mine[::-1], backend="megatron", dp=2)
     out["megatron/tp2/sync"] = _run(env((0, 1), ((0, 1),), both), groups, schedule=Sync(), backend="megatron", tp=2)
+    # pipeline stages: 2 layers each (the model's embedding is tied: a copy on each end)
+    out["megatron/pp2"] = _run(env((0, 1), ((0, 1),), both), groups, backend="megatron", pp=2)
+    out["megatron/pp2/sync"] = _run(env((0, 1), ((0, 1),), both), groups, schedule=Sync(), backend="megatron", pp=2)
+    dist.barrier()
+    return out
+
+
+def _stages_main(tmp: str):
+    """4 ranks: tp=2 x pp=2 in one unit, dp=2 x pp=2, and pp=4 draining after every group."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, cpu, out = dist.get_rank(), torch.device("cpu"), {}
+    single = [dist.new_group([r]) for r in range(4)]
+    world = dist.new_group([0, 1, 2, 3])
+    groups = scored_groups(n=4, G=4)
+
+    def env(units):
+        return ExecutorEnv(name="trainer", ranks=(0, 1, 2, 3), units=units, rank=rank, group=world, device=cpu,
+                           seed=0, output_dir=Path(tmp))
+
+    out["torch"] = _run(ExecutorEnv(name="trainer", ranks=(rank,), units=((rank,),), rank=rank, group=single[rank],
+                                    device=cpu, seed=0, output_dir=Path(tmp)), groups, backend="torch")
+    out["megatron/tp2pp2"] = _run(env(((0, 1, 2, 3),)), groups, backend="megatron", tp=2, pp=2)
+    mine = [g for g in groups if g.index % 2 == rank // 2]  # units (0, 1) and (2, 3)
+    out["megatron/dp2pp2"] = _run(env(((0, 1), (2, 3))), mine, backend="megatron", dp=2, pp=2)
+    out["megatron/pp4/group"] = _run(env(((0, 1, 2, 3),)), groups, backend="megatron", pp=4, pp_drain="group")
     dist.barrier()
     return out
 
@@ -121,6 +159,11 @@ def _ranks_main(tmp: str):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     return spawn(_ranks_main, 2, str(tmp_path_factory.mktemp("megatron_trainer")), timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    return spawn(_stages_main, 4, str(tmp_path_factory.mktemp("megatron_stages")), timeout_s=600)
 
 
 LAYOUTS = ["megatron/tp1", "megatron/tp2", "megatron/tp2/chunk4-ac", "megatron/dp2", "megatron/tp1/on", "megatron/tp1/off", "megatron/tp1/padded"]
@@ -179,3 +222,34 @@ def test_sync_and_periodic_push_the_same_bits(ranks, periodic, other):
         base = r[periodic]["pushed"]
         assert base.keys() == r[other]["pushed"].keys()
         assert all(torch.equal(base[n], r[other]["pushed"][n]) for n in base)
+
+
+PIPELINES = {"megatron/pp2": 1, "megatron/tp2pp2": 2, "megatron/dp2pp2": 1, "megatron/pp4/group": 1}  # layout: tp
+
+
+@pytest.mark.parametrize("layout", list(PIPELINES))
+def test_pipeline_stages_train_as_one_rank(ranks, stages, layout):
+    """trainer.pp: the gradients AdamW steps on (every stage's, joined), the gradient norm and the pushed
+    weights (each stage its own layers; joined: the whole model, each tp rank its slice) equal the torch
+    backend's one-rank step within 1e-5; the bubble is a fraction."""
+    runs = ranks if layout == "megatron/pp2" else stages
+    tp = PIPELINES[layout]
+    for rank, r in enumerate(runs):
+        ref, got = r["torch"], r[layout]
+        assert got["grads"].keys() == ref["grads"].keys()
+        worst = max((got["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
+        assert worst < TOL, (layout, worst)
+        assert abs(got["grad_norm"] - ref["grad_norm"]) < TOL * ref["grad_norm"]
+        assert abs(got["loss"] - ref["loss"]) < TOL and abs(got["mismatch"] - ref["mismatch"]) < TOL
+        assert 0 < got["bubble"] < 1 and ref["bubble"] is None
+        assert got["pushed"].keys() == ref["pushed"].keys()
+        for name, full in ref["pushed"].items():
+            dim = got["specs"][name].tp_dim
+            want = full if tp == 1 or dim is None else full.narrow(dim, *_span(full.shape[dim], tp, rank % tp))
+            assert (got["pushed"][name] - want).abs().max().item() < TOL, (layout, name)
+
+
+def test_pipeline_sync_and_periodic_push_the_same_bits(ranks):
+    for r in ranks:
+        base, other = r["megatron/pp2"]["pushed"], r["megatron/pp2/sync"]["pushed"]
+        assert base.keys() == other.keys() and all(torch.equal(base[n], other[n]) for n in base)

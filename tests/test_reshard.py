@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from channels.payloads import ParamSpec, chunk
 from channels.push import WeightPush
 from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
+from modeling.megatron.stages import hf_layers, hf_stage
 from modeling.parallel import build_mesh, local, param_specs, parallelize
 from tests.names import FUSED, IDENTITY, targets
 from common.spawn import spawn
@@ -42,9 +43,10 @@ def simulate(plan, full: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.T
     """Carry out `plan` in memory: every stream's buckets, relays included, in order."""
     tr, gen = plan.trainer, plan.generator
     shards = {}
-    for d, t in itertools.product(range(tr.dp), range(tr.tp)):
-        shards[tr.rank(d, t)] = {n: full[n][tuple(slice(a, b) for a, b in tr.box(s, d=d, t=t))]
-                                 for n, s in plan.specs.items()}
+    layers = hf_layers(plan.specs)
+    for d, st, t in itertools.product(range(tr.dp), range(tr.pp), range(tr.tp)):  # a stage holds its own layers
+        shards[tr.rank(d, t, st)] = {n: full[n][tuple(slice(a, b) for a, b in tr.box(s, d=d, t=t))]
+                                     for n, s in plan.specs.items() if hf_stage(n, layers=layers, pp=tr.pp) == st}
     counts = {}
     for k, t in itertools.product(range(gen.replicas), range(gen.tp)):
         shards[gen.rank(k, t)] = {n: torch.full([b - a for a, b in gen.box(s, t=t)], float("nan"))
@@ -121,6 +123,25 @@ def test_plan_covers_every_generator_element_once(tp_t, tp_g, fsdp, zero_copy):
     assert sum(p.nbytes for p in plan.pieces) == direct * per_replica
     relays = [s for s in plan.streams if s.sender not in trainer.ranks]
     assert bool(relays) == (gen.replicas > direct)
+
+
+@pytest.mark.parametrize("tp_t,tp_g", list(itertools.product((1, 2), (1, 2))))
+def test_plan_with_pipeline_stages_sends_each_layer_from_its_stage(tp_t, tp_g):
+    """trainer.pp=2 (dp=2): every generator element exactly once, each piece from a rank of the stage
+    that holds its parameter (simulate() gives a rank its stage's parameters alone), both dp units sending."""
+    trainer = TrainerLayout(ranks=tuple(range(2 * 2 * tp_t)), tp=tp_t, pp=2)  # dp = 2
+    gen = GeneratorLayout(ranks=tuple(range(100, 100 + 2 * tp_g)), tp=tp_g)
+    plan = build_plan(specs=SPECS, trainer=trainer, generator=gen, bucket_bytes=4096)
+    full = arange_weights(SPECS)
+    for rank, (shards, counts) in simulate(plan, full).items():
+        t = gen.ranks.index(rank) % tp_g
+        for n, spec in SPECS.items():
+            assert torch.equal(counts[n], torch.ones_like(counts[n])), (rank, n)
+            assert torch.equal(shards[n], full[n][_sl(gen.box(spec, t=t))]), (rank, n)
+    stage_of = {trainer.rank(d, t, s): s for d in range(2) for s in range(2) for t in range(tp_t)}
+    assert {stage_of[p.src] for p in plan.pieces if p.name.startswith("model.layers.1.")} == {1}
+    assert {stage_of[p.src] for p in plan.pieces if p.name == "model.embed_tokens.weight"} == {0}
+    assert {(p.src // (2 * tp_t)) for p in plan.pieces} == {0, 1}
 
 
 @pytest.mark.parametrize("tp_t,tp_g", list(itertools.product((1, 2, 4), (1, 2, 4))))

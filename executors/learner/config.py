@@ -68,6 +68,11 @@ class LearnerConfig(BaseModel):
         return self.dp > 1 and (self.fsdp or self.ep > 1)
 
     @property
+    def ranks_per_unit(self) -> int:
+        """The ranks one dp unit spans (the trainer's pipeline stages multiply it)."""
+        return self.tp
+
+    @property
     def index_ordered(self) -> bool:
         """A rank takes its groups in index order (its tp peers, or its lockstep round, must take the same),
         never in arrival order: nothing is held for float32 sums (IndexOrderedSum)."""

@@ -34,8 +34,10 @@ def _megatron_models() -> type:
     return MegatronTriModel
 
 
-def _no_check(cfg: TrainerConfig, model_path: str | None) -> None:
-    pass
+def _check_torch(cfg: TrainerConfig, model_path: str | None) -> None:
+    if cfg.pp > 1:
+        raise ValueError(f"trainer.pp={cfg.pp}: pipeline parallel is built in the megatron backend; set "
+                         f"trainer.backend=megatron")
 
 
 def _check_megatron(cfg: TrainerConfig, model_path: str | None) -> None:
@@ -51,11 +53,16 @@ def _check_megatron(cfg: TrainerConfig, model_path: str | None) -> None:
     from modeling.hf import load_config
     from modeling.megatron.model import check_supported
 
-    check_supported(load_config(model_path))
+    config = load_config(model_path)
+    check_supported(config)
+    if cfg.pp > 1:
+        from modeling.megatron.stages import check_stages
+
+        check_stages(layers=config.num_hidden_layers, pp=cfg.pp)
 
 
 BACKENDS: Registry[Backend] = Registry("trainer backend", key="trainer.backend")
-BACKENDS.register("torch", Backend(models=_torch_models, check=_no_check, expert_parallel=True, lora=True,
+BACKENDS.register("torch", Backend(models=_torch_models, check=_check_torch, expert_parallel=True, lora=True,
                                    about="HF model classes with DTensor tp and FSDP2"))
 BACKENDS.register("megatron", Backend(models=_megatron_models, check=_check_megatron, per_rank_optimizer=True,
                                       about="megatron-core's GPTModel (the megatron extra; Qwen3/Qwen2/Llama), tp, "

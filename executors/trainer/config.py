@@ -1,6 +1,8 @@
 """The trainer's options: the layout, optimizer and micro-batches of the policy (executors/learner/config.py)."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from modeling.lora import LoraConfig
@@ -17,6 +19,12 @@ class TrainerConfig(LearnerConfig):
         "GPTModel (the megatron extra; Qwen3/Qwen2/Llama), tp, and dp with a ZeRO-1 optimizer "
         "(executors/trainer/backends.py registers them)")
 
+    pp: int = Field(1, ge=1, description="pipeline-parallel stages per unit (megatron backend): each holds "
+                    "layers/pp decoder layers; a unit is tp x pp ranks, and the groups stream through the "
+                    "stages as micro-batches, 1F1B across groups (modeling/megatron/pipeline.py)")
+    pp_drain: Literal["step", "group"] = Field(
+        "step", description="pp > 1: when the pipeline drains: step: once, at the barrier (1F1B across the "
+        "step's groups); group: after each group (its activations freed sooner; more bubble)")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters on a frozen base (rank > 0): "
                              "adapters alone train and are pushed (modeling/lora.py)")
     routing_replay: bool = Field(
@@ -26,3 +34,12 @@ class TrainerConfig(LearnerConfig):
     loss_scale: LossScaleConfig = Field(default_factory=LossScaleConfig, description="precision=fp16's dynamic "
                                         "loss scale: a step that overflows is skipped and the scale halves "
                                         "(modeling/loss_scale.py)")
+
+    @property
+    def ranks_per_unit(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def index_ordered(self) -> bool:
+        # a unit's stages (like its tp ranks) must take the same groups in the same order
+        return super().index_ordered or self.pp > 1

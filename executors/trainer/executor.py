@@ -81,7 +81,8 @@ class Trainer(Learner):
                              replicated_dp=not self.shards_over_units, tp_partial=self.models.tp_partial(),
                              zero=self.models.per_rank_optimizer, experts=self.models.expert_params(),
                              edp_group=self.models.ep_mesh.get_group("edp") if self.models.ep_mesh else None,
-                             scaler=LossScaler(self.cfg.loss_scale) if self.cfg.precision == "fp16" else None)
+                             scaler=LossScaler(self.cfg.loss_scale) if self.cfg.precision == "fp16" else None,
+                             tied=self.models.tied(), tied_group=self.models.tied_group)
         self._order_sums()
         if env.resume is not None:  # the policy came from the checkpoint; the optimizer and schedule too
             self.optim.load(env.resume / "trainer", group=env.group)
@@ -94,6 +95,9 @@ class Trainer(Learner):
         # the step's starting weights: the sampler's on-policy, the proximal policy under offpolicy
         self.models.snapshot_()
         state = StepState(step=ctx.step)
+        if self.models.pipeline is not None:  # its waits go into this step's timeline and bubble
+            self.models.pipeline.timeline = ctx.timeline
+            self.models.pipeline.reset_clock()
         for work in self._work(self._in_order(ctx.inbound[self.scored])):  # as the schedule hands them over
             # a stop drops the step: its groups need not be trained (not in lockstep, where every dp
             # rank would have to agree at the same round)
@@ -102,7 +106,11 @@ class Trainer(Learner):
             t0 = time.perf_counter()
             with self._summing(work.group):
                 self._take(work, state, ctx)
+                self.models.end_of_group()
             state.train_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.models.drain()  # pipeline stages: the backwards still in flight
+        state.train_s += time.perf_counter() - t0
         return state
 
     def _take(self, work: Work, state: StepState, ctx: StepContext) -> None:
@@ -128,9 +136,10 @@ class Trainer(Learner):
                 state.sums += self._train(work, refs, state, first_pass=True)
 
     def _logs_samples(self, step: int) -> bool:
-        """This step's samples are logged, by each unit's first rank (its tp ranks see the same groups)."""
+        """This step's samples are logged, by each unit's first rank of its last stage, where the loss and
+        its advantages run (its tp ranks and stages see the same groups)."""
         unit = self.env.units[self.env.unit_index]
-        return self.samples_every > 0 and step % self.samples_every == 0 and self.env.rank == unit[0]
+        return self.samples_every > 0 and step % self.samples_every == 0 and self.env.rank == unit[-self.cfg.tp]
 
     def _scores(self, state: StepState, group: ScoredGroup, mbs, refs) -> torch.Tensor:
         """The objective's advantages of one group (batch scope: its scores), once per step."""
@@ -145,7 +154,8 @@ class Trainer(Learner):
         `work.steps`); gradients go to the accumulators, sums come back."""
         group, mbs, sums = work.group, work.micro_batches, LossSums()
         linear = self.objective.linear(first_pass=first_pass)
-        if group is not None:  # later passes: the batch's statistics are known by now
+        pipe = self.models.pipeline  # pipeline stages: the loss runs on the last
+        if group is not None and (pipe is None or pipe.last):  # later passes: the batch's statistics are known by now
             score_G = self.objective.advantages(self._scores(state, group, mbs, refs), mu_scale)
         for k in range(work.steps):
             if k >= len(mbs):  # lockstep padding: weight 0, same forwards and backwards
@@ -155,8 +165,18 @@ class Trainer(Learner):
             # the generator's log-probs, for a loss with a correction against them (algorithms/corrections.py)
             behaviour = (lambda like, idx=idx: sampled_logprobs(group, idx, like=like)) \
                 if self.objective.needs_behaviour else None
-            logp_NT, mu_NT = self._micro_step(mb, refs[k], score_G[idx], first_pass=first_pass, linear=linear,
-                                              sums=sums, behaviour=behaviour)
+
+            def micro_step(mb=mb, k=k, idx=idx, behaviour=behaviour):
+                return self._micro_step(mb, refs[k], score_G[idx], first_pass=first_pass, linear=linear,
+                                        sums=sums, behaviour=behaviour)
+
+            if pipe is None:
+                logp_NT, mu_NT = micro_step()
+            else:  # an earlier stage gets None: its backward runs when the next stage's gradient comes
+                out = self.models.pipelined(mb, last=micro_step, after_backward=lambda: self._accumulate(Pass.SCORE))
+                if out is None:
+                    continue
+                logp_NT, mu_NT = out
             if first_pass:  # on-policy check: the trainer recomputes what the generator sampled
                 sampled_NT = mu_NT if mu_NT is not None else sampled_logprobs(group, idx, like=logp_NT)
                 sums.mismatch.add(logp_NT=logp_NT, sampled_NT=sampled_NT, mask_NT=mb.mask_NT,
@@ -204,6 +224,10 @@ class Trainer(Learner):
         with ctx.timeline.span("barrier"):
             self._settle()
             record, digests, errors, versions, mu_scale = self._gather(state)
+            bubble = None
+            if self.models.pipeline is not None:  # the loss ran on the last stage: its sums, every stage's share
+                state.sums = state.sums.all_reduce(group=self.models.pipeline.group)
+                bubble = self.models.pipeline.bubble()
             steps = []
             if record.groups:  # partial rollouts: a step in which no group ended trains nothing
                 steps = [self.optim.step(state.sums, passes=self.objective.first_passes,
@@ -221,6 +245,7 @@ class Trainer(Learner):
         self.offload(ctx)
         return TrainerMetrics.of(record, steps, digests, errors=errors, staleness=_staleness(versions),
                                  train_s=train_s, push_s=push_s, push_bytes=ctx.outbound[self.weights].bytes_per_push,
+                                 pipeline_bubble=bubble,
                                  first_train_t=state.first_train_t, push_end_t=time.time())
 
     def _log_samples(self, state: StepState, mu_scale) -> None:

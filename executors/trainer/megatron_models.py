@@ -13,6 +13,10 @@ GPTModels in one tensor-parallel layout, with the torch backend's interface (exe
   holds whole query groups, of fc1 [its gate rows; its up rows]), so the WEIGHTS channel sees the
   torch backend's shards and specs: no gather.
 - Save: the tp parts are gathered one tensor at a time and written as an HF directory.
+- Pipeline stages (trainer.pp): the mesh is ("dp", "pp", "tp"); each stage's GPTModels hold its layers
+  (modeling/megatron/stages.py), micro-batches go through the stages by modeling/megatron/pipeline.py's
+  schedule (`pipelined`, and the reference's forward in `ref_logprobs`), each stage pushes and saves
+  its own layers.
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ from torch import nn
 from executors.base import ExecutorEnv
 from modeling.hf import load_model, load_tokenizer, save_hf
 from modeling.megatron.convert import TP_PARTIAL_GRADS, Layout, to_hf, unshard
-from modeling.megatron.forward import install_packed_attention, response_logprobs
+from modeling.megatron.forward import hidden_shape, install_packed_attention, response_logprobs, stage_hidden
+from modeling.megatron.stages import global_names
 from modeling.parallel import apply_ac, param_specs
 from executors.trainer.models import TriModel
 from executors.learner.config import LearnerConfig
@@ -45,6 +50,8 @@ class MegatronTriModel(TriModel):
 
     hf_config: object
     hf_specs: dict  # the HF model's ParamSpecs: what the generator describes its own model with
+    pipeline: object = None  # modeling/megatron/pipeline.py Pipeline with trainer.pp > 1
+    tied_group: object = None  # pp > 1, a tied embedding: this rank's first and last stages (stages.py)
 
     @classmethod
     def build(cls, *, model_path: str | None, dtype: torch.dtype, env: ExecutorEnv, cfg: LearnerConfig,
@@ -59,17 +66,30 @@ class MegatronTriModel(TriModel):
         if env.device.type == "cpu":
             shims.apply()
         _adapt_for_ascend(env.device)
-        mesh = learner_mesh(env, cfg)
-        me = dist.new_group([env.rank], use_local_synchronization=True)  # context / pipeline parallel: size 1
-        groups = process_groups(tp=mesh.get_group("tp"), dp=mesh.get_group("dp"), single=me)
+        pp = cfg.pp
+        if pp > 1:
+            from modeling.parallel.mesh import build_pipeline_mesh
+
+            mesh = build_pipeline_mesh(ranks=env.ranks, tp=cfg.tp, pp=pp, device_type=env.device.type, parent=env.group)
+        else:
+            mesh = learner_mesh(env, cfg)
+        me = dist.new_group([env.rank], use_local_synchronization=True)  # context parallel: size 1
+        stage = mesh.get_local_rank("pp") if pp > 1 else 0
+        groups = process_groups(tp=mesh.get_group("tp"), dp=mesh.get_group("dp"), single=me,
+                                pp=mesh.get_group("pp") if pp > 1 else None)
         tp_rank = mesh.get_local_rank("tp")
         shims.seed_tracker(env.seed)
         hf = load_model(str(policy_path) if policy_path else model_path, dtype=dtype, seed=env.seed)
         config = hf.config
+        tied_group = None
+        if pp > 1 and Layout.of(config).tied and stage in (0, pp - 1):  # made last: middle stages make none
+            ends = dist.get_process_group_ranks(mesh.get_group("pp"))
+            tied_group = dist.new_group([ends[0], ends[-1]], use_local_synchronization=True)
 
         def built(state: dict, *, train: bool, to: torch.dtype | None = None) -> nn.Module:
-            model = meg.build(config, tp=cfg.tp, groups=groups, parallel_output=True, dtype=to or torch.float32)
-            meg.load_hf(model, state, config, tp=cfg.tp, rank=tp_rank)
+            model = meg.build(config, tp=cfg.tp, pp=pp, stage=stage, groups=groups, parallel_output=True,
+                              dtype=to or torch.float32)
+            meg.load_hf(model, state, config, tp=cfg.tp, rank=tp_rank, pp=pp, stage=stage)
             install_packed_attention(model)
             model = model.to(env.device, dtype=to) if to is not None else model.to(env.device)
             return model.train() if train else model.eval().requires_grad_(False)
@@ -84,8 +104,16 @@ class MegatronTriModel(TriModel):
                                                                               seed=env.seed).state_dict()
         ref = built(initial, train=False, to=compute) if reference else None
         old = built(weights, train=False, to=compute) if snapshot else None
+        pipeline = None
+        if pp > 1:
+            from modeling.megatron.pipeline import Pipeline
+
+            pipeline = Pipeline(group=mesh.get_group("pp"), stage=stage, stages=pp,
+                                drain_every_group=cfg.pp_drain == "group")
+            for name, p in master.named_parameters():  # the norm counts a tied embedding's two copies once
+                p.stage_copies = 2 if tied_group is not None and name in _TIED else 1
         return cls(policy, old, ref, mesh, load_tokenizer(model_path), cfg, temperature, env.device, master,
-                   config, param_specs(hf))
+                   config, param_specs(hf), pipeline=pipeline, tied_group=tied_group)
 
     # ---- what the trainer's optimizer and push need ----------------------------------------------
     @property
@@ -103,11 +131,69 @@ class MegatronTriModel(TriModel):
         """Per trainable parameter of the policy, in parameters() order: is its gradient a partial sum over tp?"""
         return [n.endswith(TP_PARTIAL_GRADS) for n, p in self.policy.named_parameters() if p.requires_grad]
 
+    def tied(self) -> list[bool] | None:
+        """Per trainable parameter: one of a tied embedding's copies on the first and last stages."""
+        if self.tied_group is None:
+            return None
+        return [n in _TIED for n, p in self.master.named_parameters() if p.requires_grad]
+
+    @property
+    def stage(self) -> int:
+        return self.pipeline.stage if self.pipeline is not None else 0
+
+    def _global(self, local: dict) -> dict:
+        """This stage's megatron names -> the whole model's."""
+        return global_names(local, layers=self.layout.layers, pp=self.cfg.pp, stage=self.stage, tied=self.layout.tied)
+
     def shards(self) -> dict[str, torch.Tensor]:
-        """This rank's tp part of every HF parameter, converted locally, in the generator's dtype."""
-        mine = {name: p.detach() for name, p in self.policy.named_parameters()}
+        """This rank's tp part of every HF parameter its stage holds, converted locally, in the generator's dtype."""
+        mine = self._global({name: p.detach() for name, p in self.policy.named_parameters()})
         hf = to_hf(mine, _local_layout(self.layout, self.cfg.tp))
-        return {name: hf[name].to(self.push_dtype) for name in self.hf_specs}
+        return {name: hf[name].to(self.push_dtype) for name in self.hf_specs if name in hf}
+
+    # ---- pipeline stages (trainer.pp > 1) -----------------------------------------------------
+    def _received(self, mb, *, grad: bool) -> torch.Tensor | None:
+        return self.pipeline.receive(hidden_shape(mb, self.hf_config.hidden_size), dtype=self.push_dtype,
+                                     device=self.device, grad=grad)
+
+    def pipelined(self, mb, *, last, after_backward):
+        """One training micro-batch through this stage: on the last stage `last()` (the trainer's
+        micro-step: log-probs, loss, backward) and its result; before it, the stage's forward, whose
+        backward runs when the next stage sends its gradient (then `after_backward()`): None."""
+        pipe = self.pipeline
+        with pipe.timed():
+            x = self._received(mb, grad=True)
+            self.policy.set_input_tensor(x)
+            if pipe.last:
+                out = last()
+                pipe.backward_done(x)
+                return out
+            pipe.forwarded(x, stage_hidden(self.policy, mb), after_backward=after_backward)
+            return None
+
+    def ref_logprobs(self, mbs: list, *, pad_to: int) -> list:
+        if self.pipeline is None or self.reference is None:
+            return super().ref_logprobs(mbs, pad_to=pad_to)
+        pipe, out = self.pipeline, []
+        with pipe.timed(), torch.no_grad():  # forward only: through the stages ahead of the group's training
+            for mb in mbs:
+                self.reference.set_input_tensor(self._received(mb, grad=False))
+                if pipe.last:
+                    out.append(self._logprobs(self.reference, mb))
+                else:
+                    pipe.send(stage_hidden(self.reference, mb))
+                    out.append(None)
+        return out
+
+    def end_of_group(self) -> None:
+        if self.pipeline is not None:
+            with self.pipeline.timed():
+                self.pipeline.end_of_group()
+
+    def drain(self) -> None:
+        if self.pipeline is not None:
+            with self.pipeline.timed():
+                self.pipeline.drain()
 
     @functools.cached_property
     def specs(self):
@@ -126,18 +212,28 @@ class MegatronTriModel(TriModel):
 
         if self.mesh.get_local_rank("dp") != 0:  # the other dp units hold the same weights: nothing to gather
             return
-        tp, full = self.cfg.tp, {}
+        tp, full, first = self.cfg.tp, {}, self.mesh.get_local_rank("tp") == 0
         for name, p in self.master.named_parameters():
             parts = [torch.empty_like(p) for _ in range(tp)]
             dist.all_gather(parts, p.detach().contiguous(), group=self.tp_group)
-            if leader:
+            if first:
                 full.update(unshard([{name: t.cpu()} for t in parts], self.layout))
+        if self.pipeline is not None:  # each stage's first tp rank hands its layers to the first stage's
+            if not first:
+                return
+            stages = [None] * self.cfg.pp if self.stage == 0 else None
+            dist.gather_object(self._global(full), stages, dst=dist.get_process_group_ranks(self.pipeline.group)[0],
+                               group=self.pipeline.group)
+            full = {k: v for part in stages or () for k, v in part.items()}
         if leader:
             hf = to_hf(full, self.layout)
             with torch.device("meta"):
                 skeleton = transformers.AutoModelForCausalLM.from_config(self.hf_config)
             state = {name: hf[name].contiguous() for name in self.hf_specs}
             save_hf(skeleton, self.tokenizer, path, state=state)
+
+
+_TIED = ("embedding.word_embeddings.weight", "output_layer.weight")  # with pp > 1 and tied embeddings
 
 
 def _adapt_for_ascend(device: torch.device) -> None:

@@ -101,6 +101,19 @@ class TriModel(LearnerModels):
                 out.moe_shape = routing.shape
         return out
 
+    # pipeline stages: the megatron backend's alone (megatron_models.py); here one stage, nothing tied
+    pipeline = None
+    tied_group = None
+
+    def tied(self) -> list[bool] | None:
+        return None
+
+    def end_of_group(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
     @property
     def push_dtype(self) -> torch.dtype:
         """The dtype the generator runs in: the compute dtype (weights are cast once, here)."""

@@ -77,6 +77,9 @@ class TrainerMetrics:
     optimizer_steps: int
     train_s: float
     push_s: float
+    # pipeline stages (trainer.pp > 1): of the stages' time in the pipeline's work, the share spent waiting
+    # on a neighbour stage (modeling/megatron/pipeline.py); None with one stage
+    pipeline_bubble: float | None
     push_bytes: int  # what the weight push carries from the trainer's ranks (all parameters, or LoRA's adapters)
     rollout_digest: str  # hash of every sampled token, in prompt/sample order
     first_train_t: float | None

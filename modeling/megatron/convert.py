@@ -93,11 +93,18 @@ def to_megatron(hf: dict[str, torch.Tensor], lay: Layout) -> dict[str, torch.Ten
 
 
 def to_hf(meg: dict[str, torch.Tensor], lay: Layout) -> dict[str, torch.Tensor]:
-    out = {"model.embed_tokens.weight": meg["embedding.word_embeddings.weight"],
-           "model.norm.weight": meg["decoder.final_layernorm.weight"],
-           "lm_head.weight": meg["embedding.word_embeddings.weight" if lay.tied else "output_layer.weight"]}
+    """The HF tensors of what `meg` holds: the whole model, or a pipeline stage's part (its layers
+    under their global numbers, modeling/megatron/stages.py)."""
+    out = {}
+    for hk, mk in (("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+                   ("model.norm.weight", "decoder.final_layernorm.weight"),
+                   ("lm_head.weight", "embedding.word_embeddings.weight" if lay.tied else "output_layer.weight")):
+        if mk in meg:
+            out[hk] = meg[mk]
     for i in range(lay.layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        if m + "mlp.linear_fc1.weight" not in meg:  # another stage's layer
+            continue
         same = _SAME | (_QK_NORM if lay.qk_norm else {})
         out.update({h + hk: meg[m + mk] for mk, hk in same.items()})
         for kind in ("weight", "bias") if lay.qkv_bias else ("weight",):

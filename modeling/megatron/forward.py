@@ -69,16 +69,16 @@ def _select(mb, h_BLH: torch.Tensor) -> torch.Tensor:
 def response_logprobs(model, mb, *, temperature: float, chunk: int, entropy: bool = False) -> ResponseLogprobs:
     """[N, T] float32 log-probs (and entropy) of `mb`'s response tokens under a GPTModel (packed rows:
     one with install_packed_attention)."""
-    ids_BL, mask = _inputs(mb)
-    pos_BL = torch.arange(ids_BL.shape[1], device=ids_BL.device)[None].expand_as(ids_BL)
     head, out, active = model.output_layer, [], [True]
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
 
     def logits(h_CH):  # one chunk's logits of this rank's vocabulary slice, [C, V/tp]
         return head(h_CH[:, None], weight=weight, runtime_gather_output=False)[0][:, 0]
 
-    per_chunk = functools.partial(chunk_logprobs, start=model.embedding.word_embeddings.vocab_start_index,
-                                  group=head.tp_group)
+    # this rank's first vocabulary row (a last pipeline stage holds the head without the embedding)
+    start = (model.embedding.word_embeddings.vocab_start_index if model.pre_process
+             else head.output_size_per_partition * torch.distributed.get_rank(head.tp_group))
+    per_chunk = functools.partial(chunk_logprobs, start=start, group=head.tp_group)
 
     def take_input(module, args, kwargs):
         if not active[0]:
@@ -97,12 +97,36 @@ def response_logprobs(model, mb, *, temperature: float, chunk: int, entropy: boo
 
     handles = [head.register_forward_pre_hook(take_input, with_kwargs=True, prepend=True),
                head.register_forward_hook(compute, with_kwargs=True)]
-    if isinstance(mb, PackedMicroBatch):  # emb_L11D: megatron's table for positions 0..L-1, picked per token
-        pos_L = mb.position_ids_1L[0]
-        handles.append(model.rotary_pos_emb.register_forward_hook(lambda module, args, emb_L11D: emb_L11D[pos_L]))
     try:
-        model(input_ids=ids_BL, position_ids=pos_BL, attention_mask=mask)
+        _run(model, mb)
     finally:
         for handle in handles:
             handle.remove()
     return ResponseLogprobs.scatter(out[0], mb.mask_NT)
+
+
+def _run(model, mb) -> torch.Tensor:
+    ids_BL, mask = _inputs(mb)
+    pos_BL = torch.arange(ids_BL.shape[1], device=ids_BL.device)[None].expand_as(ids_BL)
+    handle = None
+    if isinstance(mb, PackedMicroBatch):  # emb_L11D: megatron's table for positions 0..L-1, picked per token
+        pos_L = mb.position_ids_1L[0]
+        handle = model.rotary_pos_emb.register_forward_hook(lambda module, args, emb_L11D: emb_L11D[pos_L])
+    try:
+        return model(input_ids=ids_BL, position_ids=pos_BL, attention_mask=mask)
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def stage_hidden(model, mb) -> torch.Tensor:
+    """A pipeline stage before the last (modeling/megatron/pipeline.py): its output hidden states
+    [L, B, H] for `mb` (from the token ids on the first stage, else from the input set with
+    model.set_input_tensor)."""
+    return _run(model, mb)
+
+
+def hidden_shape(mb, hidden: int) -> tuple[int, int, int]:
+    """The [L, B, H] hidden states a stage hands the next for `mb` (megatron is sequence-first)."""
+    ids_BL, _ = _inputs(mb)
+    return ids_BL.shape[1], ids_BL.shape[0], hidden

@@ -9,13 +9,15 @@ memory buffer, set here once.
 from __future__ import annotations
 
 
-def process_groups(*, tp, dp, single):
+def process_groups(*, tp, dp, single, pp=None):
     """tp: this rank's tensor-parallel group; dp: its data-parallel group; single: a group of this
-    rank alone (context and pipeline parallelism: not used, size 1)."""
+    rank alone (context parallelism: not used, size 1); pp: its pipeline group (None: one stage). With
+    stages, megatron's embedding group is None: the trainer keeps a tied embedding's two copies equal
+    itself (modeling/megatron/stages.py), and megatron's own set-up of it moves weights to CUDA."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # DotProductAttention's scratch buffer
         parallel_state._set_global_memory_buffer()
-    return ProcessGroupCollection(tp=tp, dp=dp, dp_cp=dp, tp_cp=tp, cp=single, pp=single, embd=single,
-                                  pos_embd=single)
+    return ProcessGroupCollection(tp=tp, dp=dp, dp_cp=dp, tp_cp=tp, cp=single, pp=pp or single,
+                                  embd=None if pp is not None else single, pos_embd=None if pp is not None else single)

@@ -20,7 +20,7 @@ def _rope_theta(config) -> float:
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
-def transformer_config(config, *, tp: int, dtype: torch.dtype = torch.float32):
+def transformer_config(config, *, tp: int, pp: int = 1, dtype: torch.dtype = torch.float32):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     lay = Layout.of(config)
@@ -33,13 +33,16 @@ def transformer_config(config, *, tp: int, dtype: torch.dtype = torch.float32):
         qk_layernorm=lay.qk_norm, hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        use_cpu_initialization=True, params_dtype=dtype,
+        use_cpu_initialization=True, params_dtype=dtype, pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype if pp > 1 else None,
         # bf16 weights: attention's softmax in fp32 (megatron's attention_softmax_in_fp32), as HF's eager/sdpa paths
         bf16=dtype == torch.bfloat16)
 
 
-def build(config, *, tp: int = 1, groups=None, parallel_output: bool = True, dtype: torch.dtype = torch.float32):
-    """A GPTModel with config's shape, on this rank's tensor-parallel part. groups: a
+def build(config, *, tp: int = 1, pp: int = 1, stage: int = 0, groups=None, parallel_output: bool = True,
+          dtype: torch.dtype = torch.float32):
+    """A GPTModel with config's shape, on this rank's tensor-parallel part of pipeline stage `stage` of
+    pp (the embedding on the first, the final norm and head on the last: modeling/megatron/stages.py). groups: a
     ProcessGroupCollection (modeling/megatron/groups.py) whose tp group has tp ranks; None: megatron's
     own parallel_state. parallel_output: logits stay vocab-sharded (for a vocab-parallel
     log-softmax); False gathers them whole. dtype: the parameters' (bf16 also runs attention's
@@ -49,16 +52,22 @@ def build(config, *, tp: int = 1, groups=None, parallel_output: bool = True, dty
 
     lay = Layout.of(config)
     spec = get_gpt_layer_local_spec(qk_layernorm=lay.qk_norm, normalization="RMSNorm")
-    return GPTModel(config=transformer_config(config, tp=tp, dtype=dtype), transformer_layer_spec=spec,
+    return GPTModel(config=transformer_config(config, tp=tp, pp=pp, dtype=dtype), transformer_layer_spec=spec,
                     vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
                     share_embeddings_and_output_weights=lay.tied, position_embedding_type="rope",
-                    rotary_base=_rope_theta(config), parallel_output=parallel_output, pg_collection=groups)
+                    rotary_base=_rope_theta(config), parallel_output=parallel_output, pg_collection=groups,
+                    pre_process=stage == 0, post_process=stage == pp - 1)
 
 
-def load_hf(model, hf_state: dict[str, torch.Tensor], config, *, tp: int, rank: int) -> None:
-    """Copy an HF state dict into a built GPTModel's tensor-parallel part; every weight must land."""
+def load_hf(model, hf_state: dict[str, torch.Tensor], config, *, tp: int, rank: int, pp: int = 1,
+            stage: int = 0) -> None:
+    """Copy an HF state dict into a built GPTModel's part (tp rank `rank` of pipeline stage `stage`);
+    every weight must land."""
+    from modeling.megatron.stages import stage_part
+
     lay = Layout.of(config)
-    mine = shard(to_megatron(hf_state, lay), lay, tp=tp, rank=rank)
+    mine = stage_part(shard(to_megatron(hf_state, lay), lay, tp=tp, rank=rank), layers=lay.layers, pp=pp,
+                      stage=stage, tied=lay.tied)
     missing, unexpected = model.load_state_dict(mine, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     assert not missing and not unexpected, (missing, unexpected)

@@ -94,14 +94,17 @@ def clip_grad_norm_(params, max_norm: float, *, mesh: DeviceMesh | None) -> floa
     needed). mesh None: one process, plain tensors. Returns the norm before clipping.
     """
     world = mesh.size() if mesh is not None else 1
+    # pipeline stages hold different parameters: an element is held by the ranks of one stage (two for a
+    # tied embedding's copies on the first and last stages: `stage_copies`, modeling/megatron/stages.py)
+    stages = mesh["pp"].size() if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else 1
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
     # on the gradients' device: the sum is all-reduced over the device's groups (nccl takes no CPU tensor)
     sq = torch.zeros((), dtype=torch.float64, device=local(grads[0]).device if grads else "cpu")
     for p, g in zip(params, grads):
-        copies = world  # a plain tensor is replicated on every rank of the mesh
+        copies = world // stages * getattr(p, "stage_copies", 1)  # a plain tensor: on every rank of its stage
         if getattr(p, "tensor_model_parallel", False):  # megatron's: a plain tensor cut over mesh["tp"]
-            copies = world // mesh["tp"].size()
+            copies //= mesh["tp"].size()
         if isinstance(g, DTensor):
             assert not any(pl.is_partial() for pl in g.placements), "reduce partial gradients first"
             sharded = 1

@@ -69,3 +69,21 @@ def build_mesh(*, ranks: Sequence[int], tp: int, device_type: str = "cpu", membe
     tp_group = dist.new_group(grid_DT[d].tolist(), use_local_synchronization=True)
     dp_group = dist.new_group(grid_DT[:, t].tolist(), use_local_synchronization=True)
     return DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=grid_DT, mesh_dim_names=names)
+
+
+def build_pipeline_mesh(*, ranks: Sequence[int], tp: int, pp: int, device_type: str = "cpu",
+                        parent: dist.ProcessGroup | None = None) -> DeviceMesh:
+    """A 3-D ("dp", "pp", "tp") mesh over `ranks`, row-major (rank (d, s, t) is ranks[(d * pp + s) * tp + t]),
+    from members-only groups as `build_mesh` makes them: this rank's tp row, pp column, dp column, in that order."""
+    grid_DST = mesh_ranks(ranks, tp=tp * pp).view(-1, pp, tp)
+    if parent is not None:
+        counts = [None] * dist.get_world_size(parent)
+        dist.all_gather_object(counts, _group_count(), group=parent)
+        if len(set(counts)) != 1:
+            raise RuntimeError(f"mesh ranks {list(ranks)} hold different numbers of process groups {counts}")
+    d, s, t = (grid_DST == dist.get_rank()).nonzero()[0].tolist()
+    tp_group = dist.new_group(grid_DST[d, s].tolist(), use_local_synchronization=True)
+    pp_group = dist.new_group(grid_DST[d, :, t].tolist(), use_local_synchronization=True)
+    dp_group = dist.new_group(grid_DST[:, s, t].tolist(), use_local_synchronization=True)
+    return DeviceMesh.from_group([dp_group, pp_group, tp_group], device_type, mesh=grid_DST,
+                                 mesh_dim_names=("dp", "pp", "tp"))
