@@ -57,6 +57,7 @@ class Shape:
     vocab: int
     kv_width: int  # kv heads x head dim
     expert_params: int = 0  # mixture of experts: every expert's weights (split over trainer.ep), of `params`
+    head_params: int = 0  # an untied LM head's (0: tied to the embedding)
     active_params: int = 0  # mixture of experts: the parameters one token runs through; 0: all (dense)
     # the decoder's Linear modules by name: (in, out, how many layers have it), for LoRA's adapters
     linears: tuple[tuple[str, int, int, int], ...] = ()
@@ -101,15 +102,27 @@ class Shape:
         linears = (("q_proj", h, heads * d, layers), ("k_proj", h, kv * d, layers), ("v_proj", h, kv * d, layers),
                    ("o_proj", heads * d, h, layers), ("gate_proj", h, i, layers - routed), ("up_proj", h, i, layers - routed),
                    ("down_proj", i, h, layers - routed))
+        head = 0 if c.get("tie_word_embeddings", False) else vocab * h
         if not E:
-            return cls(params, h, i, layers, vocab, kv * d, linears=linears)
+            return cls(params, h, i, layers, vocab, kv * d, head_params=head, linears=linears)
         # Qwen3-MoE: a routed layer's MLP is E experts of 3 x h x moe_intermediate_size and a router h x E
         k, mi = c["num_experts_per_tok"], c["moe_intermediate_size"]
         experts = routed * E * 3 * h * mi
         params += routed * (experts // routed + h * E - mlp)
         active = params - experts + routed * k * 3 * h * mi
         # activations: a routed layer's MLP holds k expert rows per token
-        return cls(params, h, k * mi if routed == layers else i, layers, vocab, kv * d, experts, active, linears)
+        return cls(params, h, k * mi if routed == layers else i, layers, vocab, kv * d, experts, active, head,
+                   linears)
+
+
+def stage_shape(m: Shape, *, pp: int, stage: int) -> Shape:
+    """What pipeline stage `stage` of pp holds (modeling/megatron/stages.py): layers/pp decoder layers, the
+    embedding on the first, the final norm and the LM head on the last (a tied head: its own copy)."""
+    embed = m.vocab * m.hidden
+    per_layer = (m.params - embed - m.head_params - m.hidden) / m.layers
+    params = per_layer * m.layers / pp + (embed if stage == 0 else 0)
+    params += (m.hidden + (m.head_params or embed)) if stage == pp - 1 else 0
+    return dataclasses.replace(m, params=int(params), layers=m.layers // pp, expert_params=m.expert_params // pp)
 
 
 def _count(n: float) -> str:
@@ -167,13 +180,15 @@ def held_gradients(t: LearnerConfig, *, micro_batches: int) -> int:
 
 
 def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passes: int, head: bool,
-                  tokens: tuple[int, int], adapters: int = 0, micro_batches: int = 1) -> dict[str, float]:
+                  tokens: tuple[int, int], adapters: int = 0, micro_batches: int = 1, in_flight: int = 1,
+                  zero: bool = False) -> dict[str, float]:
     """Bytes per rank of a model trained on groups (the trainer's policy, the critic's value model), by
     part. copies: forward-only copies (reference, old policy); passes: gradient accumulators; head:
     LM-head logits in chunks (the policy's log-probs, or a reference's); tokens: the longest
     micro-batch's (tokens, response tokens), micro_batch_tokens; adapters: LoRA's parameters, the only
     ones trained (the base frozen: no optimizer state, accumulators or gradient of its own);
-    micro_batches: per group, micro_batches_per_group."""
+    micro_batches: per group, micro_batches_per_group. in_flight: micro-batches whose activations a pipeline
+    stage holds at once (1F1B: pp - stage); zero: AdamW's state sharded over dp (the megatron backend's ZeRO-1)."""
     shard = t.tp * (t.dp if t.fsdp else 1)
     # with expert parallel a rank holds 1/ep of the experts: as if the model had this many parameters
     params = m.params - m.expert_params + m.expert_params / t.ep
@@ -188,16 +203,16 @@ def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passe
     per_token_layer = (8 * m.hidden + 5 * m.intermediate) * act_bytes / t.tp
     row, responses = tokens
     if t.activation_checkpointing:
-        activations = row * (m.layers * m.hidden * act_bytes + per_token_layer)
+        activations = row * (in_flight * m.layers * m.hidden * act_bytes + per_token_layer)
     else:
-        activations = row * m.layers * per_token_layer
+        activations = in_flight * row * m.layers * per_token_layer
     if head:
         head_rows = min(t.logprob_chunk or responses, responses)
         activations += 3 * head_rows * m.vocab * 4  # logits, log-probs, their gradient: fp32
     return {
         "weights": (m.params + adapters) * (stored + (2 if compute_copy else 0)) / shard,
         "ref/old copies": copies * m.params * copy_bytes / shard,
-        "AdamW state": 2 * trained * stored / shard,
+        "AdamW state": 2 * trained * stored / shard / (t.dp if zero else 1),
         # one float32 pass over plain float32 parameters sums in their own .grad (modeling/optim.py InPlaceGradients)
         "grad accumulators": 0 if in_place else passes * trained * (8 if t.fp64_grad_accumulation else 4) / shard,
         # the backward writes each micro-batch's gradient in the compute dtype before it is accumulated
@@ -224,11 +239,15 @@ def _group_tokens(cfg: RunConfig, t: LearnerConfig) -> tuple[int, int]:
                               samples=cfg.generator.samples_per_prompt)
 
 
-def trainer_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
+def trainer_parts(cfg: RunConfig, m: Shape, *, stage: int = 0) -> dict[str, float]:
+    """The trainer's ranks (with trainer.pp > 1: those of pipeline stage `stage`)."""
     t, algo = cfg.trainer, cfg.algo_config
     # a batch-scope algorithm's first pass keeps 2 gradients (3 with a KL in the loss): trainer/executor.py
     passes = 1 if get_algorithm(cfg.algo).advantage_scope != "batch" else 2 + int(kl_in_loss(algo))
-    return learner_parts(t, m, stored=_BYTES[cfg.model.dtype], passes=passes, head=True,
+    if t.pp > 1:
+        m = stage_shape(m, pp=t.pp, stage=stage)
+    return learner_parts(t, m, stored=_BYTES[cfg.model.dtype], passes=passes, head=stage == t.pp - 1,
+                         in_flight=t.pp - stage, zero=t.backend == "megatron",
                          # with LoRA the reference is the base itself (adapters off): no copy
                          copies=int(algo.needs_reference and not t.lora.on) + int(t.epochs * t.mini_batches > 1),
                          tokens=_group_tokens(cfg, t), micro_batches=_group_micro_batches(cfg, t),
@@ -335,6 +354,13 @@ def _colocated_row(every: list[dict[str, float]], *, device: str, handed: str | 
     return ["co-located rank", how, _size(colocated_bytes(every, device=device))]
 
 
+def _parts(cfg: RunConfig, m: Shape, name: str) -> list[tuple[str, dict[str, float] | None]]:
+    """(row label, parts) of one executor: the trainer's pipeline stages each a row of their own."""
+    if name == "trainer" and cfg.trainer.pp > 1:
+        return [(f"trainer stage {s}", trainer_parts(cfg, m, stage=s)) for s in range(cfg.trainer.pp)]
+    return [(name, PARTS[name](cfg, m))]
+
+
 def describe_memory(cfg: RunConfig, m: Shape | None, *, executors: tuple[str, ...] = ("generator", "trainer"),
                     device: str | None = None) -> str:
     """The table of --dry-run for the graph's `executors` (those of them that hold a model). device:
@@ -346,31 +372,38 @@ def describe_memory(cfg: RunConfig, m: Shape | None, *, executors: tuple[str, ..
         from controller.devices import detect_device
 
         device = detect_device().type
-    rows, every = [], []
-    for name in (e for e in executors if e in PARTS):
-        parts = PARTS[name](cfg, m)
+    rows, every, staged = [], [], []
+    stages = cfg.trainer.pp
+    for name, parts in ((label, parts) for e in executors if e in PARTS for label, parts in _parts(cfg, m, e)):
         if parts is None:
             rows.append([name, "no estimate (its config.json lacks a Llama-style decoder's sizes)", "?"])
             continue
         handed = handed_over(cfg) if name == "generator" else None
-        every.append({**parts, **({handed: 0.0} if handed else {})})
+        if name.startswith("trainer stage "):  # co-located, a rank holds one stage: the largest counts
+            staged.append(dict(parts))
+        else:
+            every.append({**parts, **({handed: 0.0} if handed else {})})
         if device == "cpu":  # host memory is the rank's whole RSS; a device's holds no interpreter
             parts["process"] = PROCESS_BYTES
         shown = ", ".join(f"{k} {_size(v)}" for k, v in parts.items() if v)
         total = _size(sum(parts.values()))
-        loading = loading_peak(cfg, parts, executor=name) if device == "cpu" else 0.0
+        loading = loading_peak(cfg, parts, executor=name.split(" stage ")[0]) if device == "cpu" else 0.0
         if loading > sum(parts.values()):
             total += f" ({_size(loading)} while loading)"
         note = ENGINES.get(cfg.generator.engine).kv_note
         if name == "generator" and note:
             total += f" + {note}"
         rows.append([name, shown, total])
+    if staged:
+        every.append(max(staged, key=lambda parts: sum(parts.values())))
     if cfg.placement == "colocated" and every:
         rows.append(_colocated_row(every, device=device, handed=handed_over(cfg)))
     count = _count(m.params) + (f" ({_count(m.active_params)} active per token)" if m.active_params else "")
     where = ("process: python with torch and transformers, as measured on CPU" if device == "cpu" else
              f"plus each rank's {device} runtime context, not counted")
     ac = "on" if cfg.trainer.activation_checkpointing else "off"
+    pipeline = (f"; trainer.pp={stages}: a stage's layers, {stages} - stage micro-batches' activations in flight"
+                if stages > 1 else "")
     head = (f"memory per rank (estimate; {count} parameters, trainer precision {cfg.trainer.precision}, "
-            f"activation checkpointing {ac}; prompts at data.max_prompt_tokens; {where}):")
+            f"activation checkpointing {ac}{pipeline}; prompts at data.max_prompt_tokens; {where}):")
     return head + "\n" + tabulate(rows, headers=["executor", "parts", "total per rank"], disable_numparse=True)

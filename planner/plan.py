@@ -7,8 +7,8 @@ is fastest with.
 Rates come from a calibration on this machine (two short runs of the configured job, planner/
 calibrate.py) or from a YAML file (`--rates FILE`, e.g. configs/plan-qwen3-8b-16npu.yaml). A replica
 keeps its calibrated rates at any count and a trainer unit its own, so a split's generator runs
-replicas = devices // generator.tp engines side by side and its trainer dp = devices // trainer.tp
-units; all-reduce and push costs are taken as measured (they grow with dp in a real job).
+replicas = devices // generator.tp engines side by side and its trainer dp = devices // (trainer.tp x
+trainer.pp) units (a unit's pipeline stages and their bubble are in its calibrated rate); all-reduce and push costs are taken as measured (they grow with dp in a real job).
 """
 from __future__ import annotations
 
@@ -73,14 +73,14 @@ class Colocated:
 
 
 def colocated(shapes: list[StepShape], rates: Rates, *, devices: int, gen_tp: int = 1,
-              train_tp: int = 1) -> Colocated | None:
+              train_unit: int = 1) -> Colocated | None:
     """Every device holds a generator replica's and a trainer unit's share: the sync step with
-    replicas = devices / gen_tp and dp = devices / train_tp, plus the swap. The push is taken at its
+    replicas = devices / gen_tp and dp = devices / train_unit, plus the swap. The push is taken at its
     split cost (a co-located one is partly a local copy: an upper bound). None: the devices do not
     divide into whole units."""
-    if devices % gen_tp or devices % train_tp:
+    if devices % gen_tp or devices % train_unit:
         return None
-    replicas, dp = devices // gen_tp, devices // train_tp
+    replicas, dp = devices // gen_tp, devices // train_unit
     if dp > len(shapes[0].lengths) or replicas > len(shapes[0].lengths):
         return None
     laid = [replace(s, replicas=replicas, dp=dp) for s in shapes]
@@ -89,16 +89,16 @@ def colocated(shapes: list[StepShape], rates: Rates, *, devices: int, gen_tp: in
                      tokens=statistics.mean(s.tokens for s in laid))
 
 
-def splits(shapes: list[StepShape], rates: Rates, *, devices: int, gen_tp: int = 1, train_tp: int = 1,
+def splits(shapes: list[StepShape], rates: Rates, *, devices: int, gen_tp: int = 1, train_unit: int = 1,
            other_devices: int = 0) -> list[Split]:
     """Every split of `devices` (less other_devices, e.g. reward ranks on their own devices) into whole
     generator replicas and trainer units; none when no split has both."""
     out, free = [], devices - other_devices
     for g in range(gen_tp, free, gen_tp):
-        t = (free - g) // train_tp * train_tp
-        if t < train_tp:
+        t = (free - g) // train_unit * train_unit
+        if t < train_unit:
             continue
-        replicas, dp = g // gen_tp, t // train_tp
+        replicas, dp = g // gen_tp, t // train_unit
         if dp > len(shapes[0].lengths) or replicas > len(shapes[0].lengths):
             continue  # more units than groups: some would get none
         sync, periodic, tokens = predict(shapes, rates, replicas=replicas, dp=dp)
@@ -177,7 +177,8 @@ def slots_table(shapes: list[StepShape], rates: Rates, split: Split, *, samples:
 def load_rates(path: Path) -> tuple[Rates, list[StepShape], dict]:
     """A rates file: rates (gen, train, reward_group_s, handoff_s, concurrency, swap_s), step (prompts,
     samples, prompt_len, lengths: one list of response lengths cycled over the samples,
-    max_batch_prompts, admission) and layout (devices, gen_tp, train_tp, other_devices, engine: native or vllm)."""
+    max_batch_prompts, admission) and layout (devices, gen_tp, train_tp, train_pp, other_devices, engine: native
+    or vllm)."""
     if not Path(path).is_file():
         raise ValueError(f"rates file {path} does not exist")
     data = yaml.safe_load(Path(path).read_text())
@@ -216,18 +217,18 @@ def calibration_runs(argv: list[str], out: Path, *, steps: int = 5,
     return tuple(dirs)
 
 
-def colocated_layout(*, gen_tp: int, train_tp: int) -> tuple[str, ...]:
-    """The smallest co-located layout of these tp sizes: lcm(gen_tp, train_tp) ranks."""
-    ranks = math.lcm(gen_tp, train_tp)
-    return ("--set", f"generator.replicas={ranks // gen_tp}", "--set", f"trainer.dp={ranks // train_tp}")
+def colocated_layout(*, gen_tp: int, train_unit: int) -> tuple[str, ...]:
+    """The smallest co-located layout of these tp sizes: lcm(gen_tp, train_unit) ranks."""
+    ranks = math.lcm(gen_tp, train_unit)
+    return ("--set", f"generator.replicas={ranks // gen_tp}", "--set", f"trainer.dp={ranks // train_unit}")
 
 
-def plan_here(argv: list[str], *, devices: int, gen_tp: int, train_tp: int) -> str:
+def plan_here(argv: list[str], *, devices: int, gen_tp: int, train_unit: int) -> str:
     from planner.calibrate import calibrate, fit_concurrency, shapes_of, swap_seconds
 
     with tempfile.TemporaryDirectory(prefix="tidal-plan-") as tmp:
         sync_dir, periodic_dir, colocated_dir = calibration_runs(
-            argv, Path(tmp), colocated=colocated_layout(gen_tp=gen_tp, train_tp=train_tp))
+            argv, Path(tmp), colocated=colocated_layout(gen_tp=gen_tp, train_unit=train_unit))
         rates = calibrate(sync_dir)
         rates = replace(rates, concurrency=fit_concurrency(rates, periodic_dir), swap_s=swap_seconds(colocated_dir))
         shapes = [s for step, s in sorted(shapes_of(sync_dir).items()) if step >= 1]
@@ -240,8 +241,8 @@ def plan_here(argv: list[str], *, devices: int, gen_tp: int, train_tp: int) -> s
             f"{rates.train.barrier_s + rates.train.push_s:.3g} s per step; executors keep "
             f"{rates.concurrency:.2f} of their speed while overlapping; co-located, the memory moves take "
             f"{rates.swap_s:.3g} s per step")
-    rows = splits(shapes, rates, devices=devices, gen_tp=gen_tp, train_tp=train_tp)
-    together = colocated(shapes, rates, devices=devices, gen_tp=gen_tp, train_tp=train_tp)
+    rows = splits(shapes, rates, devices=devices, gen_tp=gen_tp, train_unit=train_unit)
+    together = colocated(shapes, rates, devices=devices, gen_tp=gen_tp, train_unit=train_unit)
     text = head + "\n" + table(rows, devices=devices, together=together)
     if rows:
         text += "\n\n" + slots_table(shapes, rates, best_split(rows, devices=devices),
@@ -249,12 +250,17 @@ def plan_here(argv: list[str], *, devices: int, gen_tp: int, train_tp: int) -> s
     return text
 
 
+def trainer_unit(layout: dict) -> int:
+    """The devices of one trainer unit in a rates file's layout: tp x pp (trainer.pp: its pipeline stages)."""
+    return layout.get("train_tp", 1) * layout.get("train_pp", 1)
+
+
 def plan_from_file(path: Path, *, devices: int | None) -> str:
     rates, shapes, layout = load_rates(path)
     n = devices or layout.get("devices")
     if not n:
         raise ValueError(f"--plan --rates {path}: give --devices N (the file names no layout.devices)")
-    tps = dict(gen_tp=layout.get("gen_tp", 1), train_tp=layout.get("train_tp", 1))
+    tps = dict(gen_tp=layout.get("gen_tp", 1), train_unit=trainer_unit(layout))
     rows = splits(shapes, rates, devices=n, other_devices=layout.get("other_devices", 0), **tps)
     text = table(rows, devices=n, together=colocated(shapes, rates, devices=n, **tps))
     if not rows:

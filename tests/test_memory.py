@@ -179,3 +179,64 @@ def test_a_colocated_rank_holds_every_executor_and_the_kv_and_adam_take_turns():
             _size(total - min(gen["KV cache"], trn["AdamW state"])))
         assert ("the generator's weights: the trainer's own" in describe_memory(cfg, shape, device="cpu")) == handed
     assert "co-located rank" not in describe_memory(small_config(), shape, device="cuda")
+
+
+# ---- pipeline stages (trainer.pp) and the presets that need them ----------------------------------
+PUBLISHED = {  # the fields of the published config.json files the checks and estimates read
+    "qwen2.5-32b-16xh200": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648,
+        "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16"},  # Qwen/Qwen2.5-32B-Instruct
+    "llama-3-70b-32xh200": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+        "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16"},  # meta-llama/Meta-Llama-3-70B-Instruct
+}
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_pipeline_stages_hold_the_model_between_them(tie):
+    """The stages' parameters add up to the model's (a tied head: the last stage's own copy more)."""
+    from launch.memory import stage_shape
+
+    m = Shape.from_fields({**PUBLISHED["qwen2.5-32b-16xh200"], "num_hidden_layers": 4, "tie_word_embeddings": tie})
+    parts = [stage_shape(m, pp=4, stage=s) for s in range(4)]
+    assert sum(p.params for p in parts) == m.params + (m.vocab * m.hidden if tie else 0)
+    assert all(p.layers == 1 for p in parts) and parts[0].params > parts[1].params == parts[2].params
+
+
+@pytest.mark.parametrize("preset, size, world", [("qwen2.5-32b-16xh200", 32.8e9, 16), ("llama-3-70b-32xh200", 70.6e9, 32)])
+def test_the_pipeline_presets_place_and_fit(preset, size, world, tmp_path, monkeypatch):
+    """On the published configs' shapes: the named world size, every check passes (pp divides the
+    layers, tp the heads), and each trainer stage and generator rank fits an H200's 141 GB (the
+    generator's KV cache is vLLM's share, gpu_memory_utilization)."""
+    import dataclasses
+    import json
+
+    from controller.world import placement, world_size_of
+    from executors.generator.engines import ENGINES
+    from launch.cli import parser, resolve
+    from launch.memory import describe_memory
+    from recipes.registry import recipe_for
+    from tests.e2e import ROOT
+
+    # vLLM is not installed here: its check is the machine's, not the preset's
+    monkeypatch.setitem(ENGINES._entries, "vllm", dataclasses.replace(ENGINES.get("vllm"), check=lambda *a: None))
+    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED[preset]))
+    cfg = resolve(parser().parse_args(["--algo", "grpo", "--config", str(ROOT / "configs" / f"{preset}.yaml"),
+                                       "--set", f"model.path={tmp_path}"]))
+    graph = recipe_for(cfg.algo).build(cfg)
+    assert world_size_of(graph) == world and len(placement(graph)["trainer"][0]) == cfg.trainer.tp * cfg.trainer.pp >= 8
+    shape = Shape.of(str(tmp_path))
+    assert abs(shape.params - size) / size < 0.01
+    table = describe_memory(cfg, shape, device="cuda")
+    stages = [line for line in table.splitlines() if line.startswith("trainer stage")]
+    assert len(stages) == cfg.trainer.pp
+    for line in stages:
+        assert float(line.split()[-2]) < 0.8 * 141, line  # GB
+    generator = next(line for line in table.splitlines() if line.startswith("generator"))
+    util = cfg.generator.vllm.gpu_memory_utilization
+    push = float(generator.split("push buffer ")[1].split()[0])
+    assert util * 141 + push < 141, generator

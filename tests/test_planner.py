@@ -13,7 +13,7 @@ import pytest
 from launch.cli import main as cli_main
 from planner.calibrate import calibrate, fit_concurrency
 from planner.model import GenFeatures, GenRates, Rates, StepShape, TrainRates, replay_engine, simulate
-from planner.plan import colocated, load_rates, slot_choices, slots_table, splits, table
+from planner.plan import colocated, load_rates, slot_choices, slots_table, splits, table, trainer_unit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -215,10 +215,24 @@ def test_admission_recommendation_follows_what_a_row_costs(rows_cost, want):
 def test_paper_scale_rates_file_gives_a_table():
     rates, shapes, layout = load_rates(ROOT / "configs" / "plan-qwen3-8b-16npu.yaml")
     assert layout["devices"] == 16 and len(shapes[0].lengths) == 32
-    rows = splits(shapes, rates, devices=16, gen_tp=layout["gen_tp"], train_tp=layout["train_tp"],
+    rows = splits(shapes, rates, devices=16, gen_tp=layout["gen_tp"], train_unit=layout["train_tp"],
                   other_devices=layout["other_devices"])
     assert rows and all(r.gen_devices % 2 == 0 and r.train_devices % 4 == 0 for r in rows)
     assert all(r.periodic_s <= r.sync_s for r in rows)
+
+
+def test_pipeline_stages_make_a_trainer_unit_tp_x_pp_devices(tmp_path):
+    """trainer.pp: a split's trainer is whole units of tp x pp devices (layout.train_pp in a rates file)."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "configs" / "plan-qwen3-8b-16npu.yaml").read_text())
+    data["layout"] |= {"train_tp": 2, "train_pp": 2}
+    path = tmp_path / "rates.yaml"
+    path.write_text(yaml.safe_dump(data))
+    rates, shapes, layout = load_rates(path)
+    assert trainer_unit(layout) == 4
+    rows = splits(shapes, rates, devices=16, gen_tp=2, train_unit=trainer_unit(layout), other_devices=2)
+    assert {r.train_devices for r in rows} == {4, 8, 12} and all(r.dp == r.train_devices // 4 for r in rows)
 
 
 def test_plan_flags_are_checked(capsys):
