@@ -2,6 +2,8 @@
 the parameter specs that describe a WEIGHTS push."""
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +109,25 @@ class GroupVerdict:
 
     index: int
     kept: bool
+
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def hf_layers(names) -> int:
+    """The number of decoder layers among HF parameter names."""
+    return 1 + max((int(m.group(1)) for m in map(_HF_LAYER.match, names) if m), default=-1)
+
+
+def hf_stage(name: str, *, layers: int, pp: int) -> int:
+    """The trainer's pipeline stage (trainer.pp, modeling/megatron/stages.py) that holds and pushes HF
+    parameter `name`: both ends of the WEIGHTS channel plan with it, so it is a function of the name."""
+    if pp == 1:
+        return 0
+    m = _HF_LAYER.match(name)
+    if m is not None:
+        return int(m.group(1)) // (layers // pp)
+    return 0 if name.startswith("model.embed_tokens.") else pp - 1  # model.norm, lm_head: the last stage
 
 
 def chunk(n: int, parts: int, i: int) -> tuple[int, int]:

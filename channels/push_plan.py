@@ -34,8 +34,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-from channels.payloads import ParamSpec, chunk
-from modeling.megatron.stages import hf_layers, hf_stage
+from channels.payloads import ParamSpec, chunk, hf_layers, hf_stage
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dim
 

@@ -31,6 +31,7 @@ from algorithms.kl import kl_in_loss
 from algorithms.registry import get_algorithm
 from modeling.tiny import MODEL_SIZES
 from executors.generator.engines import ENGINES
+from executors.trainer.backends import BACKENDS
 from modeling.lora import ALL_LINEAR
 from executors.learner.config import LearnerConfig
 from recipes.config import RunConfig
@@ -111,8 +112,8 @@ class Shape:
         params += routed * (experts // routed + h * E - mlp)
         active = params - experts + routed * k * 3 * h * mi
         # activations: a routed layer's MLP holds k expert rows per token
-        return cls(params, h, k * mi if routed == layers else i, layers, vocab, kv * d, experts, active, head,
-                   linears)
+        return cls(params, h, k * mi if routed == layers else i, layers, vocab, kv * d, expert_params=experts,
+                   active_params=active, head_params=head, linears=linears)
 
 
 def stage_shape(m: Shape, *, pp: int, stage: int) -> Shape:
@@ -247,7 +248,7 @@ def trainer_parts(cfg: RunConfig, m: Shape, *, stage: int = 0) -> dict[str, floa
     if t.pp > 1:
         m = stage_shape(m, pp=t.pp, stage=stage)
     return learner_parts(t, m, stored=_BYTES[cfg.model.dtype], passes=passes, head=stage == t.pp - 1,
-                         in_flight=t.pp - stage, zero=t.backend == "megatron",
+                         in_flight=t.pp - stage, zero=BACKENDS.get(t.backend).per_rank_optimizer,
                          # with LoRA the reference is the base itself (adapters off): no copy
                          copies=int(algo.needs_reference and not t.lora.on) + int(t.epochs * t.mini_batches > 1),
                          tokens=_group_tokens(cfg, t), micro_batches=_group_micro_batches(cfg, t),

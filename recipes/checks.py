@@ -31,19 +31,16 @@ def check_trainer(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
 
 def check_pipeline(cfg: RunConfig, *, batch_scope: bool) -> None:
     """trainer.pp: what its schedule (modeling/megatron/pipeline.py) runs: one loss pass per micro-batch,
-    one optimizer step per batch, the megatron backend (which also refuses LoRA, MoE and fp16)."""
+    on the megatron backend (which also refuses LoRA, MoE and fp16)."""
     t = cfg.trainer
     if t.pp == 1:
         return
     field = f"trainer.pp={t.pp}"
-    if t.backend != "megatron":
+    if not BACKENDS.get(t.backend).pipeline:
         raise ValueError(f"{field}: pipeline parallel is built in the megatron backend; set trainer.backend=megatron")
     if batch_scope:
         raise ValueError(f"{field} with algorithm {cfg.algo!r}: batch-scope advantages train each micro-batch in "
                          f"two loss passes, which the pipeline schedule does not carry; use a group-scope algorithm")
-    if t.mini_batches * t.epochs > 1:
-        raise ValueError(f"{field} with trainer.mini_batches={t.mini_batches}, trainer.epochs={t.epochs}: the "
-                         f"pipeline trains one optimizer step per batch (the old policy's stages are not built)")
 
 
 def check_partial(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
@@ -185,9 +182,8 @@ def check_placement(cfg: RunConfig, *, critic: bool) -> None:
     learners = [("trainer", cfg.trainer)] + ([("critic", cfg.critic)] if critic else [])
     for name, learner in learners:
         if learner.dp * learner.ranks_per_unit != ranks:
-            stages = f" x {name}.pp" if learner.ranks_per_unit != learner.tp else ""
-            raise ValueError(f"placement=colocated: {name}.dp x {name}.tp{stages} = {learner.dp} x {learner.tp}"
-                             f"{f' x {learner.ranks_per_unit // learner.tp}' if stages else ''} must equal "
+            pp = (f" x {name}.pp", f" x {learner.stages}") if learner.stages > 1 else ("", "")
+            raise ValueError(f"placement=colocated: {name}.dp x {name}.tp{pp[0]} = {learner.dp} x {learner.tp}{pp[1]} must equal "
                              f"generator.replicas x generator.tp = {g.replicas} x {g.tp}: co-located executors "
                              f"share every rank")
     if cfg.reward.model is not None:

@@ -71,10 +71,6 @@ def test_dry_run_places_tensor_parallel_units():
     (["--set", "trainer.backend=jax"], "trainer.backend: unknown trainer backend 'jax'; known: megatron, torch"),
     (["--set", "trainer.pp=2"], "trainer.pp=2: pipeline parallel is built in the megatron backend; set "
                                 "trainer.backend=megatron"),
-    (["--set", "trainer.backend=megatron", "--set", "trainer.pp=3"],
-     "trainer.pp=3 must divide the model's 4 decoder layers"),
-    (["--set", "trainer.backend=megatron", "--set", "trainer.pp=2", "--set", "trainer.epochs=2"],
-     "trainer.pp=2 with trainer.mini_batches=1, trainer.epochs=2: the pipeline trains one optimizer step per batch"),
 ])
 def test_config_errors_name_the_field(args, message):
     proc = _launch("--algo", "grpo", "--dry-run", *args)
@@ -118,14 +114,18 @@ def test_vllm_engine_without_vllm_says_how_to_get_it():
     assert "generator.engine=vllm: vLLM is not installed in this environment (CPU: `make install-vllm`" in proc.stderr
 
 
-def test_pipeline_refuses_batch_scope_advantages():
-    from recipes.checks import check_pipeline
+def test_pipeline_refuses_what_its_schedule_does_not_carry():
+    """trainer.pp's refusals beside the CLI's (the torch backend, above): in-process, no job."""
+    from recipes.checks import check_pipeline, check_trainer
     from recipes.config import RunConfig
 
     cfg = RunConfig.model_validate({"algo": "reinforce_pp", "trainer": {"backend": "megatron", "pp": 2}})
     with pytest.raises(ValueError, match="trainer.pp=2 with algorithm 'reinforce_pp': batch-scope advantages"):
         check_pipeline(cfg, batch_scope=True)
     check_pipeline(cfg, batch_scope=False)  # group scope: runs
+    uneven = RunConfig.model_validate({"trainer": {"backend": "megatron", "pp": 3}})
+    with pytest.raises(ValueError, match="trainer.pp=3 must divide the model's 4 decoder layers"):
+        check_trainer(uneven, dynamic_sampling=False)
 
 
 def test_fsdp_refuses_dynamic_sampling():

@@ -129,6 +129,10 @@ def _ranks_main(tmp: str):
     # pipeline stages: 2 layers each (the model's embedding is tied: a copy on each end)
     out["megatron/pp2"] = _run(env((0, 1), ((0, 1),), both), groups, backend="megatron", pp=2)
     out["megatron/pp2/sync"] = _run(env((0, 1), ((0, 1),), both), groups, schedule=Sync(), backend="megatron", pp=2)
+    # later mini-batches and epochs: the old policy's forward goes through the stages beside the policy's
+    passes = dict(mini_batches=2, epochs=2)
+    out["torch/passes"] = _run(alone, groups, backend="torch", **passes)
+    out["megatron/pp2/passes"] = _run(env((0, 1), ((0, 1),), both), groups, backend="megatron", pp=2, **passes)
     dist.barrier()
     return out
 
@@ -247,6 +251,19 @@ def test_pipeline_stages_train_as_one_rank(ranks, stages, layout):
             dim = got["specs"][name].tp_dim
             want = full if tp == 1 or dim is None else full.narrow(dim, *_span(full.shape[dim], tp, rank % tp))
             assert (got["pushed"][name] - want).abs().max().item() < TOL, (layout, name)
+
+
+def test_pipeline_stages_train_later_mini_batches_and_epochs_as_one_rank(ranks):
+    """mini_batches=2 x epochs=2 (four optimizer steps, three of them against the old-policy snapshot,
+    whose forward travels the stages too) at pp=2: the weights pushed after them equal the torch
+    backend's one-rank run."""
+    for r in ranks:
+        ref, got = r["torch/passes"]["pushed"], r["megatron/pp2/passes"]["pushed"]
+        assert got.keys() == ref.keys()
+        moved = max((ref[n] - r["torch"]["pushed"][n]).abs().max().item() for n in ref)
+        assert moved > 1e-4  # the later steps moved the weights past the first step's
+        worst = max((got[n] - ref[n]).abs().max().item() for n in ref)
+        assert worst < TOL, worst
 
 
 def test_pipeline_sync_and_periodic_push_the_same_bits(ranks):

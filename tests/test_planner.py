@@ -227,6 +227,7 @@ def test_pipeline_stages_make_a_trainer_unit_tp_x_pp_devices(tmp_path):
 
     data = yaml.safe_load((ROOT / "configs" / "plan-qwen3-8b-16npu.yaml").read_text())
     data["layout"] |= {"train_tp": 2, "train_pp": 2}
+    data["step"] |= {"prompts": 4, "lengths": [1200, 4000]}  # a short step: the splits are what is checked
     path = tmp_path / "rates.yaml"
     path.write_text(yaml.safe_dump(data))
     rates, shapes, layout = load_rates(path)

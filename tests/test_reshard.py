@@ -11,10 +11,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from channels.payloads import ParamSpec, chunk
+from channels.payloads import ParamSpec, chunk, hf_layers, hf_stage
 from channels.push import WeightPush
 from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
-from modeling.megatron.stages import hf_layers, hf_stage
 from modeling.parallel import build_mesh, local, param_specs, parallelize
 from tests.names import FUSED, IDENTITY, targets
 from common.spawn import spawn

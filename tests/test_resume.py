@@ -28,8 +28,11 @@ CASES = {  # name: (extra options, ranks)
     "tp2": (["--set", "trainer.tp=2"], 4),
     "minibatch_epochs_kl": (["--set", "trainer.mini_batches=2", "--set", "trainer.epochs=2",
                              "--set", "algorithm.beta=0.04"], 3),
-    # ZeRO-1 over dp, two pipeline stages: each rank's share of its stage's AdamW state in its own file
-    "megatron_dp2_pp2": (["--set", "trainer.backend=megatron", "--set", "trainer.dp=2", "--set", "trainer.pp=2"], 6),
+    # ZeRO-1 over dp, two pipeline stages: each rank's share of its stage's AdamW state in its own file;
+    # the reference and the old policy's snapshot travel the stages too
+    "megatron_dp2_pp2": (["--set", "trainer.backend=megatron", "--set", "trainer.dp=2", "--set", "trainer.pp=2",
+                          "--set", "trainer.mini_batches=2", "--set", "trainer.epochs=2", "--set", "algorithm.beta=0.04"],
+                         6),
     "dapo_dynamic": (["--set", "reward.functions=[tests.rewards:flat_for_half_the_prompts]",
                       "--set", "algorithm.dynamic_sampling=true"], 3),
     # the embedded lookup task: turns, observations and loss masks resume like single turns
@@ -85,12 +88,13 @@ def test_megatron_resume_names_the_layout_and_backend_it_needs(whole, tmp_path):
     """megatron's optimizer state is per rank: another layout or backend is refused before any rank
     starts, naming what it needs."""
     ckpt = str(whole["megatron_dp2_pp2"] / "checkpoints/step_000001")
-    run = launch(tmp_path / "dp1", *SIGNAL, "--set", "trainer.backend=megatron", "--set", "trainer.dp=2", "--resume",
-                 ckpt, nproc=4, steps=4, timeout=400)
+    one_stage = [o.replace("trainer.pp=2", "trainer.pp=1") for o in CASES["megatron_dp2_pp2"][0]]
+    run = launch(tmp_path / "dp1", *SIGNAL, *one_stage, "--resume", ckpt, nproc=4, steps=4, timeout=400)
     assert run.returncode != 0
     assert ("resumes with the layout it was saved under: trainer.dp=2, trainer.tp=1, trainer.pp=2 (this run: 2, 1, 1)"
             in run.stderr), run.stderr[-3000:]
-    run = launch(tmp_path / "torch", *SIGNAL, "--set", "trainer.dp=2", "--resume", ckpt, nproc=4, steps=4, timeout=400)
+    torch = [o.replace("backend=megatron", "backend=torch") for o in one_stage]
+    run = launch(tmp_path / "torch", *SIGNAL, *torch, "--resume", ckpt, nproc=4, steps=4, timeout=400)
     assert run.returncode != 0
     assert "trainer.backend: 'megatron' -> 'torch'" in run.stderr, run.stderr[-3000:]
 

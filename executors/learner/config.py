@@ -68,15 +68,20 @@ class LearnerConfig(BaseModel):
         return self.dp > 1 and (self.fsdp or self.ep > 1)
 
     @property
+    def stages(self) -> int:
+        """Pipeline stages per dp unit (the trainer's trainer.pp; 1 here)."""
+        return 1
+
+    @property
     def ranks_per_unit(self) -> int:
-        """The ranks one dp unit spans (the trainer's pipeline stages multiply it)."""
-        return self.tp
+        """The ranks one dp unit spans: tp per stage."""
+        return self.tp * self.stages
 
     @property
     def index_ordered(self) -> bool:
-        """A rank takes its groups in index order (its tp peers, or its lockstep round, must take the same),
-        never in arrival order: nothing is held for float32 sums (IndexOrderedSum)."""
-        return self.tp > 1 or self.lockstep
+        """A rank takes its groups in index order (its tp peers and pipeline stages, or its lockstep round,
+        must take the same), never in arrival order: nothing is held for float32 sums (IndexOrderedSum)."""
+        return self.ranks_per_unit > 1 or self.lockstep
 
     @property
     def optim(self) -> OptimConfig:

@@ -15,10 +15,11 @@ class Backend:
     models: Callable[[], type]  # the tri-model class (executors/trainer/models.py:TriModel or a subclass)
     # (trainer config, model path) -> None, or ValueError naming the field: before any rank starts
     check: Callable[[TrainerConfig, str | None], None]
-    # each rank saves its own optimizer shard: a resume keeps the (dp, tp) it was saved under
-    per_rank_optimizer: bool = False
+    # each rank saves its own optimizer shard: a resume keeps the (dp, tp, pp) it was saved under
+    per_rank_optimizer: bool = False  # and AdamW is sharded over dp (ZeRO-1): launch/memory.py counts a share
     expert_parallel: bool = False  # it can split an MoE model's experts over dp (trainer.ep)
     lora: bool = False  # it can train LoRA adapters (trainer.lora)
+    pipeline: bool = False  # it can cut the model into pipeline stages (trainer.pp)
     about: str = ""
 
 
@@ -34,10 +35,8 @@ def _megatron_models() -> type:
     return MegatronTriModel
 
 
-def _check_torch(cfg: TrainerConfig, model_path: str | None) -> None:
-    if cfg.pp > 1:
-        raise ValueError(f"trainer.pp={cfg.pp}: pipeline parallel is built in the megatron backend; set "
-                         f"trainer.backend=megatron")
+def _no_check(cfg: TrainerConfig, model_path: str | None) -> None:
+    pass
 
 
 def _check_megatron(cfg: TrainerConfig, model_path: str | None) -> None:
@@ -62,8 +61,9 @@ def _check_megatron(cfg: TrainerConfig, model_path: str | None) -> None:
 
 
 BACKENDS: Registry[Backend] = Registry("trainer backend", key="trainer.backend")
-BACKENDS.register("torch", Backend(models=_torch_models, check=_check_torch, expert_parallel=True, lora=True,
+BACKENDS.register("torch", Backend(models=_torch_models, check=_no_check, expert_parallel=True, lora=True,
                                    about="HF model classes with DTensor tp and FSDP2"))
 BACKENDS.register("megatron", Backend(models=_megatron_models, check=_check_megatron, per_rank_optimizer=True,
+                                      pipeline=True,
                                       about="megatron-core's GPTModel (the megatron extra; Qwen3/Qwen2/Llama), tp, "
-                                            "and dp with a ZeRO-1 optimizer"))
+                                            "pp, and dp with a ZeRO-1 optimizer"))

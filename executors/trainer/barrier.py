@@ -34,9 +34,17 @@ class OptimizerStep:
 class Barrier(Optimizer):
     """The policy's optimizer, stepping on the combination of its loss passes."""
 
+    def __init__(self, model, *, stage_group=None, **kwargs):
+        """stage_group: a unit's pipeline stages (trainer.pp), whose sums are joined first: the loss and its
+        statistics are computed on the last stage alone (modeling/megatron/pipeline.py)."""
+        super().__init__(model, **kwargs)
+        self.stage_group = stage_group
+
     def step(self, sums: LossSums, *, passes: tuple[Pass, ...], combine: Callable | None = None) -> OptimizerStep:
         """One optimizer step from the accumulated `passes`; `combine` ({pass: value} -> value, for
         gradients and loss sums alike): how the objective combines them, None: the score pass alone."""
+        if self.stage_group is not None:
+            sums = sums.all_reduce(group=self.stage_group)
         sums = sums.all_reduce(group=self.dp_group)
         self.reduce_(passes)
         by_pass, loss = self.grads.by_pass, sums.loss[Pass.SCORE]

@@ -36,10 +36,5 @@ class TrainerConfig(LearnerConfig):
                                         "(modeling/loss_scale.py)")
 
     @property
-    def ranks_per_unit(self) -> int:
-        return self.tp * self.pp
-
-    @property
-    def index_ordered(self) -> bool:
-        # a unit's stages (like its tp ranks) must take the same groups in the same order
-        return super().index_ordered or self.pp > 1
+    def stages(self) -> int:
+        return self.pp

@@ -82,7 +82,8 @@ class Trainer(Learner):
                              zero=self.models.per_rank_optimizer, experts=self.models.expert_params(),
                              edp_group=self.models.ep_mesh.get_group("edp") if self.models.ep_mesh else None,
                              scaler=LossScaler(self.cfg.loss_scale) if self.cfg.precision == "fp16" else None,
-                             tied=self.models.tied(), tied_group=self.models.tied_group)
+                             tied=self.models.tied(), tied_group=self.models.tied_group,
+                             stage_group=self.models.pipeline.group if self.models.pipeline is not None else None)
         self._order_sums()
         if env.resume is not None:  # the policy came from the checkpoint; the optimizer and schedule too
             self.optim.load(env.resume / "trainer", group=env.group)
@@ -173,7 +174,8 @@ class Trainer(Learner):
             if pipe is None:
                 logp_NT, mu_NT = micro_step()
             else:  # an earlier stage gets None: its backward runs when the next stage's gradient comes
-                out = self.models.pipelined(mb, last=micro_step, after_backward=lambda: self._accumulate(Pass.SCORE))
+                out = self.models.pipelined(mb, last=micro_step, after_backward=lambda: self._accumulate(Pass.SCORE),
+                                            old=not first_pass)
                 if out is None:
                     continue
                 logp_NT, mu_NT = out
@@ -225,8 +227,7 @@ class Trainer(Learner):
             self._settle()
             record, digests, errors, versions, mu_scale = self._gather(state)
             bubble = None
-            if self.models.pipeline is not None:  # the loss ran on the last stage: its sums, every stage's share
-                state.sums = state.sums.all_reduce(group=self.models.pipeline.group)
+            if self.models.pipeline is not None:
                 bubble = self.models.pipeline.bubble()
             steps = []
             if record.groups:  # partial rollouts: a step in which no group ended trains nothing
@@ -280,6 +281,8 @@ class Trainer(Learner):
                 for work in self._work(mine):
                     refs = self.models.ref_logprobs(work.micro_batches, pad_to=work.steps)
                     sums += self._train(work, refs, state, first_pass=False, mu_scale=mu_scale)
+                    self.models.end_of_group()
+                self.models.drain()  # pipeline stages: every backward in before the step
                 steps.append(self.optim.step(sums, passes=(Pass.SCORE,)))
         return steps
 

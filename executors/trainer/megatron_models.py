@@ -156,19 +156,26 @@ class MegatronTriModel(TriModel):
         return self.pipeline.receive(hidden_shape(mb, self.hf_config.hidden_size), dtype=self.push_dtype,
                                      device=self.device, grad=grad)
 
-    def pipelined(self, mb, *, last, after_backward):
+    def pipelined(self, mb, *, last, after_backward, old: bool = False):
         """One training micro-batch through this stage: on the last stage `last()` (the trainer's
         micro-step: log-probs, loss, backward) and its result; before it, the stage's forward, whose
-        backward runs when the next stage sends its gradient (then `after_backward()`): None."""
-        pipe = self.pipeline
+        backward runs when the next stage sends its gradient (then `after_backward()`): None.
+        old: the old policy's forward goes along (later mini-batches and epochs: its log-probs are the
+        ratio's denominator), its hidden states after the policy's on each link."""
+        pipe, old = self.pipeline, old and self.old is not None
         with pipe.timed():
             x = self._received(mb, grad=True)
             self.policy.set_input_tensor(x)
+            if old:
+                self.old.set_input_tensor(self._received(mb, grad=False))
             if pipe.last:
                 out = last()
                 pipe.backward_done(x)
                 return out
-            pipe.forwarded(x, stage_hidden(self.policy, mb), after_backward=after_backward)
+            y = stage_hidden(self.policy, mb)
+            with torch.no_grad():
+                also = [stage_hidden(self.old, mb)] if old else []
+            pipe.forwarded(x, y, after_backward=after_backward, also=also)
             return None
 
     def ref_logprobs(self, mbs: list, *, pad_to: int) -> list:

@@ -90,11 +90,13 @@ class Pipeline:
         self.wait_s += time.perf_counter() - t0
 
     # ---- the schedule -------------------------------------------------------------------------------
-    def forwarded(self, x: torch.Tensor | None, y: torch.Tensor, *, after_backward: Callable[[], None]) -> None:
-        """Stage forward done (not the last stage): send `y` on, and run the oldest backward once
-        more than the warm-up are in flight. after_backward: the trainer's accumulation of the
-        parameters' gradients."""
-        self.send(y)
+    def forwarded(self, x: torch.Tensor | None, y: torch.Tensor, *, after_backward: Callable[[], None],
+                  also: list[torch.Tensor] = ()) -> None:
+        """Stage forward done (not the last stage): send `y` on (then `also`: forward-only models' hidden
+        states for the same micro-batch), and run the oldest backward once more than the warm-up are in
+        flight. after_backward: the trainer's accumulation of the parameters' gradients."""
+        for t in (y, *also):  # all of a micro-batch's forward messages before any wait on this stage
+            self.send(t)
         self._pending.append((x, y, after_backward))
         while len(self._pending) > self.warmup:
             self._backward_oldest()

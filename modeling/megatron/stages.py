@@ -5,12 +5,12 @@ Pure functions of names, so every rank (the trainer's stages, the generator buil
 plan, the planner) answers alike without communication. A tied model's LM head is the embedding:
 the last stage holds a copy of it (megatron's `output_layer.weight` there), the first stage's is the
 one pushed and saved, and the two copies' gradients are summed at the barrier so they stay equal.
+Which stage pushes an HF parameter is channels/payloads.py `hf_stage` (the push plan's side).
 """
 from __future__ import annotations
 
 import re
 
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MEG_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
@@ -25,21 +25,6 @@ def stage_layers(*, layers: int, pp: int, stage: int) -> range:
     check_stages(layers=layers, pp=pp)
     per = layers // pp
     return range(stage * per, (stage + 1) * per)
-
-
-def hf_layers(names) -> int:
-    """The number of decoder layers among HF parameter names."""
-    return 1 + max((int(m.group(1)) for m in map(_HF_LAYER.match, names) if m), default=-1)
-
-
-def hf_stage(name: str, *, layers: int, pp: int) -> int:
-    """The stage that holds (and pushes) HF parameter `name`."""
-    if pp == 1:
-        return 0
-    m = _HF_LAYER.match(name)
-    if m is not None:
-        return int(m.group(1)) // (layers // pp)
-    return 0 if name.startswith("model.embed_tokens.") else pp - 1  # model.norm, lm_head: the last stage
 
 
 def stage_part(meg: dict, *, layers: int, pp: int, stage: int, tied: bool) -> dict:
