@@ -226,15 +226,14 @@ class Trainer(Learner):
         with ctx.timeline.span("barrier"):
             self._settle()
             record, digests, errors, versions, mu_scale = self._gather(state)
-            bubble = None
-            if self.models.pipeline is not None:
-                bubble = self.models.pipeline.bubble()
             steps = []
             if record.groups:  # partial rollouts: a step in which no group ended trains nothing
                 steps = [self.optim.step(state.sums, passes=self.objective.first_passes,
                                          combine=self.objective.combine(mu_scale))]
                 steps += self._later_passes(state, mu_scale)
             self.optim.end_of_batch()  # the lr schedule follows the run's steps
+            # pipeline stages: the share of the step's pipeline work (later passes included) spent waiting
+            bubble = self.models.pipeline.bubble() if self.models.pipeline is not None else None
         if state.logged:
             self._log_samples(state, mu_scale)
         train_s = state.train_s + time.perf_counter() - t0
