@@ -14,7 +14,6 @@ machine gives, not what separate devices would.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from launch import jobs  # noqa: E402
+from megatron_vs_torch import med  # noqa: E402  (bench/ is this script's directory: the same median of medians)
 
 CONFIGS = {  # name: (pp, pp_drain)
     "pp=1": (1, "step"),
@@ -56,11 +56,6 @@ def write_model(path: Path, *, layers: int) -> Path:
         model = transformers.AutoModelForCausalLM.from_config(config)
     save_hf(model, tok, path)
     return path
-
-
-def med(runs: list[list[dict]], key: str) -> float:
-    """The median over runs of each run's median (step 0 left out)."""
-    return statistics.median(statistics.median(r[key] for r in rows[1:]) for rows in runs)
 
 
 def main() -> None:

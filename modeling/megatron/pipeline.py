@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -126,17 +126,11 @@ class Pipeline:
             work.wait()
         self._sends = []
 
+    @contextmanager
     def timed(self):
         """Around the trainer's pipeline work: its time, of which `wait_s` is the bubble."""
-        return _Timed(self)
-
-
-class _Timed:
-    def __init__(self, pipe: Pipeline):
-        self.pipe = pipe
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.pipe.busy_s += time.perf_counter() - self.t0
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_s += time.perf_counter() - t0
