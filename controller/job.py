@@ -19,7 +19,7 @@ from controller.control import Cadence, StepControl, install_stop_signals
 from controller.failure import Watchdog
 from controller.graph import Graph
 from controller.loop import Controller
-from controller.metrics import MetricsWriter
+from controller.metrics import MetricsWriter, Sink
 from controller.metrics_plot import plot_metrics
 from controller.schedules import Schedule, get_schedule
 from controller.timeline import merge, plot, process_start_time
@@ -51,10 +51,12 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
             start: Callable[[Path], Start] = lambda _: Start(), schedule: str | Schedule = "periodic",
             cadence: Cadence = Cadence(), timeout_s: float = 1800.0, console_keys: Sequence[str] | None = None,
             derive: Callable[[dict], dict] | None = None, on_ready: Callable | None = None,
-            tensorboard: bool = False, progress_every_s: float = 30.0, plots: bool = True) -> Outcome:
+            sinks: Callable[[Path, int], list[Sink]] = lambda out, first_step: [], progress_every_s: float = 30.0,
+            plots: bool = True) -> Outcome:
     """Every rank calls this. Raises ValueError before any collective if the world size is wrong, or
     (on every rank alike) when `start` refuses the output dir. `start(output_dir)` runs on rank 0
-    only, which prepares the directory; every rank gets its answer."""
+    only, which prepares the directory; every rank gets its answer. `sinks(output_dir, first_step)`: rank 0's
+    destinations of the metrics rows besides metrics.jsonl (TensorBoard, W&B), closed after the plots."""
     entered = time.time()
     check_world_size(graph, int(os.environ.get("WORLD_SIZE", "1")))
     schedule = get_schedule(schedule) if isinstance(schedule, str) else schedule
@@ -90,13 +92,12 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
         decider = placement(graph)[graph.placed[-1].name][0][0]
         control = StepControl(store=store_client(timeout), watch_store=store_client(timeout), rank=rank, decider=decider,
                               cadence=cadence, run_dir=output_dir, ahead=world.runs_ahead)
-        writer = None
+        writer, row_sinks = None, []
         if rank == 0:
+            row_sinks = sinks(output_dir, begin.step)
             writer = MetricsWriter(executors=[e.name for e in graph.executors], steps=steps_run,
                                    path=output_dir / "metrics.jsonl", console_keys=console_keys,
-                                   timeout=timeout, derive=derive,
-                                   tensorboard=output_dir / "tensorboard" if tensorboard else None,
-                                   every_s=progress_every_s).start()
+                                   timeout=timeout, derive=derive, sinks=row_sinks, every_s=progress_every_s).start()
             watchdog.before_exit(writer.drain)
         stopped = Controller(world=world, steps=steps_run, schedule=schedule, control=control,
                              startup=startup).run()
@@ -116,6 +117,8 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
             if plots and metrics.is_file():  # all the run's steps, a resumed run's earlier ones too
                 plot_metrics([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()],
                              output_dir / "metrics.png")
+            for sink in row_sinks:
+                sink.close()
     except BaseException as exc:
         watchdog.fail(exc)
     if control is not None:

@@ -17,7 +17,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from tabulate import tabulate
 from tqdm import tqdm
@@ -25,7 +25,7 @@ from tqdm import tqdm
 from controller.control import Decision, decision_key
 from controller.progress import describe
 from controller.samples import console_line, first_sample
-from controller.tensorboard import TensorBoardLog, tags_of
+from controller.tensorboard import tags_of
 from controller.world import store_client
 
 
@@ -89,6 +89,16 @@ def headers(keys: Sequence[str]) -> list[str]:
     return [s if short.count(s) == 1 else k for k, s in zip(keys, short)]
 
 
+class Sink(Protocol):
+    """A destination of the metrics rows besides metrics.jsonl (controller/tensorboard.py, controller/wandb_log.py)."""
+
+    def write(self, row: dict, *, tags: Mapping[str, str]) -> None:
+        """tags: row key -> tag (tensorboard.tags_of)."""
+
+    def close(self) -> None:
+        """The run's end, after its plots are drawn."""
+
+
 class _Drained(Exception):
     """drain() ended the wait for a step's records."""
 
@@ -96,12 +106,12 @@ class _Drained(Exception):
 class MetricsWriter:
     def __init__(self, *, executors: Sequence[str], steps: range, path: Path,
                  console_keys: Sequence[str] | None, timeout: timedelta, derive=None,
-                 tensorboard: Path | None = None, every_s: float = 30.0):
-        """tensorboard: a directory for TensorBoard event files of the rows; None: none."""
+                 sinks: Sequence[Sink] = (), every_s: float = 30.0):
+        """sinks: where each row goes besides metrics.jsonl (TensorBoard, W&B), made by the caller on its thread
+        (a failure there, no package or a read-only dir, stops the job before step 0 instead of silently ending the
+        metrics thread) and closed by it."""
         self.executors, self.steps, self.path = list(executors), steps, path
-        # made here, on the caller's thread: a failure (no tensorboard package, a read-only dir)
-        # stops the job before step 0 instead of silently ending the metrics thread
-        self.board = TensorBoardLog(tensorboard, first_step=steps.start) if tensorboard else None
+        self.sinks = list(sinks)
         self.console_keys, self.derive = console_keys, derive
         self.samples_path, self._samples_offset = path.parent / "samples.jsonl", 0
         self._store = store_client(timeout)
@@ -139,7 +149,6 @@ class MetricsWriter:
         self._thread.join(timeout=wait_s + 1.0)
 
     def _run(self) -> None:
-        board = self.board
         try:
             with open(self.path, "a") as f, progress(total=len(self.steps), first=self.steps.start) as bar:
                 for step in self.steps:
@@ -156,8 +165,9 @@ class MetricsWriter:
                     row = build_row(step, records, walls, derived)
                     f.write(json.dumps(row) + "\n")
                     f.flush()
-                    if board:
-                        board.write(row, tags=tags_of(row, executors=self.executors, derived=derived))
+                    tags = tags_of(row, executors=self.executors, derived=derived)
+                    for sink in self.sinks:
+                        sink.write(row, tags=tags)
                     bar.update(1)
                     keys = [k for k in (self.console_keys or row) if k in row]
                     bar.write(tabulate([[row[k] for k in keys]], headers=headers(keys), floatfmt=".4g"))
@@ -175,9 +185,6 @@ class MetricsWriter:
             pass
         except BaseException as exc:  # surfaced by join()
             self._error = exc
-        finally:
-            if board:
-                board.close()
 
 
 def reward_warning(row: Mapping[str, object], *, limit: int = 300) -> str | None:

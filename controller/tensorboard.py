@@ -15,16 +15,19 @@ class TensorBoardLog:
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=first_step if first_step > 0 else None)
 
     def write(self, row: dict, *, tags: Mapping[str, str]) -> None:
-        """tags: row key -> tag (tags_of); keys without one are not written."""
-        for key, value in row.items():
-            # wall-clock stamps (gen_start_t, push_end_t, ...) are not curves
-            if key not in tags or key.endswith("_t") or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            self.writer.add_scalar(tags[key], value, global_step=row["step"])
+        for tag, value in scalars(row, tags).items():
+            self.writer.add_scalar(tag, value, global_step=row["step"])
         self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
+
+
+def scalars(row: Mapping[str, object], tags: Mapping[str, str]) -> dict[str, float]:
+    """tag -> value of a row's numbers; tags: row key -> tag (tags_of), keys without one are not written, nor are
+    wall-clock stamps (gen_start_t, push_end_t, ...: not curves)."""
+    return {tags[key]: value for key, value in row.items()
+            if key in tags and not key.endswith("_t") and not isinstance(value, bool) and isinstance(value, (int, float))}
 
 
 def tags_of(row: Mapping[str, object], *, executors: Iterable[str], derived: Mapping[str, object]) -> dict[str, str]:

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -18,6 +19,9 @@ from pydantic import ValidationError
 
 from launch.preflight import RunComplete
 from recipes.config import RunConfig, config_error
+
+# a rank other than 0 that meets a config error waits this long for the launcher to stop it (rank 0 says the error)
+RANK_ERROR_WAIT_S = 10
 
 
 def parser() -> argparse.ArgumentParser:
@@ -242,8 +246,15 @@ def main(argv: list[str] | None = None) -> int:
             return run(cfg, recipe, graph, resume=args.resume, overwrite=args.overwrite)
     except ValueError as exc:
         rank = os.environ.get("RANK", "0")
-        if rank == "0":
-            print(f"error: {exc}", file=sys.stderr)
+        if rank != "0":
+            # Every rank checks the same config and finds the same error; rank 0 says it. Exiting at once
+            # here could end the job (the launcher stops the other ranks when one fails) before rank 0 has
+            # printed: measured under load, the message was then missing. So wait for that stop; an error of
+            # this rank alone (a file only it cannot read) is said after the wait.
+            time.sleep(RANK_ERROR_WAIT_S)
+            print(f"error (rank {rank}): {exc}", file=sys.stderr)
+            return 2
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     except RunComplete as exc:  # --resume of a finished run: said, and nothing changed
         if os.environ.get("RANK", "0") == "0":

@@ -25,13 +25,16 @@ from recipes.config import RunConfig
 
 # what a run writes into its output dir; a fresh start (or --overwrite) removes the previous run's
 RUN_OUTPUTS = ("config.json", "metrics.jsonl", "samples.jsonl", "eval_samples.jsonl", "timeline.jsonl", "timeline.png",
-               "metrics.png", "tensorboard", "checkpoints", "final", "timeline")
+               "metrics.png", "tensorboard", "wandb", "checkpoints", "final", "timeline")
 
 
 def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = None, overwrite: bool = False) -> int:
     """resume: None (a fresh run), "latest" (the output dir's newest complete checkpoint) or a
     checkpoint directory. An elastic restart (torchrun --max-restarts) resumes by itself."""
     began = time.time()
+    if os.environ.get("RANK", "0") == "0":
+        print(numerics_line(cfg), file=sys.stderr, flush=True)
+
     def output_dir() -> Path:
         return Path(cfg.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
 
@@ -48,12 +51,37 @@ def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = No
     outcome = run_job(graph, steps=cfg.steps, seed=cfg.seed, output_dir=output_dir, schedule=cfg.schedule.build(),
                       start=partial(start, cfg=cfg, resume=resume), cadence=cadence, timeout_s=cfg.timeout_s,
                       console_keys=recipe.console, on_ready=write_config, derive=derive,
-                      tensorboard=cfg.logging.tensorboard, progress_every_s=cfg.logging.progress_every_s,
+                      sinks=partial(row_sinks, cfg), progress_every_s=cfg.logging.progress_every_s,
                       plots=cfg.logging.plots)
     if os.environ.get("RANK", "0") == "0":
         print(end_line(outcome, steps=cfg.steps, wall_s=time.time() - began, resume=resume_command(outcome.output_dir)),
               file=sys.stderr, flush=True)
     return outcome.exit_code
+
+
+def row_sinks(cfg: RunConfig, output_dir: Path, first_step: int) -> list:
+    """Where the metrics rows go besides metrics.jsonl, as `logging` says (rank 0, at the run's start)."""
+    sinks, log = [], cfg.logging
+    if log.tensorboard:
+        from controller.tensorboard import TensorBoardLog
+
+        sinks.append(TensorBoardLog(output_dir / "tensorboard", first_step=first_step))
+    if log.wandb:
+        from controller.wandb_log import WandbLog
+
+        sinks.append(WandbLog(output_dir, first_step=first_step, project=log.wandb_project, name=log.wandb_name,
+                              mode=log.wandb_mode, config=cfg.resolved()))
+    return sinks
+
+
+def numerics_line(cfg: RunConfig) -> str:
+    """The run's numerics, said first: what the sampler/trainer log-prob gap (trainer/logp_mismatch_*) will be."""
+    dtype = cfg.generator_model.dtype
+    if cfg.model.numerics == "exact":
+        return (f"tidal: numerics exact ({dtype}): every product and attention runs as library calls of one fixed "
+                f"shape, so the sampler's log-probs are the trainer's bit for bit (trainer/logp_mismatch_max 0)")
+    return (f"tidal: numerics default ({dtype}): the library kernels; the sampler's and the trainer's log-probs part "
+            f"by their rounding (trainer/logp_mismatch_*); --set model.numerics=exact makes them equal")
 
 
 def end_line(outcome: Outcome, *, steps: int, wall_s: float, resume: str) -> str:
@@ -88,7 +116,7 @@ def summary(out: Path, *, steps: int, wall_s: float) -> str:
             lines.append(f"  best eval/reward_mean {best:.4g} at step {at} (of {len(evals)} evaluations)")
     found = complete_checkpoints(out)
     made = [name for name in ("final", "metrics.jsonl", "metrics.png", "timeline.png", "samples.jsonl",
-                              "eval_samples.jsonl", "tensorboard") if (out / name).exists()]
+                              "eval_samples.jsonl", "tensorboard", "wandb") if (out / name).exists()]
     lines.append(f"  outputs: {', '.join(made)}" + (f"; checkpoint {found[-1]} (extend with --resume --steps N)"
                                                      if found else ""))
     return "\n".join(lines)

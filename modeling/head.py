@@ -14,7 +14,7 @@ chunks see exactly what the unchunked head sees.
 A low-precision head (trainer.precision=bf16) computes its logits in float32 (`fp32_logits`): bf16
 logits keep 8 significant bits (0.125 apart near 20), and that rounding alone moved a sampled
 token's log-prob by up to 0.12 (mean 0.019) on SmolLM2-135M (bench/bf16_gap.py). The inputs (bf16 hidden states and weights) are exact in float32, so the generator's head
-(`Fp32Head`, executors/generator/engine.py) and this one compute the same product.
+(`Fp32Head`, executors/generator/native_engine.py) and this one compute the same product.
 """
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def fp32_logits(head: nn.Module, h_CH: torch.Tensor, *, weight_VH: torch.Tensor 
     from modeling.numerics import linear_for
 
     w = head.weight
+    if w.dtype == torch.float64:  # a float64 model (the tests' references) keeps its precision
+        return head(h_CH)
     if w.dtype == torch.float32 or not isinstance(head, nn.Linear):
         return head(h_CH).float()
     linear = linear_for(head)  # exact numerics: rows padded as every other product
@@ -55,24 +57,26 @@ def fp32_logits(head: nn.Module, h_CH: torch.Tensor, *, weight_VH: torch.Tensor 
 
 
 class Fp32Head:
-    """A forward hook that makes a low-precision LM head return float32 logits (`fp32_logits`) for a
-    model that only runs forward (the generator's). Its float32 weight is cast once and kept, not
-    cast per call (the cast of a 49k x 576 bf16 head took 14x its bf16 product here); `refresh()`
-    drops it after a push (the WEIGHTS channel may receive straight into the weight's storage,
-    which no version counter sees), and an in-place change through torch ops re-casts it too."""
+    """Makes a low-precision LM head return float32 logits (`fp32_logits`) for a model that only runs forward
+    (the generator's), in place of its own product: the head's forward is this object's (a hook after it
+    would compute the bf16 logits first and throw them away: a 151,936 x 896 product a decode step on
+    Qwen2.5). Its float32 weight is cast once and kept, not cast per call (the cast of a 49k x 576 bf16 head
+    took 14x its bf16 product here); `refresh()` drops it after a push (the WEIGHTS channel may receive
+    straight into the weight's storage, which no version counter sees), and an in-place change through torch
+    ops re-casts it too."""
 
     def __init__(self, head: nn.Module):
         self.head, self._key, self._weight_VH = head, None, None
-        self.handle = head.register_forward_hook(self)
+        head.forward = self.forward  # an instance attribute: nn.Module.__call__ runs it, hooks included
 
     @classmethod
     def install(cls, model: nn.Module) -> "Fp32Head | None":
-        """The hook, or None where the head is float32 already, vocabulary-sharded (DTensor: the
+        """The replacement, or None where the head is float32 (or float64) already, vocabulary-sharded (DTensor: the
         generator's tp > 1 keeps its bf16 head) or not a Linear."""
         from torch.distributed.tensor import DTensor
 
         head = model.get_output_embeddings()
-        if (head is None or not isinstance(head, nn.Linear) or head.weight.dtype == torch.float32
+        if (head is None or not isinstance(head, nn.Linear) or head.weight.dtype in (torch.float32, torch.float64)
                 or isinstance(head.weight, DTensor)):
             return None
         return cls(head)
@@ -87,8 +91,8 @@ class Fp32Head:
             self._key, self._weight_VH = key, w.detach().float()
         return self._weight_VH
 
-    def __call__(self, module, args, output):
-        return fp32_logits(module, args[0], weight_VH=self.weight())
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return fp32_logits(self.head, h, weight_VH=self.weight())
 
 
 def _chunk(head: nn.Module, h_CH: torch.Tensor, targets_C: torch.Tensor, temperature: float,

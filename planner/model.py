@@ -111,7 +111,7 @@ class GenFeatures:
 
 def replay_engine(prompts: list[tuple[int, int, int, int]], *, max_batch_prompts: int,
                   admission: str) -> list[tuple[int, GenFeatures]]:
-    """The native engine's schedule (executors/generator/engine.py `_stream`) over prompts
+    """The native engine's schedule (executors/generator/native_engine.py `_stream`) over prompts
     (index, prompt length, G, the group's longest response): (index, the work done since the
     previous group left) in leaving order. A group leaves at the decode call that writes its longest
     sample's last token; the forward of that call runs only for the rows still live."""

@@ -27,6 +27,14 @@ class LoggingConfig(BaseModel):
     samples_every: int = Field(1, ge=0, description="samples.jsonl: every sample of every N-th step (prompt, "
                                "response, rewards, advantage, length); 0: never")
     tensorboard: bool = Field(False, description="also write TensorBoard event files to <output_dir>/tensorboard")
+    wandb: bool = Field(False, description="also log to Weights & Biases (pip install 'tidal[wandb]'): the config, "
+                        "every metric, the plots and the samples table; offline in <output_dir>/wandb without "
+                        "credentials (docs/running.md)")
+    wandb_project: str = Field("tidal", description="the W&B project")
+    wandb_name: str | None = Field(None, description="the W&B run's name; default the output dir's name")
+    wandb_mode: Literal["auto", "online", "offline"] = Field(
+        "auto", description="auto: online with W&B credentials (WANDB_API_KEY or `wandb login`), else offline; "
+        "WANDB_MODE overrides auto")
     plots: bool = Field(True, description="draw timeline.png and metrics.png at the end of the run (about 1.5 s on "
                         "CPU; off for short or scripted runs: timeline.jsonl and metrics.jsonl are written either way)")
     progress_every_s: float = Field(30.0, gt=0, description="while a step runs (or the job starts), a console line "

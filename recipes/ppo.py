@@ -15,7 +15,7 @@ advantages from the rewards.
                                     advantages, whitened over the batch); then the barrier and the push
     g = generator.replicas * generator.tp,  r = reward.replicas,  c = critic.dp * critic.tp,  t = trainer.dp * trainer.tp * trainer.pp
 
-`torchrun --nproc-per-node 4 launch.py --algo ppo` runs it with one rank each; `examples/ppo.py` builds
+`torchrun --nproc-per-node 4 launch.py --algo ppo` runs it with one rank each; `examples/ppo_critic.py` builds
 the same graph by hand.
 """
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -47,6 +48,16 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+def kernels() -> str:
+    """The float kernels' instruction set: ATen's capability, and MKL's and oneDNN's caps where set. Another set
+    rounds float32 sums otherwise, and a sampled token flips within a few steps (measured: ONEDNN_MAX_CPU_ISA=AVX2
+    with MKL and ATen held to AVX2 changed 5 of the 9 runs' rollouts)."""
+    import torch
+
+    caps = [f"{k}={os.environ[k]}" for k in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA") if os.environ.get(k)]
+    return ",".join([torch.backends.cpu.get_cpu_capability(), *caps])
+
+
 def weights_sha(run_dir: Path) -> str:
     h = hashlib.sha256()
     for path in sorted((run_dir / "final").rglob("*.safetensors")):
@@ -75,5 +86,5 @@ def _eval_samples_sha(out: Path) -> str | None:
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
-        recorded = {"cpu": cpu_model(), "runs": {name: record(name, Path(tmp) / name) for name in RUNS}}
+        recorded = {"cpu": cpu_model(), "kernels": kernels(), "runs": {name: record(name, Path(tmp) / name) for name in RUNS}}
     Path(sys.argv[1]).write_text(json.dumps(recorded, indent=1) + "\n")

@@ -149,3 +149,19 @@ def test_megatron_backend_refuses_a_model_it_cannot_convert_before_any_rank_star
     proc = _launch("--algo", "grpo", "--dry-run", "--set", f"model.path={tmp_path}", "--set", "trainer.backend=megatron")
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {message}"
+
+
+def test_a_config_error_under_torchrun_is_said_once_by_rank_0(monkeypatch, capsys):
+    """Every rank checks the same config: rank 0 says the error at once; another rank waits for the launcher to
+    stop it (so it cannot end the job before rank 0 has printed) and says it, with its rank, only if still running."""
+    import launch.cli as cli
+
+    waited = []
+    monkeypatch.setattr(cli.time, "sleep", waited.append)
+    for rank in ("0", "2"):
+        monkeypatch.setenv("RANK", rank)
+        assert cli.main(["--algo", "grpo", "--set", "trainer.dp=two"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    message = "invalid config (command line): trainer.dp: Input should be a valid integer"
+    assert err[0].startswith(f"error: {message}") and err[1].startswith(f"error (rank 2): {message}")
+    assert waited == [cli.RANK_ERROR_WAIT_S] and len(err) == 2

@@ -22,6 +22,7 @@ from modeling.hf import load_model
 from executors.trainer.executor import Trainer, TrainerConfig
 from executors.learner.models import micro_batches
 from tests.fixtures import scored_groups
+from tests.tolerances import LOGP_OF_FLOAT64
 
 torch.set_num_threads(1)
 T = 0.9  # the fixtures' sampling temperature
@@ -151,7 +152,7 @@ def _worst(a: dict, b: dict) -> float:
 def test_values_of_micro_batches_equal_one_sequence_at_a_time(groups, mode):
     """Shared-prompt rows, varlen rows and padded rows give each response token the value of the
     unpacked [prompt, response] at the position that predicts it."""
-    model = load_value_model(None, dtype=torch.float32, seed=0)
+    model = load_value_model(None, dtype=torch.float64, seed=0)  # float32 values of float64 sums (tests/tolerances.py)
     cfg = CriticConfig(shared_prompt=mode, token_budget=24, micro_batch_size=3)
     g = groups[1]
     mbs = micro_batches(cfg, g.prompt_ids, g.responses, pad_id=0, device=torch.device("cpu"))
@@ -162,7 +163,7 @@ def test_values_of_micro_batches_equal_one_sequence_at_a_time(groups, mode):
             v_NT = mb.values(model)
             for n, i in enumerate(mb.samples):
                 R = g.responses[i].numel()
-                torch.testing.assert_close(v_NT[n, :R], plain[i], atol=1e-5, rtol=0)
+                torch.testing.assert_close(v_NT[n, :R], plain[i].float(), **LOGP_OF_FLOAT64)
                 assert not v_NT[n, R:].any()
 
 

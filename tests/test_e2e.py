@@ -61,8 +61,10 @@ def _eval_rows(out: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def sync_eval_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sync_eval")
-    proc = launch(out, "--schedule", "sync", *EVAL, "--set", "logging.tensorboard=true", "--set", "logging.plots=true")
+    proc = launch(out, "--schedule", "sync", *EVAL, "--set", "logging.tensorboard=true", "--set", "logging.plots=true",
+                  "--set", "logging.wandb=true", "--set", "logging.wandb_mode=offline")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (out / "stderr.txt").write_text(proc.stderr)
     return out
 
 
@@ -121,6 +123,28 @@ def test_evaluation_metrics(sync_eval_run):
     assert (sync_eval_run / "metrics.png").stat().st_size > 10_000
     train_prompts = {json.loads(line)["prompt"] for line in (sync_eval_run / "samples.jsonl").read_text().splitlines()}
     assert not train_prompts & {r["prompt"] for r in lines}  # held out
+
+
+def test_wandb_offline_run_holds_the_rows_config_plots_and_samples(sync_eval_run):
+    """logging.wandb: the W&B run (offline here, said at start) has every row's numbers under TensorBoard's keys,
+    the resolved config, both plots and samples.jsonl as a table."""
+    from tests.wandb_records import config, history
+
+    run_id = (sync_eval_run / "wandb" / "run_id").read_text()
+    assert f"tidal: W&B run {run_id} offline (logging.wandb_mode=offline) in {sync_eval_run / 'wandb'};" in (
+        sync_eval_run / "stderr.txt").read_text()
+    (run_dir,) = (sync_eval_run / "wandb").glob(f"offline-run-*-{run_id}")
+    logged, rows = history(run_dir), metrics(sync_eval_run)
+    assert sorted(logged) == [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert logged[row["step"]]["trainer/loss"] == row["trainer/loss"]  # JSON both ways: the same float
+        assert logged[row["step"]]["time/trainer_s"] == row["trainer_s"]
+    assert [s for s in logged if "eval/pass@2" in logged[s]] == [0, 2]
+    assert {"plots/metrics/_type", "plots/timeline/_type", "samples/_type"} <= logged[2].keys()
+    samples = (sync_eval_run / "samples.jsonl").read_text().splitlines()
+    table = json.loads((run_dir / "files" / logged[2]["samples/path"]).read_text())
+    assert len(table["data"]) == len(samples) and table["columns"][:3] == ["step", "prompt_index", "sample"]
+    assert config(run_dir)["steps"] == 3 and config(run_dir)["schedule"]["kind"] == "sync"
 
 
 def test_sync_equals_periodic_with_two_trainer_ranks(tmp_path):

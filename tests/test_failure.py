@@ -78,7 +78,8 @@ def test_a_receive_past_the_timeout_names_who_waits_on_whom():
     rx = Receiver(channel=channel, route=Route(channel_id=2, src_units=((1,),), dst_units=((2,),)),
                   store=dist.PrefixStore("tidal", store), rank=2, device=torch.device("cpu"))
     rx.open_step(3)
-    with pytest.raises(TimeoutError, match=r"rank 2 \(trainer\) waited 1 s on channel 'scored' \(step 3\) for "
+    # the wait it reports is measured (1 s past the store's timeout of 1 s, 2 s on a loaded machine): not asserted
+    with pytest.raises(TimeoutError, match=r"rank 2 \(trainer\) waited \d+ s on channel 'scored' \(step 3\) for "
                                            r"reward rank\(s\) \[1\], which did not finish sending"):
         list(rx)
 
@@ -117,6 +118,6 @@ def test_a_spurious_empty_queue_is_waited_out_within_the_deadline():
         if step == 4:
             assert list(rx) == []  # the end of the step got through
         else:
-            with pytest.raises(TimeoutError, match=r"rank 2 \(trainer\) waited 1 s on channel 'scored' \(step 5\) "
+            with pytest.raises(TimeoutError, match=r"rank 2 \(trainer\) waited \d+ s on channel 'scored' \(step 5\) "
                                                    r"for reward rank\(s\) \[1\].*\(QueueEmptyError\)"):
                 list(rx)

@@ -19,6 +19,7 @@ from controller.schedules import Periodic
 from controller.timeline import Timeline
 from executors.base import Endpoints, ExecutorEnv, StepContext
 from modeling.hf import load_model
+from tests.tolerances import EQUAL, close_grads
 from executors.trainer.executor import Trainer, TrainerConfig, _per_sample
 from modeling.packing import make_micro_batches, pack_group
 
@@ -107,7 +108,8 @@ TURNS = [(3, 2, 4), (2, 3, 1, 2), (5,), (1, 1, 1, 1, 1)]
 def _plain_logp(model, prompt, resp):
     """log_softmax(logits / T) of each response token from a plain forward of [prompt, response]."""
     P = prompt.numel()
-    logits = model(input_ids=torch.cat([prompt, resp])[None]).logits[0, P - 1: -1].float() / TEMP
+    logits = model(input_ids=torch.cat([prompt, resp])[None]).logits[0, P - 1: -1]
+    logits = (logits if logits.dtype == torch.float64 else logits.float()) / TEMP
     return torch.log_softmax(logits, -1).gather(-1, resp[:, None])[:, 0]
 
 
@@ -118,7 +120,7 @@ def _mbs(mode, prompt, responses, masks, *, token_budget=UNBOUNDED, backend="aut
 
 def _logp_GT(model, mbs, *, G: int, T: int, weights=None) -> torch.Tensor:
     """Each micro-batch's rows in group order [G, T]; with `weights` [G, T], backward of sum(logp * w)."""
-    out = torch.zeros(G, T)
+    out = torch.zeros(G, T, dtype=torch.float64 if model.dtype == torch.float64 else torch.float32)
     for mb in mbs:
         logp_NT = mb.logprobs(model, temperature=TEMP)
         idx = list(mb.samples)
@@ -136,7 +138,7 @@ def _grads(model) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("mode", ["padded", "on", "off"])
 def test_environment_tokens_get_no_logprob_and_no_gradient(mode):
-    model = load_model(None, seed=1)
+    model = load_model(None, seed=1).double()  # the same math in another order: float64 and EQUAL
     prompt, responses, masks = _multi_turn(vocab=model.config.vocab_size, P=6, turns=TURNS)
     G, T = len(responses), max(r.numel() for r in responses)
     mask_GT = torch.nn.utils.rnn.pad_sequence(masks, batch_first=True)
@@ -155,17 +157,17 @@ def test_environment_tokens_get_no_logprob_and_no_gradient(mode):
     # an independent plain forward of each full sequence, summed over the model's tokens only
     for i, (resp, m) in enumerate(zip(responses, masks)):
         plain = _plain_logp(model, prompt, resp)
-        torch.testing.assert_close(got_GT[i, : resp.numel()][m], plain[m].detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(got_GT[i, : resp.numel()][m], plain[m].detach(), **EQUAL)
         (plain[m] * w_GT[i, : resp.numel()][m]).sum().backward()
     ref = _grads(model)
-    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(got, ref))
+    assert close_grads(got, ref)
     assert max(g.abs().max().item() for g in ref) > 1e-2  # a real gradient
 
 
 @pytest.mark.parametrize("backend", ["blocks", "dense"])
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_packed_multi_turn_equals_padded_rows(mode, backend):
-    model = load_model(None, seed=1)
+    model = load_model(None, seed=1).double()  # the same math in another order: float64 and EQUAL
     prompt, responses, masks = _multi_turn(vocab=model.config.vocab_size, P=7, turns=TURNS, seed=1)
     G, T = len(responses), max(r.numel() for r in responses)
     mask_GT = torch.nn.utils.rnn.pad_sequence(masks, batch_first=True)
@@ -177,11 +179,11 @@ def test_packed_multi_turn_equals_padded_rows(mode, backend):
         mbs = _mbs(mode, prompt, responses, masks, token_budget=budget, backend=backend)
         assert len(mbs) == (1 if budget == UNBOUNDED else 2)
         got_GT = _logp_GT(model, mbs, G=G, T=T, weights=w_GT)
-        assert torch.allclose(got_GT, ref_GT, atol=1e-5, rtol=0) and bool((got_GT[~mask_GT] == 0).all())
-        assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(_grads(model), ref))
+        assert torch.allclose(got_GT, ref_GT, **EQUAL) and bool((got_GT[~mask_GT] == 0).all())
+        assert close_grads(_grads(model), ref)
     # the masks change which tokens count, not the log-prob of a model token (the context is the same)
     full_GT = _logp_GT(model, _mbs(mode, prompt, responses, None, backend=backend), G=G, T=T)
-    assert torch.allclose(full_GT[mask_GT], ref_GT[mask_GT], atol=1e-5, rtol=0)
+    assert torch.allclose(full_GT[mask_GT], ref_GT[mask_GT], **EQUAL)
     assert bool((full_GT[~mask_GT & (torch.arange(T) < torch.tensor([r.numel() for r in responses])[:, None])]
                  != 0).all())
 

@@ -108,7 +108,7 @@ def test_metrics_writer_rows_and_tensorboard_are_namespaced(tmp_path, monkeypatc
     writer = MetricsWriter(executors=["generator", "trainer", "eval"], steps=range(2), path=tmp_path / "metrics.jsonl",
                            console_keys=["step", "trainer/loss", "eval/reward_mean"], timeout=timedelta(seconds=5),
                            derive=lambda r: {"step_s": r["trainer"]["push_end_t"] - r["generator"]["gen_start_t"]},
-                           tensorboard=tmp_path / "tensorboard").start()
+                           sinks=[TensorBoardLog(tmp_path / "tensorboard", first_step=0)]).start()
     writer.join()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]

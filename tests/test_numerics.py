@@ -1,6 +1,12 @@
 """Exact numerics (model.numerics=exact, modeling/numerics.py): every op of a forward gives a row the same bits
 alone and in any batch; the engine's samples do not depend on their batch; the engine's log-probs are the
 trainer's, bit for bit, in float32 and bf16, through each of the trainer's layouts."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -8,21 +14,24 @@ import transformers
 from executors.generator.contract import PromptRequest, SamplingParams
 from executors.generator.native_engine import NativeEngine
 from modeling import numerics
-from modeling.hf import cast_parameters, load_model, load_tokenizer
+from modeling.hf import load_model, load_tokenizer
 from modeling.packing import make_micro_batches
 from modeling.tiny.task import embedded_prompts
+from tests import numerics_probe
+from tests.numerics_probe import SHAPES
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-DTYPES = [torch.float32, torch.bfloat16]
-# random-init, two layers, the published models' widths (the products' shapes the GEMM picks its kernel by)
-SHAPES = {
-    "smollm2-135m": lambda: transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-        num_hidden_layers=2, tie_word_embeddings=True),
-    "qwen2.5-0.5b": lambda: transformers.Qwen2Config(  # its vocabulary cut to 32k: the init took seconds
-        vocab_size=32768, hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
-        num_hidden_layers=2, tie_word_embeddings=True),
-}
+# (shape, dtype, threads): the embedded models and the published widths and vocabularies (tests/numerics_probe.py);
+# 2 threads: a co-located rank's
+CASES = [(shape, dtype, 1) for shape in ("embedded", "embedded-moe", *SHAPES) for dtype in ("float32", "bfloat16")] + [
+    ("smollm2-135m", "bfloat16", 2), ("embedded", "float32", 2)]
+# another machine's instruction sets, as far as this one can stand in: oneDNN's (the bf16 products), MKL's (the
+# float32 ones) and ATen's own kernels (norms, activations, softmax) held to AVX2, then to AVX-512 without bf16
+ISAS = {"AVX2": dict(ONEDNN_MAX_CPU_ISA="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2", ATEN_CPU_CAPABILITY="avx2"),
+        "AVX512_CORE": dict(ONEDNN_MAX_CPU_ISA="AVX512_CORE", MKL_ENABLE_INSTRUCTIONS="AVX512",
+                            ATEN_CPU_CAPABILITY="avx512")}
 
 
 @pytest.fixture(scope="module")
@@ -30,71 +39,39 @@ def tok():
     return load_tokenizer(None)
 
 
-def _random_model(shape: str, dtype):
-    config = SHAPES[shape]()
-    config._attn_implementation = "sdpa"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return cast_parameters(model, dtype).eval()
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_every_op_gives_a_row_the_same_bits_alone_and_in_a_batch(case, tmp_path):
+    """Each module's output for one prompt (every leaf module, a mixture-of-experts router and experts included,
+    every attention, the float32 head) alone, then as one row of a left-padded batch of 217 rows and of 2,048;
+    and each product of the model for a row alone and at three places among 1 to 4,096 rows (the heads: 256):
+    equal bit for bit. An op falling back to a stock kernel (which rounds by the rows around it) fails it."""
+    assert numerics_probe.check(case, str(tmp_path)) == []
 
 
-def _exact(model):
-    numerics.install(model)
-    return model
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_op_the_same_under_another_instruction_set(isa):
+    """The same checks (one thread, the published widths; the model's batches up to 217 rows, its products up to
+    4,096) in a process whose libraries are held to another instruction set: other kernels, the same invariance.
+    Qwen2.5's widths in bf16 (oneDNN's products; its float32 head is MKL's, as SmolLM2's float32 layers)."""
+    cases = [("smollm2-135m", "float32", 1), ("smollm2-135m", "bfloat16", 1), ("qwen2.5-0.5b", "bfloat16", 1)]
+    proc = subprocess.run([sys.executable, "-m", "tests.numerics_probe", json.dumps(cases), "--short"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env={**os.environ, **ISAS[isa]})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {" ".join(map(str, c)): [] for c in cases}
 
 
-@pytest.mark.parametrize("shape, dtype, threads", [
-    (shape, dtype, 1) for shape in ("embedded", "embedded-moe", *SHAPES) for dtype in DTYPES] + [
-    ("smollm2-135m", torch.bfloat16, 2), ("embedded", torch.float32, 2)])  # 2: a co-located rank's threads
-def test_every_op_gives_a_row_the_same_bits_alone_and_in_a_batch(shape, dtype, threads, tmp_path):
-    """Each module's output for one prompt: run alone, then as the last row of a left-padded batch of 7 prompts of
-    other lengths; every leaf module (a mixture-of-experts router and experts included) and every attention
-    must agree bit for bit on the prompt's tokens, so an op falling back to a stock kernel (which rounds by
-    the rows around it: next test) fails it."""
-    from modeling.tiny.moe import write_embedded_moe
+def test_exact_mode_holds_under_a_gemm_that_rounds_by_shape(tmp_path):
+    """Under a test double GEMM that sums each call's reduction in blocks chosen by the call's shape (what oneDNN
+    with AMX or cuBLAS may do, tests/shape_keyed_gemm.py), the default kernels give a row other bits in a batch,
+    and exact mode still does not: its invariance comes from the fixed shapes, not from this machine's GEMM."""
+    from tests.shape_keyed_gemm import ShapeKeyedGemm
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    if shape.startswith("embedded"):
-        path = str(write_embedded_moe(tmp_path / "moe")) if shape == "embedded-moe" else None
-        model = load_model(path, dtype=dtype, seed=0).eval()
-    else:
-        model = _random_model(shape, dtype)
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, min(vocab, 500), (n,), generator=g) for n in (9, 23, 14, 5, 31, 17, 1)]
-    mine = 6  # 1 token: alone, products of 1 row (matrix-vector kernels: others than the batch's 217 rows)
-
-    def outputs(model, batch):
-        seen = {}  # a module's first output of the forward ([batch, tokens, ...]: a token's own row)
-        def keep(name, out) -> None:  # None: the hook leaves the output as it is
-            seen.setdefault(name, out)
-
-        hooks = [m.register_forward_hook(lambda mod, a, out, name=name: keep(name, out))
-                 for name, m in model.named_modules()
-                 if (not list(m.children()) or name.endswith(("self_attn", "mlp"))) and name and "rotary" not in name]
-        S = max(len(p) for p in batch)
-        ids = torch.stack([torch.cat([torch.zeros(S - len(p), dtype=torch.long), p]) for p in batch])
-        mask = torch.stack([torch.arange(S) >= S - len(p) for p in batch]).long()
-        with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
-        for h in hooks:
-            h.remove()
-        seen = {k: (v[0] if isinstance(v, tuple) else v) for k, v in seen.items()}
-        return {k: v for k, v in seen.items() if v.dim() >= 3 or k.endswith("lm_head")}, S
-
-    def differing(model):
-        alone, _ = outputs(model, [prompts[mine]])
-        batch, S = outputs(model, prompts)
-        n = len(prompts[mine])
-        assert len(alone) > 8 * model.config.num_hidden_layers // 2, sorted(alone)  # every layer's modules
-        return [name for name, out in alone.items() if not torch.equal(out[0, -n:], batch[name][mine, S - n:])]
-
-    try:
-        assert differing(_exact(model)) == [] and numerics.is_exact(model)
-    finally:
-        torch.set_num_threads(before)
+    with ShapeKeyedGemm():
+        default = load_model(None, dtype=torch.float32, seed=0).eval()
+        assert numerics_probe.module_differences(default, long=False) != []
+        for model in (default, numerics_probe.published_model("smollm2-135m", torch.bfloat16)):
+            numerics.install(model)
+            assert numerics_probe.module_differences(model, long=False) == []
 
 
 def test_the_default_kernels_are_not_batch_invariant():
@@ -169,11 +146,22 @@ def test_exact_mode_refuses_what_it_does_not_cover(tmp_path):
     with pytest.raises(ValueError, match=r"sliding-window attention layers \(gemma3_text\)"):
         numerics.check_model(gemma)
     numerics.check_model(transformers.Qwen3Config())
+    with pytest.raises(ValueError, match=r"sliding-window attention layers \(mistral\)"):
+        numerics.check_model(transformers.MistralConfig())
+    numerics.check_model(transformers.MistralConfig(sliding_window=None))
+    with pytest.raises(ValueError, match=r"attention logit soft-capping \(gemma2\)"):
+        numerics.check_model(transformers.Gemma2Config(num_hidden_layers=2, layer_types=["full_attention"] * 2))
 
 
 # ---- whole jobs: the mismatch of every step is exactly 0 --------------------------------------------------
 
 EXACT = ("--set", "model.numerics=exact")
+
+
+def _key(shape: str) -> str:  # a str.format field name: no dots ("qwen2.5" would read as an attribute)
+    return shape.replace(".", "_").replace("-", "_")
+
+
 JOBS = {  # name: (arguments, ranks); between them: the three precisions, both admissions, every trainer layout kind
     "bf16 periodic, 2 replicas, continuous, varlen rows": (
         ("--set", "trainer.precision=bf16", "--set", "generator.replicas=2", "--set", "generator.admission=continuous",
@@ -186,7 +174,13 @@ JOBS = {  # name: (arguments, ranks); between them: the three precisions, both a
     "fp16 offpolicy, lag 1": (("--schedule", "offpolicy", "--set", "schedule.max_lag=1", "--set",
                                "trainer.precision=fp16"), 3),
     "bf16 mixture of experts, no replay": (("--set", "model.path={moe}", "--set", "trainer.precision=bf16"), 3),
+    # random models of the published widths and vocabularies (2 layers, tests/numerics_probe.py): the products a
+    # real job makes, a float32 head over 49,152 and 151,936 columns (2 prompts: its products cost seconds here)
+    **{f"bf16 at {shape}'s widths": (("--set", f"model.path={{{_key(shape)}}}", "--set", "trainer.precision=bf16",
+                                      "--set", "data.prompts_per_step=2", "--set", "generator.max_new_tokens=8"), 3)
+       for shape in SHAPES},
 }
+STEPS = {name: 2 if "widths" in name else 3 for name in JOBS}
 
 
 @pytest.fixture(scope="module")
@@ -195,24 +189,31 @@ def exact_jobs(tmp_path_factory):
 
     from modeling.tiny.moe import write_embedded_moe
 
-    moe = write_embedded_moe(tmp_path_factory.mktemp("moe") / "tiny", seed=0)
+    from modeling.hf import save_hf
+
+    paths = {"moe": write_embedded_moe(tmp_path_factory.mktemp("moe") / "tiny", seed=0)}
+    for shape in SHAPES:
+        paths[_key(shape)] = tmp_path_factory.mktemp("published") / shape
+        save_hf(numerics_probe.published_model(shape, torch.float32), load_tokenizer(None), paths[_key(shape)])
     rows = {}
     for name, (args, nproc) in JOBS.items():
         out = tmp_path_factory.mktemp("exact")
-        proc = launch(out, *EXACT, *(a.format(moe=moe) for a in args), nproc=nproc, steps=3, timeout=600)
+        proc = launch(out, *EXACT, *(a.format(**paths) for a in args), nproc=nproc, steps=STEPS[name], timeout=600)
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        # the run says its numerics before anything else of its own
+        assert proc.stderr.find("tidal: ") == proc.stderr.find("tidal: numerics exact (") >= 0, proc.stderr[:500]
         rows[name] = metrics(out)
     return rows
 
 
 @pytest.mark.parametrize("name", [n for n in JOBS if "offpolicy" not in n])
 def test_exact_jobs_have_no_mismatch_on_any_step(exact_jobs, name):
-    rows = exact_jobs[name]
-    assert len(rows) == 3 and all(r["trainer/tokens"] > 0 for r in rows)
+    rows, n = exact_jobs[name], STEPS[name]
+    assert len(rows) == n and all(r["trainer/tokens"] > 0 for r in rows)
     for key in ("max", "mean", "p99", "kl", "fresh_max"):
-        assert [r[f"trainer/logp_mismatch_{key}"] for r in rows] == [0.0] * 3, key
+        assert [r[f"trainer/logp_mismatch_{key}"] for r in rows] == [0.0] * n, key
     if "experts" in name:  # the trainer routes every token as the generator did, without replaying it
-        assert [r["trainer/routing_mismatch_frac"] for r in rows] == [0.0] * 3
+        assert [r["trainer/routing_mismatch_frac"] for r in rows] == [0.0] * n
 
 
 def test_offpolicy_tokens_of_staleness_0_have_no_mismatch(exact_jobs):

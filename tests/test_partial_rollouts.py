@@ -11,6 +11,7 @@ from executors.generator.native_engine import NativeEngine
 from modeling.hf import load_model, load_tokenizer
 from recipes.grpo import build
 from tests.e2e import launch, max_abs_diff, metrics, weights
+from tests.tolerances import LOGP_OF_FLOAT64
 
 torch.set_num_threads(1)
 
@@ -25,8 +26,8 @@ def tok():
 @pytest.fixture(scope="module")
 def ending(tok):
     """A model whose samples end at random lengths (EOS logit raised), and a factory of engines over it."""
-    model = load_model(None, seed=1)
-    bias_V = torch.zeros(model.config.vocab_size)
+    model = load_model(None, seed=1, dtype=torch.float64)  # batching-independent logits (tests/tolerances.py)
+    bias_V = torch.zeros(model.config.vocab_size, dtype=torch.float64)
     bias_V[tok.eos_token_id] = 4.0
     model.lm_head.register_forward_hook(lambda mod, args, out: out + bias_V)
     return model, (lambda **kw: NativeEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw))
@@ -74,7 +75,7 @@ def test_resumed_samples_equal_uninterrupted_ones(ending, requests, admission):
         assert torch.equal(g.finished_G, pieces[i].finished_G)
         for a, b, la, lb in zip(g.response_ids, pieces[i].response_ids, g.logprobs, pieces[i].logprobs):
             assert torch.equal(a, b)
-            torch.testing.assert_close(la, lb, atol=2e-5, rtol=0)
+            torch.testing.assert_close(la, lb, **LOGP_OF_FLOAT64)
 
 
 def test_resume_after_a_weight_change_keeps_earlier_tokens(ending, requests):
@@ -107,7 +108,7 @@ def test_resume_after_a_weight_change_keeps_earlier_tokens(ending, requests):
                     P = len(g.prompt_ids_P)
                     logits_TV = model(torch.cat([g.prompt_ids_P, b])[None]).logits[0, P - 1:-1]
                 ref = torch.log_softmax(logits_TV.float(), -1).gather(-1, b[:, None])[:, 0]
-                torch.testing.assert_close(lb[a.numel():], ref[a.numel():], atol=2e-5, rtol=0)
+                torch.testing.assert_close(lb[a.numel():], ref[a.numel():], **LOGP_OF_FLOAT64)
                 changed += int(not torch.allclose(la, ref[:a.numel()], atol=1e-4))
         assert changed  # the earlier log-probs are the old weights', not the new ones'
     finally:

@@ -90,6 +90,21 @@ def test_every_link_reaches_a_file_and_a_heading():
     assert bad == []
 
 
+FOLDERS = ("algorithms", "bench", "channels", "common", "controller", "docs", "examples", "executors", "launch",
+           "modeling", "planner", "recipes", "tests", "tests_gpu", "tests_vllm")
+PATH_RE = re.compile(rf"\b(?:{'|'.join(FOLDERS)})/(?:[a-z_0-9]+/)*[a-z_0-9]+\.(?:py|md)\b")
+EXAMPLES_OF_BAD_PATHS = {"tests/test_layers.py"}  # it names made-up files to test the layer check's messages
+
+
+def test_every_project_path_a_docstring_or_page_names_exists():
+    """A module or page that names a file after its rename sends a reader nowhere."""
+    sources = [p for folder in FOLDERS for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".md")]
+    bad = [f"{src.relative_to(ROOT)}: {path}" for src in [*sources, ROOT / "README.md", ROOT / "launch.py"]
+           if str(src.relative_to(ROOT)) not in EXAMPLES_OF_BAD_PATHS
+           for path in sorted(set(PATH_RE.findall(src.read_text()))) if not (ROOT / path).exists()]
+    assert bad == []
+
+
 def test_every_page_is_linked_from_the_readme():
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in _links(ROOT / "README.md")}
     assert [p.name for p in PAGES[1:] if p.resolve() not in linked] == []

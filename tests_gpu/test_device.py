@@ -131,8 +131,9 @@ def test_flex_shared_prompt_mask_equals_dense(device, shared):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_exact_numerics_on_the_device(device, dtype):
     """model.numerics=exact on the device: the engine's log-probs against the trainer's packed forward, and
-    a prompt alone against in a batch. On CUDA, cuBLAS picks kernels by shape; whether padding the rows to
-    16 pins them as it does on the CPU is what this measures (not run on a GPU before)."""
+    a prompt alone against in a batch. On CUDA, cuBLAS picks kernels by shape; exact mode gives every call one
+    shape (modeling/numerics.py), which pins them by the same argument as the CPU's; this is where a device checks
+    it (not run on a GPU before)."""
     from executors.generator.contract import PromptRequest, SamplingParams
     from executors.generator.native_engine import NativeEngine
     from modeling.packing import make_micro_batches
