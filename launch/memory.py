@@ -29,6 +29,7 @@ from tabulate import tabulate
 
 from algorithms.kl import kl_in_loss
 from algorithms.registry import get_algorithm
+from modeling.pack_rule import auto_shared_prompt
 from modeling.tiny import MODEL_SIZES
 from executors.generator.engines import ENGINES
 from executors.trainer.backends import BACKENDS
@@ -44,9 +45,6 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # peak RSS of a rank's process before it builds anything (python, torch, transformers imported),
 # measured on CPU: 0.25 GB at start-up, 0.33 GB on a reward rank holding a tokenizer
 PROCESS_BYTES = 0.35e9
-# modeling/packing.py's AUTO_MIN_SAVED (that module imports the model stack; --dry-run does
-# not): tests/test_memory.py checks that the two rules agree
-_AUTO_MIN_SAVED = 0.05
 
 
 @dataclass(frozen=True)
@@ -145,8 +143,8 @@ def _row(*, prompt: int, response: int, samples: int, budget: int, shared: bool)
 
 
 def _auto_shares(prompt: int, response: int, samples: int) -> bool:
-    """shared_prompt=auto's choice (packing.auto_shared_prompt) for responses all `response` long."""
-    return samples >= 2 and (samples - 1) * prompt / (samples * (prompt + response)) >= _AUTO_MIN_SAVED
+    """shared_prompt=auto's choice for responses all `response` long: the trainer's rule itself."""
+    return auto_shared_prompt(prompt, [response] * samples)
 
 
 def micro_batch_tokens(t: LearnerConfig, *, prompt: int, response: int, samples: int) -> tuple[int, int]:

@@ -19,15 +19,12 @@ import torch
 from modeling import moe
 from modeling.batching import MicroBatch, ResponseLogprobs, Routes, check_loss_masks, split_group
 from modeling.head import chunked_head
+from modeling.pack_rule import auto_shared_prompt
 from modeling.packed_attention import BACKENDS, Backend, PackMask, install, packed_forward
 
 Mode = Literal["on", "off", "auto", "padded"]
 MODES = ("on", "off", "auto", "padded")
 
-# auto: share the prompt once it saves at least this fraction of the tokens a varlen row would carry.
-# `bench/shared_prompt.py --auto` (G=8, R=500, CPU), varlen time / shared time in four runs: 0.86-0.97
-# at 0.017 saved, 0.99-1.10 at 0.042, 0.97-1.24 at 0.08, 1.07-1.10 at 0.15, 1.13-1.18 at 0.25.
-AUTO_MIN_SAVED = 0.05
 
 
 @dataclass(frozen=True)
@@ -167,20 +164,6 @@ def pack_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, tok
         rows = _chunks([P + R for R in lens], fixed=0, token_budget=token_budget)
     return [_row(prompt_ids_P, responses, samples, shared=shared_prompt, backend=backend, device=device,
                  loss_masks=loss_masks, routes=routes) for samples in rows]
-
-
-def auto_shared_prompt(prompt_len: int, response_lens: list[int]) -> bool:
-    """On when sharing saves >= AUTO_MIN_SAVED of the varlen tokens: (G-1)·P / (G·P + ΣR).
-
-    Sharing always runs fewer tokens through the linear layers; below the threshold that saving is
-    smaller than what the blocks kernel spends on each response (copies of the prompt's K/V, extra
-    calls, recomputed or tiled scores).
-    """
-    G = len(response_lens)
-    if G < 2:
-        return False
-    saved = (G - 1) * prompt_len / (G * prompt_len + sum(response_lens))
-    return saved >= AUTO_MIN_SAVED
 
 
 def make_micro_batches(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, mode: Mode, token_budget: int,
