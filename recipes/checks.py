@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 
 from executors.generator.engines import ENGINES
@@ -76,9 +77,7 @@ def check_moe(cfg: RunConfig, *, critic: bool) -> None:
 
     if not asked and _model_type(cfg.model.path) not in FAMILIES:
         return  # a dense model (the embedded one too): nothing to check, no config class to load
-    from modeling.hf import load_config  # config.json only
-
-    config = load_config(cfg.model.path)
+    config = _model_config(cfg.model.path)
     shape = moe_shape(config)
     if shape is not None and getattr(config, "output_router_logits", False):
         raise ValueError(f"{cfg.model.path}/config.json asks for the load-balancing auxiliary loss "
@@ -126,10 +125,26 @@ def check_lora(cfg: RunConfig) -> None:
     if t.precision != "fp32":
         raise ValueError(f"{field} with trainer.precision={t.precision}: a LoRA run keeps no fp32 master copy of the frozen "
                          f"base; use model.dtype=bfloat16 for a bf16 base (the adapters train in its dtype)")
-    from modeling.hf import load_config
     from modeling.lora import check_targets
 
-    check_targets(load_config(cfg.model.path), lora)
+    check_targets(_model_config(cfg.model.path), lora)
+
+
+def _model_config(path: str | None):
+    """config.json as transformers reads it (no model code), loaded once per version of the file: the checks of
+    one launch all ask the same facts."""
+    try:
+        stamp = Path(path, "config.json").stat().st_mtime_ns if path else None
+    except OSError:  # launch/preflight.py names a missing config.json; load_config says it here otherwise
+        stamp = None
+    return _load_config(path, stamp)
+
+
+@lru_cache(maxsize=4)
+def _load_config(path: str | None, stamp: int | None):
+    from modeling.hf import load_config
+
+    return load_config(path)
 
 
 def _model_type(path: str | None) -> str | None:
@@ -159,10 +174,9 @@ def check_tp(cfg: RunConfig, *, critic: bool = False) -> None:
     sizes = {"trainer.tp": cfg.trainer.tp, "generator.tp": cfg.generator.tp} | ({"critic.tp": cfg.critic.tp} if critic else {})
     if all(tp == 1 for tp in sizes.values()):
         return
-    from modeling.hf import load_config  # reads config.json only: no model code
     from modeling.parallel.tp import check_tp as fits
 
-    config = load_config(cfg.model.path)
+    config = _model_config(cfg.model.path)
     for field, tp in sizes.items():
         try:
             fits(config, tp=tp)
@@ -217,10 +231,9 @@ def check_numerics(cfg: RunConfig) -> None:
         if tp > 1:
             raise ValueError(f"{field} with {name}={tp}: a sharded product ends in an all-reduce whose order is not "
                              f"the single device's; exact mode runs tp=1 and ep=1 (dp and FSDP are fine)")
-    from modeling.hf import load_config
     from modeling.numerics import check_model
 
-    check_model(load_config(cfg.model.path))
+    check_model(_model_config(cfg.model.path))
 
 
 def check_groups(cfg: RunConfig) -> None:

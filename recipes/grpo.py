@@ -71,7 +71,7 @@ def build(cfg: RunConfig) -> Graph:
     check_pipeline(cfg, batch_scope=algorithm.advantage_scope == "batch")
     check_partial(cfg, dynamic_sampling=dynamic)
     check_placement(cfg, critic="critic" in source.sections)
-    check_tp(cfg, critic="critic" in source.sections)  # config.json read once, for every executor's tp
+    check_tp(cfg, critic="critic" in source.sections)
     check_moe(cfg, critic="critic" in source.sections)
     check_lora(cfg)
     check_engine(cfg)
