@@ -80,6 +80,13 @@ class GroupCompletion:
     cut: bool = False
 
 
+def room_for_a_turn(*, used: int, observation: int, total: int) -> bool:
+    """Whether a response that holds `used` tokens can take an `observation` and still write a turn (at least one
+    token) within its `total`: the one rule of the rollout (which fails the episode otherwise) and of the engines
+    (which cut it)."""
+    return used + observation < total
+
+
 class Turns(Protocol):
     """A multi-turn rollout's side of the engine (executors/generator/rollouts.py). With it, a sample's
     response is its turns and the observations between them; `max_tokens` caps each turn (at most

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from executors.generator.contract import GroupCompletion, PromptRequest, Resume, SamplingParams, Turns
+from executors.generator.contract import (GroupCompletion, PromptRequest, Resume, SamplingParams, Turns,
+                                          room_for_a_turn)
 from executors.generator.routing import recorder_for
 from executors.generator.sampling import sample_seed, sample_tokens
 
@@ -503,7 +504,7 @@ class _TurnBatch(_Batch):
         observation (its key)."""
         away = self.away[key]
         r, n = away.rows, int(away.rows.len_B[0])
-        if obs is None or n + len(obs) >= self.T:  # over; or no room for the observation and a turn after it
+        if obs is None or not room_for_a_turn(used=n, observation=len(obs), total=self.T):  # over, or no room
             r.t_B[0] = int(obs is None)  # t_B = 1: the episode ended (finished), not cut
             self.ended[key[0]][key[1]] = r
             del self.away[key]

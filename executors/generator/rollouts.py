@@ -28,7 +28,7 @@ from modeling.tiny.task import hide_digit
 from executors.environments.base import EnvStep, ModelTurn, env_class
 from executors.environments.pool import EnvPool
 from executors.generator.config import MultiTurnConfig
-from executors.generator.contract import GroupCompletion, PromptRequest, SamplingParams
+from executors.generator.contract import GroupCompletion, PromptRequest, SamplingParams, room_for_a_turn
 
 Prompts = list[tuple[int, PromptRow, list[int]]]  # (index in the step, data row, token ids)
 
@@ -214,7 +214,7 @@ class MultiTurn:
             if result.done:
                 return None
             ids = [] if result.observation is None else self._tokens(result.observation, closed=ep.ended)
-            if ep.tokens + len(ids) + 1 > self.max_total_tokens:
+            if not room_for_a_turn(used=ep.tokens, observation=len(ids), total=self.max_total_tokens):
                 raise _Failed(f"its observation of {len(ids)} tokens leaves no room for a turn in "
                               f"multi_turn.max_total_tokens={self.max_total_tokens} ({ep.tokens} used)")
         except _Failed as failed:

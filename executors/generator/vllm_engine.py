@@ -30,7 +30,7 @@ import torch
 
 from channels.payloads import ParamSpec, chunk, local_shape
 from executors.generator.config import VllmConfig
-from executors.generator.contract import GroupCompletion, PromptRequest, SamplingParams, Turns
+from executors.generator.contract import GroupCompletion, PromptRequest, SamplingParams, Turns, room_for_a_turn
 from executors.generator.sampling import sample_seed
 from executors.generator.vllm_world import generator_world, keep_default_group
 
@@ -228,7 +228,8 @@ class VllmEngine:
                 key = (index, j)
                 del away[key]
                 sample = live[key]
-                if obs is not None and sample.length + len(obs) < turns.max_total_tokens:
+                if obs is not None and room_for_a_turn(used=sample.length, observation=len(obs),
+                                                       total=turns.max_total_tokens):
                     sample.add(torch.tensor(obs, dtype=torch.long), torch.zeros(len(obs)), sampled=False)
                     room = turns.max_total_tokens - sample.length
                     seed = sample_seed(run_seed=params.seed, step=step, prompt_index=index, sample_index=j)
