@@ -48,16 +48,22 @@ def test_every_op_gives_a_row_the_same_bits_alone_and_in_a_batch(case, tmp_path)
     assert numerics_probe.check(case, str(tmp_path)) == []
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_every_op_the_same_under_another_instruction_set(isa):
+def test_every_op_the_same_under_other_instruction_sets():
     """The same checks (one thread, the published widths; the model's batches up to 217 rows, its products up to
-    4,096) in a process whose libraries are held to another instruction set: other kernels, the same invariance.
-    Qwen2.5's widths in bf16 (oneDNN's products; its float32 head is MKL's, as SmolLM2's float32 layers)."""
+    4,096) in processes whose libraries are held to other instruction sets: other kernels, the same invariance.
+    Qwen2.5's widths in bf16 (oneDNN's products; its float32 head is MKL's, as SmolLM2's float32 layers). One
+    process per instruction set, side by side (one thread each)."""
     cases = [("smollm2-135m", "float32", 1), ("smollm2-135m", "bfloat16", 1), ("qwen2.5-0.5b", "bfloat16", 1)]
-    proc = subprocess.run([sys.executable, "-m", "tests.numerics_probe", json.dumps(cases), "--short"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900, env={**os.environ, **ISAS[isa]})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.splitlines()[-1]) == {" ".join(map(str, c)): [] for c in cases}
+    procs = {isa: subprocess.Popen([sys.executable, "-m", "tests.numerics_probe", json.dumps(cases), "--short"],
+                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, **caps}) for isa, caps in ISAS.items()}
+    for isa, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=900)
+        finally:
+            proc.kill()  # ours, by its handle (a no-op once it exited)
+        assert proc.returncode == 0, (isa, err[-3000:])
+        assert json.loads(out.splitlines()[-1]) == {" ".join(map(str, c)): [] for c in cases}, isa
 
 
 def test_exact_mode_holds_under_a_gemm_that_rounds_by_shape(tmp_path):
