@@ -79,6 +79,7 @@ class _Seqs:
     qcol_NQ: torch.Tensor
     qpos_NQ: torch.Tensor
     kcol_NK: torch.Tensor
+    kb_N: torch.Tensor | None = None  # the batch row of its keys, where not its queries' (the engine's slot cache)
 
 
 def _padded_positions(keys: _Keys, B: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -150,6 +151,7 @@ def _plan(seqs: _Seqs, *, H: int, J: int, W: int, S: int) -> list[_Block]:
     i_TA = (r_TA // g).clamp(max=seqs.qcol_NQ.shape[1] - 1)
     qcol_TA, qpos_TA = seqs.qcol_NQ[n_T[:, None], i_TA], seqs.qpos_NQ[n_T[:, None], i_TA]
     b_T = seqs.b_N[n_T]
+    kb_T = b_T if seqs.kb_N is None else seqs.kb_N[n_T]
     rows_TA = torch.where(real_TA, (b_T[:, None] * W + qcol_TA) * H + j_T[:, None] * g + r_TA % g, -1)
     pos_TA = torch.where(real_TA, qpos_TA, -1)
     top_T = pos_TA.max(1).values
@@ -174,7 +176,7 @@ def _plan(seqs: _Seqs, *, H: int, J: int, W: int, S: int) -> list[_Block]:
         slot_IC = c_I[:, None] * KEY_CHUNK + torch.arange(KEY_CHUNK, device=dev)
         n_I = n_T[tiles][tile_I]
         kcol_IC = torch.where((slot_IC >= 0) & (slot_IC < K), seqs.kcol_NK[n_I[:, None], slot_IC.clamp(0, K - 1)], -1)
-        kidx_IC = torch.where(kcol_IC >= 0, (b_T[tiles][tile_I][:, None] * J + j_T[tiles][tile_I][:, None]) * S + kcol_IC, 0)
+        kidx_IC = torch.where(kcol_IC >= 0, (kb_T[tiles][tile_I][:, None] * J + j_T[tiles][tile_I][:, None]) * S + kcol_IC, 0)
         hidden_IAC = (kcol_IC < 0)[:, None, :] | (slot_IC[:, None, :] > pos_TA[tiles][tile_I][:, :, None])
         calls = tuple(_Call(t.contiguous(), k.flatten(), h.contiguous()) for t, k, h in zip(
             tile_I.split(ATTN_ITEMS), kidx_IC.split(ATTN_ITEMS), hidden_IAC.split(ATTN_ITEMS)))

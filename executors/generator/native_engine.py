@@ -1,4 +1,4 @@
-"""The native generation engine: batched KV-cache decoding over any HF causal LM.
+"""The native generation engine: batched decoding over any HF causal LM, every sample in a fixed slot.
 
 Shaped like vLLM's offline API (SamplingParams, one request per prompt, n samples each) so the
 generator executor can swap engines. Two properties matter more than speed here:
@@ -7,21 +7,19 @@ generator executor can swap engines. Two properties matter more than speed here:
   sample does not depend on batching, chunking, or on how prompts are split over generator ranks.
 * Streaming: a prompt group is yielded as soon as its G samples are finished.
 
-Layout: up to `max_batch_prompts` groups decode together. A prompt is prefilled once and its KV
-cache repeated G times. Finished samples stay in the batch (fed pad tokens) until their whole group
-is done; then the group's rows leave the batch and cache. Multi-turn (_TurnBatch): a sample leaves
-the batch when its turn ends, while the environment answers off the decode loop, and comes back with
-the observation. Admission: `chunked` (the default) starts
-the next max_batch_prompts prompts when the whole batch is done; `continuous` gives a freed slot to
-the next prompt at once, left-padded into the running cache. Continuous keeps the batch full (fewer,
-fuller forwards: what a device whose decode step costs the same for 8 rows as for 64 wants), but on
-CPU a forward's cost follows its rows, and the padding makes attention longer: measured 6-8% slower
-there on the default shape, 2% faster with a longer tail (bench/admission.py), with the same samples.
+Layout (executors/generator/slots.py runs it, the drivers here schedule): every sample has a slot, its KV
+written in place in a store allocated once per call (modeling/slot_attention.py); up to `max_batch_prompts`
+groups hold slots at once. A prompt is prefilled once and its KV copied into its G slots. A sample that ends
+stops decoding at once; its group's slots go to the next prompt when all G have ended. Multi-turn
+(_MultiTurn): a sample whose turn ends keeps its slot and KV while the environment answers off the decode
+loop, and feeds the observation when it comes back. Admission: `chunked` starts the next max_batch_prompts
+prompts when the whole batch is done; `continuous` gives a freed group's slots to the next prompt at once.
+Continuous keeps the batch full (fewer, fuller forwards: what a device whose decode step costs the same for
+8 rows as for 64 wants); on CPU a forward's cost follows its rows (bench/admission.py), with the same samples.
 """
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
@@ -29,7 +27,8 @@ import torch
 from executors.generator.contract import (GroupCompletion, PromptRequest, Resume, SamplingParams, Turns,
                                           room_for_a_turn)
 from executors.generator.routing import recorder_for
-from executors.generator.sampling import sample_seed, sample_tokens
+from executors.generator.sampling import sample_seed
+from executors.generator.slots import Slots
 
 if TYPE_CHECKING:  # transformers loads with the first chunk: building a graph stays light
     import transformers
@@ -39,12 +38,18 @@ ADMISSIONS = ("continuous", "chunked")
 
 class NativeEngine:
     def __init__(self, model: transformers.PreTrainedModel, *, eos_token_id: int, pad_token_id: int,
-                 max_batch_prompts: int = 16, admission: str = "chunked", routing=None, numerics: str = "default"):
+                 max_batch_prompts: int = 16, admission: str = "chunked", routing=None, numerics: str = "default",
+                 check_every: int | None = None):
         """routing: the recorder of an MoE model's routing (executors/generator/routing.py); None: the
         model's own (recorder_for), NO_ROUTING for a dense one. numerics: "exact" runs the model's products
-        and attention batch-invariant (modeling/numerics.py), as the trainer does under model.numerics=exact."""
+        and attention batch-invariant (modeling/numerics.py), as the trainer does under model.numerics=exact.
+        check_every: decode steps between the host's reads of which samples ended (single-turn): on a CPU a
+        read costs nothing and 1 hands a group out the step it ends; on an accelerator each read waits for the
+        device, so it reads every 8th step (an ended sample feeds pads until then; the samples are the same)."""
         if max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts must be >= 1, got {max_batch_prompts}")
+        if check_every is not None and check_every < 1:
+            raise ValueError(f"check_every must be >= 1, got {check_every}")
         if admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
         self.model = model.eval()
@@ -53,20 +58,18 @@ class NativeEngine:
         from modeling.head import Fp32Head  # DTensor: loaded on the generator's ranks only
 
         self._fp32_head = Fp32Head.install(model)
-        if numerics == "exact":
+        self.exact = numerics == "exact"
+        if self.exact:
             from modeling.numerics import install as install_exact
 
-            install_exact(model)
-        elif next(model.parameters()).dtype != torch.float32 and model.config._attn_implementation == "sdpa":
-            from modeling.packed_attention import install
-
-            install(model)
+            install_exact(model)  # its linear layers; its attention is the slots' (exact items) while it decodes
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         # an MoE model records the experts each token was routed to, for the trainer to replay
         self.routing = routing if routing is not None else recorder_for(model)
         self.max_batch_prompts = max_batch_prompts
         self.admission = admission
+        self.check_every = check_every or (1 if self.device.type == "cpu" else 8)
 
     @property
     def device(self) -> torch.device:
@@ -122,74 +125,41 @@ class NativeEngine:
         return self._stream(waiting, params, step, stop, turns, budget)  # validated now, not at the first next()
 
     def _stream(self, waiting, params, step, stop, turns, budget) -> Iterator[GroupCompletion]:
+        # the slots: every group the admission can hold at once, each sample as long as its prompt and response
+        longest = max(p.numel() for _, p, _ in waiting)
+        groups = min(len(waiting), self.max_batch_prompts)
+        if turns is None:
+            driver = _Single(self, params, step, budget, groups=groups, longest=longest)
+        else:  # waiting samples keep their slots: room for as many groups again (admission waits for slots)
+            driver = _MultiTurn(self, params, step, turns, groups=min(len(waiting), 2 * groups), longest=longest)
         waiting = collections.deque(waiting)
-        batch = _Batch(self, params, step, budget) if turns is None else _TurnBatch(self, params, step, turns)
-        while (waiting or batch.live) and not stop():
-            free = self.max_batch_prompts - batch.busy
-            # continuous: a finished group's slot takes the next prompt at once (under turns, so does the
-            # slot of a group whose samples all wait for the environment); chunked: the next
-            # max_batch_prompts prompts start when the whole batch is done
-            if waiting and free > 0 and (self.admission == "continuous" or not batch.live):
-                batch.admit([waiting.popleft() for _ in range(min(free, len(waiting)))])
+        while (waiting or driver.live) and not stop():
+            # continuous: a finished group's slots take the next prompt at once (under turns, so may a group whose
+            # samples all wait for the environment); chunked: the next max_batch_prompts prompts start when the
+            # whole batch is done
+            free = driver.room()
+            if waiting and free > 0 and (self.admission == "continuous" or not driver.live):
+                driver.admit([waiting.popleft() for _ in range(min(free, len(waiting)))])
             # Yield outside inference_mode: the caller (a trainer in the same thread) runs between
-            # yields and must not inherit it; the yielded tensors are plain clones.
-            yield from batch.advance()
+            # yields and must not inherit it; the yielded tensors are plain copies.
+            yield from driver.advance()
         if turns is not None and stop():
             turns.abandon()  # the environment calls in flight are dropped with the step
 
 
-@dataclass
-class _Rows:
-    """What each row of the decode batch carries, batch row first. The cache and the attention mask
-    have a sequence dimension and live beside it (_Batch)."""
-    logits_BV: torch.Tensor  # the next token's logits (device)
-    pos_B: torch.Tensor  # the next token's position id (device)
-    seeds_B: torch.Tensor  # the sample's seed (device)
-    t_B: torch.Tensor  # tokens decoded so far (CPU, as the rest); with turns: 1 once the environment ended the episode
-    len_B: torch.Tensor  # tokens written: t, or up to the EOS
-    eos_B: torch.Tensor
-    tokens_BT: torch.Tensor
-    logp_BT: torch.Tensor
-    sampled_BT: torch.Tensor  # bool, True where the model sampled the token (not an observation)
-    turn_start_B: torch.Tensor  # with turns: where the row's current turn began in its response
-    stop_B: torch.Tensor  # t at which the row's call budget ends (max_new_tokens without one)
+class _Driver:
+    """What both drivers share: the slots, the groups that hold them (in admission order) and a fresh group's
+    admission (its prompt prefilled once, its KV shared by its G samples)."""
 
-    def _tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, f.name) for f in fields(self)]
-
-    def __getitem__(self, rows) -> "_Rows":
-        """Rows by a slice (views) or an index tensor (copies), each on its own device."""
-        return _Rows(*(x[rows if isinstance(rows, slice) else rows.to(x.device)] for x in self._tensors()))
-
-    def cat(self, other: "_Rows") -> "_Rows":
-        return _Rows.join([self, other])
-
-    @staticmethod
-    def join(parts: list["_Rows"]) -> "_Rows":
-        return _Rows(*(torch.cat(column) for column in zip(*(p._tensors() for p in parts))))
-
-
-class _Batch:
-    """The decode batch: G rows per live group, groups in admission order (batch row b is sample
-    b % G of group b // G); everything a row has written lives in the batch too, so one step is the
-    same few tensor ops for any number of groups. Every row's newest token sits in the last cache
-    column; rows admitted later are left-padded (mask 0) to the batch's length, and columns no live
-    row attends to are dropped as groups leave."""
-
-    turns = None
-
-    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, budget: int | None = None):
-        self.engine, self.params, self.step = engine, params, step
-        self.T = self._response_tokens()
-        self.budget = budget
+    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, *, groups: int, longest: int,
+                 response: int):
+        self.engine, self.params, self.step, self.G = engine, params, step, params.n
+        self.slots = Slots(engine, params, slots=groups * params.n, length=longest + response, response=response)
+        self.groups: dict[int, tuple[torch.Tensor, list[int]]] = {}  # prompt index -> (prompt ids, its G slots)
+        self.keys: dict[int, tuple[int, int]] = {}  # slot -> (prompt index, sample)
+        self.decoding: list[int] = []  # the slots that decode, in order
+        self._rows_B: torch.Tensor | None = None
         self.routing = engine.routing
-        self.routing.start(whole_single_turn=self.turns is None and budget is None, max_new_tokens=params.max_new_tokens)
-        self.groups: list[tuple[int, torch.Tensor]] = []  # (prompt index, prompt ids) per group in the batch
-        self.rows: _Rows | None = None
-        self.cache = self.mask_BS = None
-
-    def _response_tokens(self) -> int:
-        return self.params.max_new_tokens
 
     @property
     def live(self) -> int:
@@ -197,364 +167,203 @@ class _Batch:
         return len(self.groups)
 
     @property
-    def busy(self) -> int:
-        """Groups holding a decode slot (max_batch_prompts)."""
-        return len(self.groups)
+    def rows_B(self) -> torch.Tensor:
+        """The decoding slots as a device tensor, made again only when they change."""
+        if self._rows_B is None:
+            self._rows_B = torch.tensor(self.decoding, dtype=torch.long, device=self.engine.device)
+        return self._rows_B
 
-    def admit(self, prompts: list[tuple[int, torch.Tensor, Resume | None]]) -> None:
-        """New prompts join the batch, each prefilled once (its G samples share a copy of the cache);
-        a resumed group's samples then feed their own tokens so far."""
-        fresh = [(i, p) for i, p, resume in prompts if resume is None]
-        resumed = [(i, p, resume) for i, p, resume in prompts if resume is not None]
-        if fresh:
-            self._join(*self._prefill_fresh(fresh), groups=fresh)
-        if resumed:
-            self._join(*self._prefill_resumed(resumed), groups=[(i, p) for i, p, _ in resumed])
+    def _decode_from(self, slots: list[int]) -> None:
+        self.decoding = sorted(slots)
+        self._rows_B = None
+
+    def _hold(self, index: int, prompt: torch.Tensor) -> list[int]:
+        slots = self.slots.take(self.G)
+        self.groups[index] = (prompt, slots)
+        self.keys.update({s: (index, j) for j, s in enumerate(slots)})
+        return slots
+
+    def _release(self, index: int) -> tuple[torch.Tensor, list[int]]:
+        prompt, slots = self.groups.pop(index)
+        for s in slots:
+            del self.keys[s]
+        self.slots.give_back(slots)
+        return prompt, slots
+
+    @torch.inference_mode()
+    def _admit_fresh(self, prompts: list[tuple[int, torch.Tensor]], *, stop: int) -> list[int]:
+        """Prefill the new prompts together, once each, and give each prompt's G slots its KV; every sample
+        draws its first token from the prompt's logits. Returns the slots."""
+        G, p = self.G, self.params
+        held = [self._hold(i, prompt) for i, prompt in prompts]
+        flat = [s for slots in held for s in slots]
+        self.slots.start(flat, seeds=[sample_seed(run_seed=p.seed, step=self.step, prompt_index=i, sample_index=j)
+                                      for i, _ in prompts for j in range(G)], stop=[stop] * len(flat))
+        logits_CV = self.slots.forward([slots[0] for slots in held], [prompt for _, prompt in prompts])
+        self.routing.prefilled([(i, len(prompt)) for i, prompt in prompts],
+                               width=max(len(prompt) for _, prompt in prompts), samples=G)
+        if G > 1:
+            self.slots.share([slots[0] for slots in held for _ in range(G - 1)], [s for slots in held for s in slots[1:]],
+                             columns=max(len(prompt) for _, prompt in prompts))
+        self.slots.sample(self.slots._rows(flat), logits_CV.repeat_interleave(G, dim=0))
+        return flat
+
+    def _completion(self, index: int, *, finished_G: torch.Tensor, loss_masks: bool, cut: bool) -> GroupCompletion:
+        """A finished group copied out (outside inference mode: plain tensors for the consumer); its slots are free."""
+        prompt, slots = self._release(index)
+        outs = [self.slots.copy_out(s) for s in slots]
+        lengths = [len(ids) for ids, _, _ in outs]
+        return GroupCompletion(index=index, prompt_ids_P=prompt.clone(), response_ids=[ids for ids, _, _ in outs],
+                               logprobs=[logp for _, logp, _ in outs], finished_G=finished_G,
+                               loss_masks=[mask for _, _, mask in outs] if loss_masks else None, cut=cut,
+                               routing=self.routing.group(index, lengths))
+
+
+class _Single(_Driver):
+    """Single-turn groups: each sample decodes until EOS, max_new_tokens or the call's budget (partial rollouts:
+    a group whose samples have not all ended by then comes back `cut`)."""
+
+    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, budget: int | None, *, groups: int,
+                 longest: int):
+        super().__init__(engine, params, step, groups=groups, longest=longest, response=params.max_new_tokens)
+        self.budget, self.steps = budget, 0
+        self.routing.start(whole_single_turn=budget is None, max_new_tokens=params.max_new_tokens)
+
+    def room(self) -> int:
+        return min(self.engine.max_batch_prompts - len(self.groups), len(self.slots.free) // self.G)
 
     def _stop_at(self, t: int) -> int:
         return self.params.max_new_tokens if self.budget is None else min(t + self.budget, self.params.max_new_tokens)
 
-    def _prefill(self, ids: list[torch.Tensor]):
-        """Prefill the sequences left-padded together: (cache, mask, last logits)."""
-        from transformers import DynamicCache
-
-        eng, dev = self.engine, self.engine.device
-        P = max(len(p) for p in ids)
-        ids_CP = torch.full((len(ids), P), eng.pad_token_id, dtype=torch.long)
-        mask_CP = torch.zeros(len(ids), P, dtype=torch.long)
-        for c, p in enumerate(ids):  # left padding: every sequence ends at column P-1
-            ids_CP[c, P - len(p):] = p
-            mask_CP[c, P - len(p):] = 1
-        pos_CP = (mask_CP.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=eng.model.config)
-        out = eng.model(input_ids=ids_CP.to(dev), attention_mask=mask_CP.to(dev), position_ids=pos_CP.to(dev),
-                        past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return cache, mask_CP.to(dev), out.logits[:, -1].float()
-
-    def _new_rows(self, R: int, **given) -> _Rows:
-        eng, T = self.engine, self.T
-        empty = dict(t_B=torch.zeros(R, dtype=torch.long), len_B=torch.zeros(R, dtype=torch.long),
-                     eos_B=torch.zeros(R, dtype=torch.bool), tokens_BT=torch.full((R, T), eng.pad_token_id, dtype=torch.long),
-                     logp_BT=torch.zeros(R, T), sampled_BT=torch.zeros(R, T, dtype=torch.bool),
-                     turn_start_B=torch.zeros(R, dtype=torch.long), stop_B=torch.full((R,), self._stop_at(0)))
-        return _Rows(**{**empty, **given})
+    def admit(self, prompts: list[tuple[int, torch.Tensor, Resume | None]]) -> None:
+        fresh = [(i, p) for i, p, resume in prompts if resume is None]
+        resumed = [(i, p, resume) for i, p, resume in prompts if resume is not None]
+        new = self._admit_fresh(fresh, stop=self._stop_at(0)) if fresh else []
+        if resumed:
+            new += self._admit_resumed(resumed)
+        self._decode_from(self.decoding + new)
 
     @torch.inference_mode()
-    def _prefill_fresh(self, prompts: list[tuple[int, torch.Tensor]]):
-        """Prefill the new prompts together, once each, and give each of its G samples a copy of its
-        cache rows; they join the batch with their first logits."""
-        G, dev = self.params.n, self.engine.device
-        cache, mask_CP, logits_CV = self._prefill([p for _, p in prompts])
-        self.routing.prefilled([(i, len(p)) for i, p in prompts], width=mask_CP.shape[1], samples=G)
-        cache.batch_repeat_interleave(G)
-        rows = self._new_rows(
-            len(prompts) * G, logits_BV=logits_CV.repeat_interleave(G, dim=0),
-            pos_B=torch.tensor([len(p) for _, p in prompts], device=dev).repeat_interleave(G),
-            seeds_B=torch.tensor([sample_seed(run_seed=self.params.seed, step=self.step, prompt_index=i, sample_index=j)
-                                  for i, _ in prompts for j in range(G)], device=dev))
-        return cache, mask_CP.repeat_interleave(G, dim=0), rows
-
-    @torch.inference_mode()
-    def _prefill_resumed(self, prompts: list[tuple[int, torch.Tensor, Resume]]):
-        """Prefill the resumed groups' prompts once each (their G samples share a copy, as fresh ones
-        do), then every unfinished sample's tokens so far, ragged, in one forward (right-aligned, mask
-        0 before them). An ended sample writes nothing more: it feeds one pad, its row only keeps the
-        group together."""
-        G, eng, dev = self.params.n, self.engine, self.engine.device
-        cache, mask_CP, _ = self._prefill([p for _, p, _ in prompts])
-        cache.batch_repeat_interleave(G)
-        samples = [(p, res, j) for _, p, res in prompts for j in range(G)]
-        chunks = [[] if bool(res.finished_G[j]) else res.response_ids[j].tolist() for _, res, j in samples]
-        ids_BW, mask_BW, pos_BW = _right_aligned(chunks, torch.tensor([len(p) for p, _, _ in samples]),
-                                                 pad=eng.pad_token_id)
-        mask_BS = torch.cat([mask_CP.repeat_interleave(G, dim=0), mask_BW.to(dev)], dim=1)
-        out = eng.model(input_ids=ids_BW.to(dev), attention_mask=mask_BS, position_ids=pos_BW.to(dev),
-                        past_key_values=cache, use_cache=True, logits_to_keep=1)
-        t0 = torch.tensor([res.t for _, res, _ in samples])
-        rows = self._new_rows(len(samples), logits_BV=out.logits[:, -1].float(), pos_B=(pos_BW[:, -1] + 1).to(dev),
-                              seeds_B=torch.tensor([sample_seed(run_seed=self.params.seed, step=res.step,
-                                                                prompt_index=res.index, sample_index=j)
-                                                    for _, res, j in samples], device=dev),
-                              t_B=t0, stop_B=torch.tensor([self._stop_at(int(t)) for t in t0]))
-        for b, (_, res, j) in enumerate(samples):
-            n = res.response_ids[j].numel()
-            rows.tokens_BT[b, :n], rows.logp_BT[b, :n] = res.response_ids[j], res.logprobs[j]
-            rows.len_B[b], rows.eos_B[b] = n, bool(res.finished_G[j])
-        return cache, mask_BS, rows
-
-    def _join(self, cache, mask_BS: torch.Tensor, rows: _Rows, *, groups: list[tuple[int, torch.Tensor]]) -> None:
-        """New groups' rows and their cache join the batch."""
-        self._append(cache, mask_BS, rows)
-        self.groups += groups
-
-    def _append(self, cache, mask_BS: torch.Tensor, rows: _Rows) -> None:
-        """Rows and their cache join the batch behind the live ones, left-padded to one length."""
-        if self.rows is None:
-            self.cache, self.mask_BS, self.rows = cache, mask_BS, rows
-            return
-        S = max(self.mask_BS.shape[1], mask_BS.shape[1])
-        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([_left_pad(mine.keys, S, dim=2), _left_pad(theirs.keys, S, dim=2)])
-            mine.values = torch.cat([_left_pad(mine.values, S, dim=2), _left_pad(theirs.values, S, dim=2)])
-        self.mask_BS = torch.cat([_left_pad(self.mask_BS, S, dim=1), _left_pad(mask_BS, S, dim=1)])
-        self.rows = self.rows.cat(rows)
+    def _admit_resumed(self, prompts: list[tuple[int, torch.Tensor, Resume]]) -> list[int]:
+        """A resumed group's samples take their tokens so far; each unfinished one prefills its prompt and them
+        (the weights have changed since they were written: the trainer scores every token with its step's), an
+        ended one writes nothing more. Returns the slots that decode."""
+        p, decode = self.params, []
+        for i, prompt, res in prompts:
+            slots = self._hold(i, prompt)
+            written = [(res.response_ids[j], res.logprobs[j], bool(res.finished_G[j])) for j in range(self.G)]
+            self.slots.start(slots, seeds=[sample_seed(run_seed=p.seed, step=res.step, prompt_index=res.index,
+                                                       sample_index=j) for j in range(self.G)],
+                             stop=[self._stop_at(ids.numel()) for ids, _, _ in written], written=written)
+            decode += [s for s, (_, _, ended) in zip(slots, written) if not ended]
+        if decode:
+            resumes = {i: res for i, _, res in prompts}
+            chunks = [torch.cat([self.groups[i][0], resumes[i].response_ids[j]]) for i, j in map(self.keys.get, decode)]
+            self.slots.sample(self.slots._rows(decode), self.slots.forward(decode, chunks))
+        return decode
 
     def advance(self) -> Iterator[GroupCompletion]:
-        """Decode one token for every live sample, then hand out the groups that just finished
-        (cloned here, outside inference mode: plain tensors for the consumer)."""
-        for (index, prompt_P), rows in self._decode_one():
-            lengths = rows.len_B.tolist()
-            yield GroupCompletion(index=index, prompt_ids_P=prompt_P.clone(),
-                                  response_ids=[rows.tokens_BT[j, :n].clone() for j, n in enumerate(lengths)],
-                                  logprobs=[rows.logp_BT[j, :n].clone() for j, n in enumerate(lengths)],
-                                  finished_G=rows.eos_B.clone(),
-                                  loss_masks=None if self.turns is None else
-                                  [rows.sampled_BT[j, :n].clone() for j, n in enumerate(lengths)],
-                                  cut=self.budget is not None and
-                                  bool((~rows.eos_B & (rows.t_B < self.params.max_new_tokens)).any()),
-                                  routing=self.routing.group(index, lengths))
-
-    @torch.inference_mode()
-    def _decode_one(self) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
-        """Sample the next token of every row and feed it; return the groups that finished, each
-        with its G rows."""
-        p, eng, r = self.params, self.engine, self.rows
-        tok_B, logp_B = sample_tokens(r.logits_BV, seeds_R=r.seeds_B, t=r.t_B.to(r.seeds_B.device),
-                                      temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
-        tok_B, logp_B = tok_B.cpu(), logp_B.cpu()
-        writing = (~r.eos_B).nonzero()[:, 0]  # a sample past its EOS keeps its pad filler
-        r.tokens_BT[writing, r.t_B[writing]] = tok_B[writing]
-        r.logp_BT[writing, r.t_B[writing]] = logp_B[writing]
-        r.len_B[writing] += 1
-        r.eos_B[writing] |= tok_B[writing] == eng.eos_token_id
-        r.t_B += 1
-        done_B = r.eos_B | (r.t_B >= r.stop_B)  # stop_B: max_new_tokens, or the call's budget
-        finished = self._leave(done_B)
-        if self.rows is None:
-            return finished
-        done_B = done_B[self._kept] if finished else done_B
-        feed_B = torch.where(done_B, eng.pad_token_id, tok_B[self._kept] if finished else tok_B).to(eng.device)
-        self._feed(feed_B[:, None], torch.ones_like(feed_B[:, None]), self.rows.pos_B[:, None])
-        # a row that fed its new token (not a pad): that token's experts
-        self.routing.decoded([i for i, _ in self.groups], fed_B=~done_B, t_B=self.rows.t_B)
-        return finished
-
-    def _leave(self, done_B: torch.Tensor) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
-        """The groups whose G rows are all done, with their rows; they leave the batch and the cache
-        (`self._kept`: the batch rows that stay)."""
-        G, r = self.params.n, self.rows
-        done_K = done_B.view(-1, G).all(dim=1)
-        finished = [(self.groups[k], r[k * G:(k + 1) * G]) for k in done_K.nonzero()[:, 0].tolist()]
-        if finished:  # drop the finished groups' rows from the batch and the cache
-            self.groups = [g for g, done in zip(self.groups, done_K.tolist()) if not done]
-            if not self.groups:
-                self.rows = self.cache = self.mask_BS = None
-                return finished
-            self._kept = (~done_K).repeat_interleave(G).nonzero()[:, 0]
-            self.rows = r[self._kept]
-            self.cache.batch_select_indices(self._kept.to(self.engine.device))
-            self.mask_BS = self.mask_BS[self._kept.to(self.mask_BS.device)]
-            self._trim()
-        return finished
-
-    def _feed(self, ids_BW: torch.Tensor, mask_BW: torch.Tensor, pos_BW: torch.Tensor) -> None:
-        """Run W new columns of every row through the model (mask 0: a row's left padding), keeping
-        their KV; each row's next logits are those of its last column."""
-        r = self.rows
-        self.mask_BS = torch.cat([self.mask_BS, mask_BW], dim=1)
-        out = self.engine.model(input_ids=ids_BW, attention_mask=self.mask_BS, position_ids=pos_BW,
-                                past_key_values=self.cache, use_cache=True)
-        r.logits_BV = out.logits[:, -1].float()
-        r.pos_B = pos_BW[:, -1] + 1
-
-    def _trim(self) -> None:
-        """Drop leading cache columns that no live row attends to (left padding of groups gone)."""
-        first = int(self.mask_BS.any(dim=0).nonzero()[0])
-        if first:
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-            self.mask_BS = self.mask_BS[:, first:]
+        """Write every decoding sample's token, hand out the groups that just finished, feed the rest."""
+        if self.decoding:
+            with torch.inference_mode():
+                ended_B = self.slots.write(self.rows_B)
+            self.steps += 1
+            if self.steps % self.engine.check_every == 0:
+                ended = ended_B.tolist()  # the host's one read (every check_every steps)
+                if any(ended):
+                    self._decode_from([s for s, e in zip(self.decoding, ended) if not e])
+        decoding = set(self.decoding)
+        for index in [i for i, (_, slots) in self.groups.items() if not decoding.intersection(slots)]:
+            slots = self.groups[index][1]
+            eos_G = self.slots.eos_N[slots].cpu()
+            len_G = self.slots.len_N[slots].cpu()
+            cut = self.budget is not None and bool((~eos_G & (len_G < self.params.max_new_tokens)).any())
+            yield self._completion(index, finished_G=eos_G.clone(), loss_masks=False, cut=cut)
+        if self.decoding:
+            with torch.inference_mode():
+                fed_B = self.slots.decode(self.decoding, self.rows_B)
+                # a row that fed its newest token: that token's experts
+                self.routing.decoded([self.keys[s] for s in self.decoding], fed_B=fed_B,
+                                     t_B=self.slots.len_N[self.rows_B])
 
 
-class _TurnBatch(_Batch):
-    """The decode batch of a multi-turn rollout. A row whose turn ends leaves the batch with its KV and
-    everything it wrote, and the turn goes to the environment (Turns.submit, answered on the rollout's
-    pool); the other rows decode on, and the group's slot counts as free while none of its rows
-    decodes. When the answer comes back (Turns.ready) the row rejoins, left-padded into the cache, and
-    feeds its turn's last token and the observation in one forward. A row whose episode is over leaves
-    for good; its group is handed out when all G have. Rows are known by (prompt index, sample), not by
-    place, so they may come back in any order: with model.numerics=exact a row's tokens and log-probs
-    do not depend on the rows around it or when it rejoins (modeling/numerics.py)."""
+class _MultiTurn(_Driver):
+    """The samples of a multi-turn rollout. A sample whose turn ends stops decoding and the turn goes to the
+    environment (Turns.submit, answered on the rollout's pool); it keeps its slot and KV, and the group's place
+    in the batch counts as free while none of its samples decodes. When the answer comes back (Turns.ready) the
+    sample feeds its turn's last token and the observation in one forward with the others' tokens. A sample
+    whose episode is over stops for good; its group is handed out when all G are. With model.numerics=exact a
+    sample's tokens and log-probs do not depend on the samples around it or when its answer returns."""
 
-    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, turns: Turns):
-        self.turns = turns
-        super().__init__(engine, params, step)
-        self.keys: list[tuple[int, int]] = []  # (prompt index, sample) of each batch row
-        self.prompts: dict[int, torch.Tensor] = {}  # the groups admitted and not handed out
-        self.away: dict[tuple[int, int], _Away] = {}  # rows whose turn the environment has
-        self.ended: dict[int, dict[int, _Rows]] = {}  # per group, its rows whose episode is over
+    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, turns: Turns, *, groups: int,
+                 longest: int):
+        super().__init__(engine, params, step, groups=groups, longest=longest, response=turns.max_total_tokens)
+        self.turns, self.T = turns, turns.max_total_tokens
+        self.routing.start(whole_single_turn=False, max_new_tokens=params.max_new_tokens)
+        self.away: dict[tuple[int, int], tuple[int, int]] = {}  # (index, sample) -> (slot, its turn's last token)
+        self.over: dict[int, dict[int, bool]] = {}  # per group, its samples whose episode is over: finished or cut
+        self.turn_start: dict[int, int] = {}  # slot -> where its current turn began in its response
+        self.length: dict[int, int] = {}  # slot -> tokens in its response
 
-    def _response_tokens(self) -> int:
-        return self.turns.max_total_tokens  # every turn and observation of a sample
+    def room(self) -> int:
+        busy = len({self.keys[s][0] for s in self.decoding})
+        return min(self.engine.max_batch_prompts - busy, len(self.slots.free) // self.G)
 
-    @property
-    def live(self) -> int:
-        return len(self.prompts)
-
-    @property
-    def busy(self) -> int:
-        return len({k for k, _ in self.keys})
-
-    def _join(self, cache, mask_BS: torch.Tensor, rows: _Rows, *, groups: list[tuple[int, torch.Tensor]]) -> None:
-        self._append(cache, mask_BS, rows)
-        G = self.params.n
-        self.keys += [(i, j) for i, _ in groups for j in range(G)]
-        for i, prompt in groups:
-            self.prompts[i], self.ended[i] = prompt, {}
+    def admit(self, prompts: list[tuple[int, torch.Tensor, Resume | None]]) -> None:
+        assert all(resume is None for _, _, resume in prompts), "partial rollouts are single-turn"
+        new = self._admit_fresh([(i, p) for i, p, _ in prompts], stop=self.T)
+        for i, _, _ in prompts:
+            self.over[i] = {}
+        self.turn_start.update({s: 0 for s in new})
+        self.length.update({s: 0 for s in new})
+        self._decode_from(self.decoding + new)
 
     def advance(self) -> Iterator[GroupCompletion]:
-        if self.rows is None and not self.away:
-            return iter(())
-        return super().advance()
+        chunks: dict[int, list[int]] = {}  # what each decoding slot feeds next
+        if self.decoding:
+            self._write(chunks)
+        if self.away:  # with no sample left to decode, wait for an answer (briefly: the caller asks stop() between)
+            for index, sample, obs in self.turns.ready(wait_s=0.05 if not self.decoding else 0.0):
+                self._answered((index, sample), obs, chunks)
+        self._decode_from(list(chunks))
+        if chunks:
+            with torch.inference_mode():
+                logits_BV = self.slots.forward(self.decoding, [chunks[s] for s in self.decoding])
+                self.slots.sample(self.rows_B, logits_BV)
+        for index in [i for i, over in self.over.items() if len(over) == self.G]:
+            over = self.over.pop(index)
+            finished_G = torch.tensor([over[j] for j in range(self.G)])
+            yield self._completion(index, finished_G=finished_G, loss_masks=True, cut=False)
 
-    @torch.inference_mode()
-    def _decode_one(self) -> list[tuple[tuple[int, torch.Tensor], _Rows]]:
-        """Sample a token for every row in the batch; hand the turns that ended to the environment;
-        take its answers back in; feed every row's new tokens in one forward. The uniform of a token
-        is indexed by its position in the response, unique across turns."""
-        chunks: dict[tuple[int, int], list[int]] = {}  # what each row feeds next
-        if self.rows is not None:
-            self._sample(chunks)
-        back = [self._answered((k, j), obs, chunks) for k, j, obs in self._answers()]
-        if back := [key for key in back if key is not None]:
-            self._rejoin(back)
-        if self.rows is not None:
-            ids_BW, mask_BW, pos_BW = _right_aligned([chunks[key] for key in self.keys], self.rows.pos_B.cpu(),
-                                                     pad=self.engine.pad_token_id)
-            dev = self.engine.device
-            self._feed(ids_BW.to(dev), mask_BW.to(dev), pos_BW.to(dev))
-        finished = [k for k, rows in self.ended.items() if len(rows) == self.params.n]
-        out = []
-        for k in finished:
-            rows = self.ended.pop(k)
-            whole = _Rows.join([rows[j] for j in range(self.params.n)])
-            whole.eos_B = whole.t_B == 1  # finished_G: the episode ended, rather than being cut
-            out.append(((k, self.prompts.pop(k)), whole))
-        return out
-
-    def _answers(self) -> list[tuple[int, int, list[int] | None]]:
-        """The environment's answers that are back; with no row left to decode, wait for one (briefly:
-        the caller asks stop() and admits between waits)."""
-        if not self.away:
-            return []
-        return self.turns.ready(wait_s=0.05 if self.rows is None else 0.0)
-
-    def _sample(self, chunks: dict) -> None:
-        p, eng, r = self.params, self.engine, self.rows
-        tok_B, logp_B = sample_tokens(r.logits_BV, seeds_R=r.seeds_B, t=r.len_B.to(r.seeds_B.device),
-                                      temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
-        tok_B, logp_B = tok_B.cpu(), logp_B.cpu()
-        away, over = [], []
-        for b, key in enumerate(self.keys):  # every row in the batch is writing a turn
-            n = int(r.len_B[b])
-            r.tokens_BT[b, n], r.logp_BT[b, n], r.sampled_BT[b, n] = tok_B[b], logp_B[b], True
-            r.len_B[b] = n = n + 1
-            ended = int(tok_B[b]) == eng.eos_token_id
-            if not ended and n - int(r.turn_start_B[b]) < self.turns.max_tokens(index=key[0], sample=key[1]):
-                if n == self.T:  # a turn that never ends is cut at the budget (finished stays False)
-                    over.append(b)
+    def _write(self, chunks: dict[int, list[int]]) -> None:
+        """Every decoding sample writes its token; one whose turn ended (EOS, or the turn's cap) goes to the
+        environment, one that reached the response's budget is over (cut: finished stays False)."""
+        with torch.inference_mode():
+            self.slots.write(self.rows_B)
+            tok_B = self.slots.next_tok_N[self.rows_B].tolist()
+        for s, tok in zip(self.decoding, tok_B):
+            index, sample = self.keys[s]
+            self.length[s] = n = self.length[s] + 1
+            ended = tok == self.engine.eos_token_id
+            if not ended and n - self.turn_start[s] < self.turns.max_tokens(index=index, sample=sample):
+                if n == self.T:  # a turn that never ends is cut at the budget
+                    self.over[index][sample] = False
                 else:
-                    chunks[key] = [int(tok_B[b])]
+                    chunks[s] = [tok]
                 continue
-            self.turns.submit(index=key[0], sample=key[1], turn_ids=r.tokens_BT[b, int(r.turn_start_B[b]):n].clone(),
+            self.turns.submit(index=index, sample=sample, turn_ids=self.slots.tokens_NT[s, self.turn_start[s]:n].cpu(),
                               ended=ended)
-            away.append(b)
-        if away or over:
-            self._part(away, over, last=tok_B)
+            self.away[(index, sample)] = (s, tok)
 
-    def _part(self, away: list[int], over: list[int], *, last: torch.Tensor) -> None:
-        """Rows `away` (waiting for the environment: their KV kept) and `over` leave the batch."""
-        r = self.rows
-        # copied out (one gather per tensor), not views: a view would keep the whole batch's old tensors
-        # alive while the row is away
-        for b in over:
-            self.ended[self.keys[b][0]][self.keys[b][1]] = r[torch.tensor([b])]
-        if away:
-            idx = torch.tensor(away)
-            dev_idx = idx.to(self.engine.device)
-            rows, mask = r[idx], self.mask_BS[dev_idx.to(self.mask_BS.device)]
-            kv = [(layer.keys[dev_idx], layer.values[dev_idx]) for layer in self.cache.layers]
-            for i, b in enumerate(away):
-                self.away[self.keys[b]] = _Away(rows=rows[i:i + 1], last=int(last[b]), mask_S=mask[i:i + 1],
-                                                kv=[(k[i:i + 1], v[i:i + 1]) for k, v in kv])
-        gone = set(away) | set(over)
-        kept = [b for b in range(len(self.keys)) if b not in gone]
-        self.keys = [self.keys[b] for b in kept]
-        if not kept:
-            self.rows = self.cache = self.mask_BS = None
+    def _answered(self, key: tuple[int, int], obs: list[int] | None, chunks: dict[int, list[int]]) -> None:
+        """The environment's answer to a sample's turn: its episode is over, or the observation is written into its
+        response and fed with the turn's last token."""
+        s, last = self.away.pop(key)
+        n = self.length[s]
+        if obs is None or not room_for_a_turn(used=n, observation=len(obs), total=self.T):
+            self.over[key[0]][key[1]] = obs is None  # finished: the episode ended, rather than being cut
             return
-        kept_B = torch.tensor(kept)
-        self.rows = r[kept_B]
-        self.cache.batch_select_indices(kept_B.to(self.engine.device))
-        self.mask_BS = self.mask_BS[kept_B.to(self.mask_BS.device)]
-        self._trim()
-
-    def _answered(self, key: tuple[int, int], obs: list[int] | None, chunks: dict) -> tuple[int, int] | None:
-        """The environment's answer to a row's turn: the row is over (None), or comes back with the
-        observation (its key)."""
-        away = self.away[key]
-        r, n = away.rows, int(away.rows.len_B[0])
-        if obs is None or not room_for_a_turn(used=n, observation=len(obs), total=self.T):  # over, or no room
-            r.t_B[0] = int(obs is None)  # t_B = 1: the episode ended (finished), not cut
-            self.ended[key[0]][key[1]] = r
-            del self.away[key]
-            return None
-        r.tokens_BT[0, n:n + len(obs)] = torch.tensor(obs, dtype=torch.long)
-        r.len_B[0] = r.turn_start_B[0] = n + len(obs)
-        chunks[key] = [away.last] + obs
-        return key
-
-    def _rejoin(self, keys: list[tuple[int, int]]) -> None:
-        """Rows back from the environment join the batch together, in one concatenation of the cache."""
-        from transformers import DynamicCache
-
-        back = [self.away.pop(key) for key in keys]
-        S = max(a.mask_S.shape[1] for a in back)
-        cache = DynamicCache(config=self.engine.model.config)
-        for i in range(len(back[0].kv)):
-            cache.update(torch.cat([_left_pad(a.kv[i][0], S, dim=2) for a in back]),
-                         torch.cat([_left_pad(a.kv[i][1], S, dim=2) for a in back]), i)
-        self._append(cache, torch.cat([_left_pad(a.mask_S, S, dim=1) for a in back]), _Rows.join([a.rows for a in back]))
-        self.keys += keys
-
-
-@dataclass
-class _Away:
-    """A row whose turn is with the environment: its rows, KV per layer and attention mask, set aside."""
-    rows: _Rows
-    last: int  # the turn's last token, fed with the observation when the row rejoins
-    mask_S: torch.Tensor
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def _right_aligned(chunks: list[list[int]], pos_B: torch.Tensor, *, pad: int):
-    """Ragged token chunks as W new columns, each row's right-aligned (mask 0 before it) at positions
-    from pos_B on; an empty chunk feeds one pad (its row writes nothing: it only keeps its place)."""
-    chunks = [c or [pad] for c in chunks]
-    W = max(len(c) for c in chunks)
-    ids_BW = torch.full((len(chunks), W), pad, dtype=torch.long)
-    mask_BW = torch.zeros(len(chunks), W, dtype=torch.long)
-    pos_BW = pos_B[:, None].repeat(1, W)
-    for b, c in enumerate(chunks):
-        ids_BW[b, W - len(c):], mask_BW[b, W - len(c):] = torch.tensor(c), 1
-        pos_BW[b, W - len(c):] += torch.arange(len(c))
-    return ids_BW, mask_BW, pos_BW
-
-
-def _left_pad(x: torch.Tensor, length: int, *, dim: int) -> torch.Tensor:
-    pad = length - x.shape[dim]
-    if pad == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = pad
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
+        with torch.inference_mode():
+            self.slots.observe(s, obs)
+        self.length[s] = self.turn_start[s] = n + len(obs)
+        chunks[s] = [last] + obs

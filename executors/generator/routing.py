@@ -34,7 +34,7 @@ class RoutingRecorder:
         return ids.to(self.shape.id_dtype).cpu()
 
     def prefilled(self, prompts: list[tuple[int, int]], *, width: int, samples: int) -> None:
-        """A prefill of (prompt index, length) prompts, left-padded to `width` columns."""
+        """A prefill of (prompt index, length) prompts, right-aligned in `width` columns."""
         ids_CWLk = self._take(len(prompts), width)
         if ids_CWLk is None:
             return
@@ -43,17 +43,15 @@ class RoutingRecorder:
             self._tokens[index] = torch.full((samples, self.T, len(self.shape.layers), self.shape.top_k),
                                              moe.UNRECORDED).to(self.shape.id_dtype)
 
-    def decoded(self, indices: list[int], *, fed_B: torch.Tensor, t_B: torch.Tensor) -> None:
-        """A decode forward over the live groups `indices` (G rows each, in batch order): row b fed its
-        token t_B[b] - 1 where fed_B[b] (a row past its end feeds a pad, which is not recorded)."""
+    def decoded(self, keys: list[tuple[int, int]], *, fed_B: torch.Tensor, t_B: torch.Tensor) -> None:
+        """A decode forward over samples `keys` ((prompt index, sample) of each batch row): row b fed its token
+        t_B[b] - 1 where fed_B[b] (a row past its end feeds a pad, which is not recorded)."""
         ids_B1Lk = self._take(len(fed_B), 1)
         if ids_B1Lk is None:
             return
-        G = len(fed_B) // len(indices)
-        for k, index in enumerate(indices):
-            rows = slice(k * G, (k + 1) * G)
-            fed = fed_B[rows].nonzero()[:, 0]
-            self._tokens[index][fed, t_B[rows][fed] - 1] = ids_B1Lk[rows][fed, 0]
+        for b in fed_B.nonzero()[:, 0].tolist():
+            index, sample = keys[b]
+            self._tokens[index][sample, int(t_B[b]) - 1] = ids_B1Lk[b, 0]
 
     def group(self, index: int, lengths: list[int]) -> list[torch.Tensor] | None:
         """A finished group's routing as it travels ([prompt, response_1..G], moe.pack); None: not recorded."""
@@ -72,7 +70,7 @@ class _NoRouting:
     def prefilled(self, prompts, *, width: int, samples: int) -> None:
         pass
 
-    def decoded(self, indices, *, fed_B, t_B) -> None:
+    def decoded(self, keys, *, fed_B, t_B) -> None:
         pass
 
     def group(self, index: int, lengths: list[int]) -> None:

@@ -1,0 +1,127 @@
+"""The native engine's fixed slots (executors/generator/slots.py): a sample is the same in any number of slots,
+nothing on the decode path is reallocated, and reading the samples' ends every k steps changes no sample."""
+import pytest
+import torch
+
+from executors.generator import native_engine
+from executors.generator.contract import PromptRequest, SamplingParams
+from executors.generator.native_engine import NativeEngine
+from executors.generator.slots import Slots
+from modeling.hf import load_model, load_tokenizer
+from modeling.tiny.task import embedded_prompts
+from tests.tolerances import LOGP_OF_FLOAT64
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def requests(tok):
+    return [PromptRequest(index=i, prompt_ids=tok(p["prompt"]).input_ids) for i, p in enumerate(embedded_prompts(64, seed=5))]
+
+
+def _engine(model, tok, **kw):
+    return NativeEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw)
+
+
+def _ending(dtype, eos: int):
+    """A model whose EOS is raised to ~0.1 probability a token, so samples end at different times and slots come
+    and go."""
+    model = load_model(None, seed=1, dtype=dtype)
+    bias_V = torch.zeros(model.config.vocab_size, dtype=dtype)
+    bias_V[eos] = 4.0
+    model.lm_head.register_forward_hook(lambda mod, args, out: out + bias_V)
+    return model
+
+
+# (samples a prompt, prompts at once, prompts in the call): 2, 7, 16 and 256 slots
+SLOTS = [(2, 1, 1), (1, 7, 9), (4, 4, 16), (4, 64, 64)]
+
+
+@pytest.mark.parametrize("numerics, dtype", [("exact", torch.bfloat16), ("default", torch.float64)])
+@pytest.mark.parametrize("admission", ["chunked", "continuous"])
+def test_a_sample_is_the_same_in_any_number_of_slots(numerics, dtype, admission, tok, requests):
+    """Sample 0 of prompt 5 decoded alone in one slot, then in 2, 7, 16 and 256 slots beside other prompts (its
+    slot, its neighbours and when they leave all differ): exact numerics gives the same tokens and log-probs bit
+    for bit, the default the same tokens and log-probs within float64's rounding."""
+    model = _ending(dtype, tok.eos_token_id)
+
+    def sample0(n, prompts, count):
+        eng = _engine(model, tok, max_batch_prompts=prompts, admission=admission, numerics=numerics)
+        batch = [requests[5]] + [r for r in requests[:count + 1] if r.index != 5][:count - 1]
+        params = SamplingParams(n=n, max_new_tokens=24, seed=7)
+        got = {g.index: g for g in eng.generate(batch[::-1] if count > 1 else batch, params, step=3)}
+        assert len(got) == count
+        return got[5].response_ids[0], got[5].logprobs[0], got
+
+    ids, logp, _ = sample0(1, 1, 1)
+    ended = set()
+    for n, prompts, count in SLOTS:
+        got_ids, got_logp, groups = sample0(n, prompts, count)
+        ended |= {len(r) for g in groups.values() for r in g.response_ids}
+        assert torch.equal(got_ids, ids), (n, prompts)
+        if numerics == "exact":
+            assert torch.equal(got_logp, logp), (n, prompts)
+        else:
+            torch.testing.assert_close(got_logp, logp, **LOGP_OF_FLOAT64)
+    assert len(ended) >= 8  # samples did end at many lengths: slots were freed and taken at many steps
+
+
+class _Watched(Slots):
+    """The engine's own Slots, recording where its tensors live after every decode step."""
+    seen: list = []
+
+    def _addresses(self):
+        state = [t.data_ptr() for t in (self.seed_N, self.pos_N, self.len_N, self.stop_N, self.eos_N, self.ended_N,
+                                         self.tokens_NT, self.logp_NT, self.sampled_NT, self.next_tok_N)]
+        return state + [t.data_ptr() for kv in self.store.kv.values() for t in kv]
+
+    def decode(self, slots, rows_B):
+        fed_B = super().decode(slots, rows_B)
+        type(self).seen.append((id(self), tuple(self._addresses()), len(self.store.kv)))
+        return fed_B
+
+
+def test_nothing_on_the_decode_path_is_reallocated(tok, requests, monkeypatch):
+    """Over a whole call, with groups leaving and prompts taking their slots (continuous admission), every state
+    tensor and every layer's KV stays where it was allocated: tokens are written into them, never concatenated."""
+    monkeypatch.setattr(native_engine, "Slots", _Watched)
+    _Watched.seen = []
+    eng = _engine(_ending(torch.float32, tok.eos_token_id), tok, max_batch_prompts=3, admission="continuous")
+    groups = list(eng.generate(requests[:10], SamplingParams(n=2, max_new_tokens=16, seed=1), step=0))
+    assert len(groups) == 10
+    calls = {call for call, _, _ in _Watched.seen}
+    assert len(calls) == 1 and len(_Watched.seen) > 16  # one call, more steps than a sample's tokens
+    layers = eng.model.config.num_hidden_layers
+    assert {addresses for _, addresses, _ in _Watched.seen} == {_Watched.seen[0][1]}
+    assert {n for _, _, n in _Watched.seen} == {layers}
+
+
+@pytest.mark.parametrize("numerics, dtype", [("exact", torch.bfloat16), ("default", torch.float64)])
+def test_reading_the_ends_every_k_steps_changes_no_sample(numerics, dtype, tok, requests):
+    """check_every=5: the host learns which samples ended every 5th step (an ended one feeds pads meanwhile, its
+    group is handed out up to 4 steps later): the same groups, tokens and log-probs as reading every step."""
+    model = _ending(dtype, tok.eos_token_id)
+    params = SamplingParams(n=3, max_new_tokens=20, seed=2)
+
+    def run(k):
+        eng = _engine(model, tok, max_batch_prompts=3, admission="continuous", numerics=numerics, check_every=k)
+        return {g.index: g for g in eng.generate(requests[:8], params, step=1)}
+
+    every, fifth = run(1), run(5)
+    assert every.keys() == fifth.keys()
+    for i in every:
+        for a, b in zip(every[i].response_ids, fifth[i].response_ids):
+            assert torch.equal(a, b)
+        for a, b in zip(every[i].logprobs, fifth[i].logprobs):
+            if numerics == "exact":
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, **LOGP_OF_FLOAT64)
+        assert torch.equal(every[i].finished_G, fifth[i].finished_G)
+    with pytest.raises(ValueError, match="check_every must be >= 1"):
+        _engine(model, tok, check_every=0)
