@@ -271,8 +271,10 @@ def generator_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
     if not engine.kv_note:  # the memory estimate sizes its KV cache
         # the rows that decode together: a replica's share of the step's prompts (or of the evaluation's),
         # at most max_batch_prompts of them; max_batch_prompts alone counted 4x the rows at B=4, G=4
+        # (multi-turn: twice the groups, as samples that wait for their environment keep their slots)
         def rows(prompts: int, samples: int) -> int:
-            return min(g.max_batch_prompts, -(-prompts // g.replicas)) * samples
+            groups = g.max_batch_prompts * (2 if cfg.rollout == "multi_turn" else 1)
+            return min(groups, -(-prompts // g.replicas)) * samples
 
         shapes = [(rows(cfg.data.prompts_per_step, g.samples_per_prompt), cfg.response_tokens)]
         if cfg.eval.every:

@@ -30,7 +30,7 @@ class GenRates:
     row_col_s: float = 0.0  # per row and cache column (attention over the context so far)
     prefill_token_s: float = 0.0  # per token of the padded prompt matrix of an admission
     send_s: float = 0.0  # per group handed to the channel
-    join_cell_s: float = 0.0  # per cache cell (row x column) copied when groups join a live batch
+    join_cell_s: float = 0.0  # per KV cell (slot x position) a prompt's prefill copies into its other samples' slots
 
     def cost(self, f: "GenFeatures") -> float:
         return (self.forward_s * f.forwards + self.row_s * f.rows + self.row_col_s * f.row_cols
@@ -121,8 +121,8 @@ def replay_engine(prompts: list[tuple[int, int, int, int]], *, max_batch_prompts
         free = max_batch_prompts - len(live)
         if waiting and free and (admission == "continuous" or not live):
             new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
-            # joining a live batch left-pads and copies its whole cache (and the newcomers')
-            cells = (sum(g[2] for g in live + [list(n) for n in new]) * max(g[1] + g[4] for g in live)) if live else 0
+            # a newcomer's prompt is prefilled once and its KV copied into its other samples' slots
+            cells = sum((g - 1) * p for _, p, g, _ in new)
             pending += GenFeatures(forwards=1, prefill_tokens=len(new) * max(p for _, p, _, _ in new), join_cells=cells)
             live += [[i, p, g, length, 0] for i, p, g, length in new]
         for group in live:

@@ -102,17 +102,20 @@ def test_nothing_on_the_decode_path_is_reallocated(tok, requests, monkeypatch):
 
 
 @pytest.mark.parametrize("numerics, dtype", [("exact", torch.bfloat16), ("default", torch.float64)])
-def test_reading_the_ends_every_k_steps_changes_no_sample(numerics, dtype, tok, requests):
+@pytest.mark.parametrize("way", ["every 5th step", "bucketed"])
+def test_reading_ends_late_or_decoding_in_buckets_changes_no_sample(way, numerics, dtype, tok, requests):
     """check_every=5: the host learns which samples ended every 5th step (an ended one feeds pads meanwhile, its
-    group is handed out up to 4 steps later): the same groups, tokens and log-probs as reading every step."""
+    group is handed out up to 4 steps later). graphs=True on CPU: the CUDA graphs' step without the capture, its
+    rows padded to a bucket with the scratch slot and its keys the store's whole length. Either way the same
+    groups, tokens and log-probs as the plain engine (exact: bit for bit)."""
     model = _ending(dtype, tok.eos_token_id)
     params = SamplingParams(n=3, max_new_tokens=20, seed=2)
 
-    def run(k):
-        eng = _engine(model, tok, max_batch_prompts=3, admission="continuous", numerics=numerics, check_every=k)
+    def run(**kw):
+        eng = _engine(model, tok, max_batch_prompts=3, admission="continuous", numerics=numerics, **kw)
         return {g.index: g for g in eng.generate(requests[:8], params, step=1)}
 
-    every, fifth = run(1), run(5)
+    every, fifth = run(), run(**({"check_every": 5} if way == "every 5th step" else {"graphs": True}))
     assert every.keys() == fifth.keys()
     for i in every:
         for a, b in zip(every[i].response_ids, fifth[i].response_ids):
@@ -125,3 +128,54 @@ def test_reading_the_ends_every_k_steps_changes_no_sample(numerics, dtype, tok, 
         assert torch.equal(every[i].finished_G, fifth[i].finished_G)
     with pytest.raises(ValueError, match="check_every must be >= 1"):
         _engine(model, tok, check_every=0)
+
+
+def test_with_graphs_the_next_call_decodes_in_the_same_slots(tok, requests):
+    """graphs=True: the engine keeps a call's slots (and their captured steps) for the next call of the same shape;
+    a call then gives what a fresh engine gives, and a stream that starts while another holds them gets its own."""
+    model = _ending(torch.float64, tok.eos_token_id)
+    params = SamplingParams(n=2, max_new_tokens=12, seed=3)
+    eng = _engine(model, tok, max_batch_prompts=3, admission="continuous", graphs=True)
+    first = [g.index for g in eng.generate(requests[:6], params, step=0)]
+    kept = eng._kept[1]
+    again = {g.index: g for g in eng.generate(requests[6:12], params, step=1)}
+    assert eng._kept[1] is kept and first
+    fresh = {g.index: g for g in _engine(model, tok, max_batch_prompts=3, admission="continuous", graphs=True)
+             .generate(requests[6:12], params, step=1)}
+    assert all(torch.equal(a, b) for i in fresh for a, b in zip(fresh[i].response_ids, again[i].response_ids))
+    one, two = eng.generate(requests[:6], params, step=0), eng.generate(requests[:6], params, step=0)
+    a, b = next(one), next(two)  # both streams under way: the second has slots of its own
+    assert torch.equal(a.response_ids[0], b.response_ids[0]) and eng._kept[1] is not kept
+    assert len(list(one)) == len(list(two)) == 5
+    eng.release()
+    assert eng._kept is None
+
+
+def test_buckets():
+    from executors.generator.graphs import bucket
+
+    assert [bucket(n) for n in (1, 2, 3, 5, 16, 17, 1000, 1025)] == [1, 2, 4, 8, 16, 32, 1024, 2048]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_sliding_window_layers_decode_as_the_model_computes_them(family):
+    """A window of 3 positions, shorter than every prompt and response: the slots' attention limits a sliding
+    layer's keys by position, so the engine's log-probs equal the model's own forward over prompt + response
+    (transformers' sliding-window mask), sample by sample (that the window changes them: tests/test_packing.py)."""
+    from tests.test_packing import _sliding
+
+    model = _sliding(family, 3)
+    g = torch.Generator().manual_seed(0)
+    reqs = [PromptRequest(index=i, prompt_ids=torch.randint(1, 96, (n,), generator=g).tolist())
+            for i, n in enumerate((6, 9, 7, 8))]
+    params = SamplingParams(n=3, max_new_tokens=10, seed=5)
+    eng = NativeEngine(model, eos_token_id=95, pad_token_id=0, max_batch_prompts=2, admission="continuous")
+    groups = list(eng.generate(reqs, params, step=0))
+    assert len(groups) == 4
+    with torch.no_grad():
+        for grp in groups:
+            P = len(grp.prompt_ids_P)
+            for resp, logp in zip(grp.response_ids, grp.logprobs):
+                logits_TV = model(torch.cat([grp.prompt_ids_P, resp])[None]).logits[0, P - 1:-1]
+                ref = torch.log_softmax(logits_TV.float(), -1).gather(-1, resp[:, None])[:, 0]
+                torch.testing.assert_close(logp, ref, **LOGP_OF_FLOAT64)

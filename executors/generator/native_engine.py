@@ -26,7 +26,8 @@ import torch
 
 from executors.generator.contract import (GroupCompletion, PromptRequest, Resume, SamplingParams, Turns,
                                           room_for_a_turn)
-from executors.generator.routing import recorder_for
+from executors.generator.graphs import DecodeGraphs
+from executors.generator.routing import NO_ROUTING, recorder_for
 from executors.generator.sampling import sample_seed
 from executors.generator.slots import Slots
 
@@ -39,13 +40,15 @@ ADMISSIONS = ("continuous", "chunked")
 class NativeEngine:
     def __init__(self, model: transformers.PreTrainedModel, *, eos_token_id: int, pad_token_id: int,
                  max_batch_prompts: int = 16, admission: str = "chunked", routing=None, numerics: str = "default",
-                 check_every: int | None = None):
+                 check_every: int | None = None, graphs: bool | None = None):
         """routing: the recorder of an MoE model's routing (executors/generator/routing.py); None: the
         model's own (recorder_for), NO_ROUTING for a dense one. numerics: "exact" runs the model's products
         and attention batch-invariant (modeling/numerics.py), as the trainer does under model.numerics=exact.
         check_every: decode steps between the host's reads of which samples ended (single-turn): on a CPU a
         read costs nothing and 1 hands a group out the step it ends; on an accelerator each read waits for the
-        device, so it reads every 8th step (an ended sample feeds pads until then; the samples are the same)."""
+        device, so it reads every 8th step (an ended sample feeds pads until then; the samples are the same).
+        graphs: decode single-turn steps in batch-size buckets (executors/generator/graphs.py), captured as CUDA
+        graphs on a CUDA device where the step can be (default numerics, no routing record); None: on CUDA."""
         if max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts must be >= 1, got {max_batch_prompts}")
         if check_every is not None and check_every < 1:
@@ -53,8 +56,8 @@ class NativeEngine:
         if admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
         self.model = model.eval()
-        # a bf16 model's logits in float32, and its attention in float32, as the trainer computes them
-        # (training/head.py, training/packed_attention.py: off a packed row its attention is SDPA's)
+        # a bf16 model's logits in float32 (modeling/head.py), as the trainer computes them; its attention is the
+        # slots' while it decodes (modeling/slot_attention.py: in float32 on a CPU, as the trainer's)
         from modeling.head import Fp32Head  # DTensor: loaded on the generator's ranks only
 
         self._fp32_head = Fp32Head.install(model)
@@ -70,6 +73,8 @@ class NativeEngine:
         self.max_batch_prompts = max_batch_prompts
         self.admission = admission
         self.check_every = check_every or (1 if self.device.type == "cpu" else 8)
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self._kept: tuple[tuple, Slots, DecodeGraphs] | None = None  # with graphs: the slots a call leaves
 
     @property
     def device(self) -> torch.device:
@@ -93,8 +98,9 @@ class NativeEngine:
             self._fp32_head.refresh()
 
     def release(self) -> None:
-        """Nothing to give back: the KV cache lives only within a `generate` call, and the executors
-        that time-share this device allocate from the same process's caching allocator."""
+        """The KV cache lives within a `generate` call, but with graphs the engine keeps the last call's slots
+        (their captured steps): dropped here, so the executors that time-share this device can allocate it."""
+        self._kept = None
 
     def wake(self) -> None:
         pass
@@ -124,15 +130,46 @@ class NativeEngine:
         waiting = [(r.index, p, r.resume) for r, p in zip(requests, prompts)]
         return self._stream(waiting, params, step, stop, turns, budget)  # validated now, not at the first next()
 
+    def _slots(self, params: SamplingParams, *, groups: int, length: int, response: int,
+               graphs: bool) -> tuple[Slots, DecodeGraphs | None]:
+        """A call's slots (every group the admission can hold at once, each sample as long as its prompt and
+        response): fresh ones, or with graphs the ones the last call left where their shape and sampling are the
+        same and no other stream holds them, so their captured steps replay (a step's prompts vary: the store's
+        length then goes in multiples of 128)."""
+        if not graphs:
+            return Slots(self, params, slots=groups * params.n, length=length, response=response), None
+        length = -(-length // 128) * 128
+        key = (groups * params.n, length, response, params.temperature, params.top_p, params.top_k)
+        if self._kept is None or self._kept[0] != key or self._kept[1].busy:
+            slots = Slots(self, params, slots=groups * params.n, length=length, response=response)
+            capture = self.device.type == "cuda" and not self.exact and self.routing is NO_ROUTING
+            self._kept = (key, slots, DecodeGraphs(slots, capture=capture))
+        _, slots, decode_graphs = self._kept
+        slots.reset(params)
+        return slots, decode_graphs
+
     def _stream(self, waiting, params, step, stop, turns, budget) -> Iterator[GroupCompletion]:
-        # the slots: every group the admission can hold at once, each sample as long as its prompt and response
+        if not waiting:
+            return
         longest = max(p.numel() for _, p, _ in waiting)
         groups = min(len(waiting), self.max_batch_prompts)
         if turns is None:
-            driver = _Single(self, params, step, budget, groups=groups, longest=longest)
+            driver = _Single(self, params, step, budget, *self._slots(
+                params, groups=groups, length=longest + params.max_new_tokens, response=params.max_new_tokens,
+                graphs=self.graphs))
         else:  # waiting samples keep their slots: room for as many groups again (admission waits for slots)
-            driver = _MultiTurn(self, params, step, turns, groups=min(len(waiting), 2 * groups), longest=longest)
-        waiting = collections.deque(waiting)
+            groups = min(len(waiting), 2 * groups)
+            slots, _ = self._slots(params, groups=groups, length=longest + turns.max_total_tokens,
+                                   response=turns.max_total_tokens, graphs=False)
+            driver = _MultiTurn(self, params, step, turns, slots)
+        try:
+            yield from self._run(driver, collections.deque(waiting), stop)
+        finally:
+            driver.slots.busy = False  # kept slots may serve the next call
+        if turns is not None and stop():
+            turns.abandon()  # the environment calls in flight are dropped with the step
+
+    def _run(self, driver: "_Driver", waiting: collections.deque, stop: Callable[[], bool]) -> Iterator[GroupCompletion]:
         while (waiting or driver.live) and not stop():
             # continuous: a finished group's slots take the next prompt at once (under turns, so may a group whose
             # samples all wait for the environment); chunked: the next max_batch_prompts prompts start when the
@@ -143,18 +180,15 @@ class NativeEngine:
             # Yield outside inference_mode: the caller (a trainer in the same thread) runs between
             # yields and must not inherit it; the yielded tensors are plain copies.
             yield from driver.advance()
-        if turns is not None and stop():
-            turns.abandon()  # the environment calls in flight are dropped with the step
 
 
 class _Driver:
     """What both drivers share: the slots, the groups that hold them (in admission order) and a fresh group's
     admission (its prompt prefilled once, its KV shared by its G samples)."""
 
-    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, *, groups: int, longest: int,
-                 response: int):
+    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, slots: Slots):
         self.engine, self.params, self.step, self.G = engine, params, step, params.n
-        self.slots = Slots(engine, params, slots=groups * params.n, length=longest + response, response=response)
+        self.slots = slots
         self.groups: dict[int, tuple[torch.Tensor, list[int]]] = {}  # prompt index -> (prompt ids, its G slots)
         self.keys: dict[int, tuple[int, int]] = {}  # slot -> (prompt index, sample)
         self.decoding: list[int] = []  # the slots that decode, in order
@@ -223,10 +257,10 @@ class _Single(_Driver):
     """Single-turn groups: each sample decodes until EOS, max_new_tokens or the call's budget (partial rollouts:
     a group whose samples have not all ended by then comes back `cut`)."""
 
-    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, budget: int | None, *, groups: int,
-                 longest: int):
-        super().__init__(engine, params, step, groups=groups, longest=longest, response=params.max_new_tokens)
-        self.budget, self.steps = budget, 0
+    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, budget: int | None, slots: Slots,
+                 graphs: DecodeGraphs | None):
+        super().__init__(engine, params, step, slots)
+        self.budget, self.steps, self.graphs = budget, 0, graphs
         self.routing.start(whole_single_turn=budget is None, max_new_tokens=params.max_new_tokens)
 
     def room(self) -> int:
@@ -281,7 +315,8 @@ class _Single(_Driver):
             yield self._completion(index, finished_G=eos_G.clone(), loss_masks=False, cut=cut)
         if self.decoding:
             with torch.inference_mode():
-                fed_B = self.slots.decode(self.decoding, self.rows_B)
+                fed_B = (self.graphs.decode(self.decoding) if self.graphs is not None else
+                         self.slots.decode(self.decoding, self.rows_B))
                 # a row that fed its newest token: that token's experts
                 self.routing.decoded([self.keys[s] for s in self.decoding], fed_B=fed_B,
                                      t_B=self.slots.len_N[self.rows_B])
@@ -295,9 +330,8 @@ class _MultiTurn(_Driver):
     whose episode is over stops for good; its group is handed out when all G are. With model.numerics=exact a
     sample's tokens and log-probs do not depend on the samples around it or when its answer returns."""
 
-    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, turns: Turns, *, groups: int,
-                 longest: int):
-        super().__init__(engine, params, step, groups=groups, longest=longest, response=turns.max_total_tokens)
+    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, turns: Turns, slots: Slots):
+        super().__init__(engine, params, step, slots)
         self.turns, self.T = turns, turns.max_total_tokens
         self.routing.start(whole_single_turn=False, max_new_tokens=params.max_new_tokens)
         self.away: dict[tuple[int, int], tuple[int, int]] = {}  # (index, sample) -> (slot, its turn's last token)

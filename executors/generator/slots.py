@@ -26,18 +26,28 @@ class Slots:
         tokens a sample writes (with turns: its observations too)."""
         dev, self.engine, self.params = engine.device, engine, params
         self.N, self.T, self.S = slots, response, length
-        self.store = SlotStore(slots=slots, length=length, exact=engine.exact)
+        # one slot more than the samples': the scratch slot, which a batch padded to its bucket fills
+        # (executors/generator/graphs.py); it has always ended, so it writes nothing and feeds pads
+        self.scratch = slots
+        self.store = SlotStore(slots=slots + 1, length=length, exact=engine.exact)
 
         def zeros(dtype=torch.long, *shape):
-            return torch.zeros(slots, *shape, dtype=dtype, device=dev)
+            return torch.zeros(slots + 1, *shape, dtype=dtype, device=dev)
 
         self.seed_N, self.pos_N, self.len_N, self.stop_N = zeros(), zeros(), zeros(), zeros()
         self.eos_N, self.ended_N = zeros(torch.bool), zeros(torch.bool)
         self.tokens_NT = torch.full((slots, response), engine.pad_token_id, dtype=torch.long, device=dev)
         self.logp_NT, self.sampled_NT = zeros(torch.float32, response), zeros(torch.bool, response)
         self.next_tok_N, self.next_logp_N = zeros(), zeros(torch.float32)
-        self.hpos = np.zeros(slots, dtype=np.int64)
+        self.ended_N[self.scratch] = True
+        self.hpos = np.zeros(slots + 1, dtype=np.int64)
         self.free: list[int] = list(range(slots))
+        self.busy = True  # a stream decodes in them
+
+    def reset(self, params) -> None:
+        """Every slot free again, for the next call (a slot's state is set when a sample takes it)."""
+        self.params, self.free, self.busy = params, list(range(self.N)), True
+        self.hpos[:] = 0
 
     def take(self, n: int) -> list[int]:
         taken, self.free = self.free[:n], self.free[n:]
@@ -85,8 +95,8 @@ class Slots:
         return self._run(rows, ids_BW.to(dev), pos_BW.to(dev), width=int(self.hpos[slots].max()), slots=slots)
 
     def _run(self, rows_B: torch.Tensor, ids_BW: torch.Tensor, pos_BW: torch.Tensor, *, width: int,
-             slots: list[int]) -> torch.Tensor:
-        span = (slots[0], slots[-1] + 1) if slots == list(range(slots[0], slots[-1] + 1)) else None
+             slots: list[int] | None) -> torch.Tensor:
+        span = (slots[0], slots[-1] + 1) if slots and slots == list(range(slots[0], slots[-1] + 1)) else None
         fwd = SlotForward(self.store, rows_B, pos_BW, width=width, span=span)
         model = self.engine.model
         # the slots' attention for this forward only: the model is the engine's, but a caller (a test's reference,
@@ -133,13 +143,20 @@ class Slots:
         return ended_B
 
     def decode(self, slots: list[int], rows_B: torch.Tensor) -> torch.Tensor:
-        """Feed each row its newest token (a pad where it has ended) at its next position; then sample the next."""
+        """Feed each row its newest token (a pad where it has ended) at its next position; then sample the next.
+        Returns fed_B: the rows that fed a token."""
+        self.hpos[slots] += 1
+        # an ended row fed pads past the store until the host read its end (check_every): no live query is there
+        return self.decode_on_device(rows_B, width=min(int(self.hpos[slots].max()), self.S), slots=slots)
+
+    def decode_on_device(self, rows_B: torch.Tensor, *, width: int, slots: list[int] | None = None) -> torch.Tensor:
+        """decode's device work alone: fixed shapes for fixed rows_B and width, no read of the device (what a
+        CUDA graph captures, executors/generator/graphs.py)."""
         fed_B = ~self.ended_N[rows_B]
         ids_B1 = torch.where(fed_B, self.next_tok_N[rows_B], self.engine.pad_token_id)[:, None]
         pos_B1 = self.pos_N[rows_B][:, None]
         self.pos_N[rows_B] += 1
-        self.hpos[slots] += 1
-        logits_BV = self._run(rows_B, ids_B1, pos_B1, width=int(self.hpos[slots].max()), slots=slots)
+        logits_BV = self._run(rows_B, ids_B1, pos_B1, width=width, slots=slots)
         self.sample(rows_B, logits_BV)
         return fed_B
 
