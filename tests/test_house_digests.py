@@ -5,7 +5,10 @@ and weights re-recorded once when the sampler changed its draws, issue 43: one u
 Gumbel noise over the vocabulary; the final weights once more when float32 accumulation in index order
 became the default and the optimizer step fused AdamW, issue 43: rollouts and evaluation unchanged; the
 recorded keys are 370baf3's; `kernels`, the instruction set they were recorded with, added when the suite ran
-with the libraries held to AVX2). Every metrics
+with the libraries held to AVX2; reinforce_pp_passes' final weights once more when the native engine moved to fixed
+slots, issue 55: its attention reads a sample's keys in place, over another key length than a left-padded
+cache's, so the engine's float32 log-probs round otherwise in their last bits, and that run puts the KL into the
+reward from them, `algorithms/kl.py` kl_penalised_rewards; every rollout and evaluation unchanged). Every metrics
 key of those rows is still written, under its executor's name now (the recorded rows had flat names),
 but for a null one."""
 from __future__ import annotations
