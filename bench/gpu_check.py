@@ -16,8 +16,9 @@ The parts, in order:
   decode     per shape: the native engine's tokens/s at 1, 16 and 256 rows against HF `generate` at the
              same rows (bf16 weights; random-init models of Qwen2.5-0.5B's and Qwen3-4B's shapes), and
              with model.numerics=exact at 1 and 16 rows (its time a token against the default's)
-  train      per shape: a trainer micro-step (forward + backward of the policy over one packed group,
-             bf16 compute, the trainer's chunked fp32 head): tokens/s and the device's peak memory
+  train      per shape: a trainer micro-step (forward + backward of the policy over one packed group of 4k and
+             of 16k tokens, bf16 compute, the trainer's chunked fp32 head, activation checkpointing off and on):
+             tokens/s, MFU against the device's dense bf16 peak, and the device's peak memory
   colocated  the embedded-task GRPO job co-located (sync), bf16 with fp32 masters, on the 0.5B shape:
              step, generate, train and push seconds, train tokens/s, the offload/onload spans, the engine/
              trainer log-prob gap, and the step's peak device memory against --dry-run's estimate
@@ -141,40 +142,69 @@ def part_decode(shape: str, device: torch.device, *, tiny: bool) -> list[dict]:
     return rows
 
 
+# dense bf16 peak of a device, TFLOP/s (the vendors' sheets, without sparsity): what MFU divides by
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0, "L40S": 362.1}
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
 def part_train(shape: str, device: torch.device, *, tiny: bool) -> list[dict]:
-    """One group (a 32-token prompt, 16 responses of 64 tokens) through the trainer's micro-step: the
-    shared-prompt packed row, the policy's forward with the chunked fp32 head, the backward."""
+    """One group through the trainer's micro-step at a realistic token budget: a 32-token prompt and 16
+    responses filling 4k and 16k tokens (the stand-in: 64 and 256), the shared-prompt packed row, the policy's
+    forward with the chunked fp32 head, the backward; activation checkpointing off and on. MFU: model FLOPs
+    (6 x parameters x tokens, the usual count: a checkpointed forward's recompute is not counted) over the
+    device's dense bf16 peak."""
     import transformers
 
     from modeling.packing import pack_group
+    from modeling.parallel.ac import apply_ac
 
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config_of(shape, tiny=tiny), dtype=torch.bfloat16,
                                                               attn_implementation="sdpa")
     model.train()
-    vocab, G, R = model.config.vocab_size, 16, 8 if tiny else 64
+    vocab, G = model.config.vocab_size, 16
+    params = sum(p.numel() for p in model.parameters())
+    peak = peak_tflops(device)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (PROMPT_TOKENS,), generator=gen)
-    responses = [torch.randint(0, vocab, (R,), generator=gen) for _ in range(G)]
-    mbs = pack_group(prompt, responses, token_budget=10 ** 6, pad_id=0, device=device, shared_prompt=True)
+    rows = []
+    groups = []
+    for budget in ((64, 256) if tiny else (4096, 16384)):
+        R = (budget - PROMPT_TOKENS) // G
+        responses = [torch.randint(0, vocab, (R,), generator=gen) for _ in range(G)]
+        groups.append(pack_group(prompt, responses, token_budget=10 ** 7, pad_id=0, device=device, shared_prompt=True))
+    for checkpointing in (False, True):
+        if checkpointing:
+            apply_ac(model)  # the trainer's: every decoder layer keeps only its inputs
+        for mbs in groups:
+            tokens = sum(mb.tokens for mb in mbs)
 
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        sum(mb.logprobs(model, temperature=1.0).sum() for mb in mbs).backward()
-        _sync(device)
+            def step() -> None:
+                model.zero_grad(set_to_none=True)
+                sum(mb.logprobs(model, temperature=1.0).sum() for mb in mbs).backward()
+                _sync(device)
 
-    step()  # warm-up
-    if device.type != "cpu":
-        getattr(torch, device.type).reset_peak_memory_stats(device)
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    tokens = sum(mb.tokens for mb in mbs)
-    peak = getattr(torch, device.type).max_memory_allocated(device) / 1e9 if device.type != "cpu" else None
-    return [{"shape": shape, "tokens per micro-step": tokens, "micro-step s (median of 3)": statistics.median(times),
-             "train tok/s": tokens / statistics.median(times), "peak GB": peak}]
+            step()  # warm-up
+            if device.type != "cpu":
+                getattr(torch, device.type).reset_peak_memory_stats(device)
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            s = statistics.median(times)
+            rows.append({"shape": shape, "tokens per micro-step": tokens, "checkpointing": checkpointing,
+                         "micro-step s (median of 3)": s, "train tok/s": tokens / s,
+                         "MFU": 6 * params * tokens / s / (peak * 1e12) if peak else None,
+                         "peak GB": getattr(torch, device.type).max_memory_allocated(device) / 1e9
+                         if device.type != "cpu" else None})
+    return rows
 
 
 PARTS = {"decode": part_decode, "train": part_train}
@@ -431,7 +461,7 @@ def main() -> int:
     section(report, "environment", lambda: environment(device))
     if "suite" in chosen:
         section(report, "suite: tests_gpu", lambda: suite(report, clock, stand_in=tiny))
-    for part, want in (("decode", {"qwen2.5-0.5b": 80, "qwen3-4b": 110}), ("train", {"qwen2.5-0.5b": 40, "qwen3-4b": 60})):
+    for part, want in (("decode", {"qwen2.5-0.5b": 80, "qwen3-4b": 110}), ("train", {"qwen2.5-0.5b": 60, "qwen3-4b": 100})):
         for shape, seconds in want.items() if part in chosen else ():
             section(report, f"{part}: {shape}", lambda: measured(part, shape, report, clock, want=seconds))
     with tempfile.TemporaryDirectory() as tmp:

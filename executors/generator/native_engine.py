@@ -163,13 +163,14 @@ class NativeEngine:
                                    response=turns.max_total_tokens, graphs=False)
             driver = _MultiTurn(self, params, step, turns, slots)
         try:
-            yield from self._run(driver, collections.deque(waiting), stop)
+            yield from self._schedule(driver, collections.deque(waiting), stop)
         finally:
             driver.slots.busy = False  # kept slots may serve the next call
         if turns is not None and stop():
             turns.abandon()  # the environment calls in flight are dropped with the step
 
-    def _run(self, driver: "_Driver", waiting: collections.deque, stop: Callable[[], bool]) -> Iterator[GroupCompletion]:
+    def _schedule(self, driver: "_Driver", waiting: collections.deque,
+                  stop: Callable[[], bool]) -> Iterator[GroupCompletion]:
         while (waiting or driver.live) and not stop():
             # continuous: a finished group's slots take the next prompt at once (under turns, so may a group whose
             # samples all wait for the environment); chunked: the next max_batch_prompts prompts start when the
@@ -239,13 +240,13 @@ class _Driver:
         if G > 1:
             self.slots.share([slots[0] for slots in held for _ in range(G - 1)], [s for slots in held for s in slots[1:]],
                              columns=max(len(prompt) for _, prompt in prompts))
-        self.slots.sample(self.slots._rows(flat), logits_CV.repeat_interleave(G, dim=0))
+        self.slots.sample(self.slots.rows_of(flat), logits_CV.repeat_interleave(G, dim=0))
         return flat
 
     def _completion(self, index: int, *, finished_G: torch.Tensor, loss_masks: bool, cut: bool) -> GroupCompletion:
         """A finished group copied out (outside inference mode: plain tensors for the consumer); its slots are free."""
-        prompt, slots = self._release(index)
-        outs = [self.slots.copy_out(s) for s in slots]
+        outs = [self.slots.copy_out(s) for s in self.groups[index][1]]
+        prompt, _ = self._release(index)
         lengths = [len(ids) for ids, _, _ in outs]
         return GroupCompletion(index=index, prompt_ids_P=prompt.clone(), response_ids=[ids for ids, _, _ in outs],
                                logprobs=[logp for _, logp, _ in outs], finished_G=finished_G,
@@ -293,7 +294,7 @@ class _Single(_Driver):
         if decode:
             resumes = {i: res for i, _, res in prompts}
             chunks = [torch.cat([self.groups[i][0], resumes[i].response_ids[j]]) for i, j in map(self.keys.get, decode)]
-            self.slots.sample(self.slots._rows(decode), self.slots.forward(decode, chunks))
+            self.slots.sample(self.slots.rows_of(decode), self.slots.forward(decode, chunks))
         return decode
 
     def advance(self) -> Iterator[GroupCompletion]:

@@ -57,13 +57,13 @@ class Slots:
     def give_back(self, slots: list[int]) -> None:
         self.free = sorted(self.free + slots)
 
-    def _rows(self, slots: list[int]) -> torch.Tensor:
+    def rows_of(self, slots: list[int]) -> torch.Tensor:
         return torch.tensor(slots, dtype=torch.long, device=self.engine.device)
 
     def start(self, slots: list[int], *, seeds: list[int], stop: list[int], written: list[tuple] | None = None) -> None:
         """Fresh samples in `slots` (their positions from 0; written: each one's (tokens, log-probs, ended) so far,
         a resumed sample's)."""
-        rows = self._rows(slots)
+        rows = self.rows_of(slots)
         dev = self.engine.device
         self.seed_N[rows] = torch.tensor(seeds, device=dev)
         self.stop_N[rows] = torch.tensor(stop, device=dev)
@@ -90,7 +90,7 @@ class Slots:
             pos_BW[b, W - n:] = torch.arange(self.hpos[s], self.hpos[s] + n)
             self.hpos[s] += n
         dev = self.engine.device
-        rows = self._rows(slots)
+        rows = self.rows_of(slots)
         self.pos_N[rows] = torch.as_tensor(self.hpos[slots], device=dev)
         return self._run(rows, ids_BW.to(dev), pos_BW.to(dev), width=int(self.hpos[slots].max()), slots=slots)
 
@@ -113,7 +113,7 @@ class Slots:
 
     def share(self, src: list[int], dst: list[int], *, columns: int) -> None:
         """Slots dst[c] take what src[c] has fed (its first `columns` positions): a prompt's samples share its prefill."""
-        src_C, dst_C = self._rows(src), self._rows(dst)
+        src_C, dst_C = self.rows_of(src), self.rows_of(dst)
         self.store.share(src_C, dst_C, columns=columns)
         self.pos_N[dst_C] = self.pos_N[src_C]
         self.hpos[dst] = self.hpos[src]
