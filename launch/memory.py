@@ -280,6 +280,8 @@ def generator_parts(cfg: RunConfig, m: Shape) -> dict[str, float]:
         if cfg.eval.every:
             shapes.append((rows(cfg.eval.prompts, cfg.eval.samples), cfg.eval.max_new_tokens or g.max_new_tokens))
         row_tokens = max(n * (cfg.data.max_prompt_tokens + new) for n, new in shapes)
+        if g.kv_budget_tokens is not None:  # the engine holds fewer groups at once rather than exceed it
+            row_tokens = min(row_tokens, g.kv_budget_tokens)
         parts["KV cache"] = row_tokens * m.layers * 2 * m.kv_width * dtype / g.tp
     return parts
 

@@ -240,3 +240,19 @@ def test_the_pipeline_presets_place_and_fit(preset, size, world, tmp_path, monke
     util = cfg.generator.vllm.gpu_memory_utilization
     push = float(generator.split("push buffer ")[1].split()[0])
     assert util * 141 + push < 141, generator
+
+
+def test_a_kv_budget_bounds_the_estimated_kv_cache():
+    """generator.kv_budget_tokens: the estimate's KV cache is the budget's positions, not the slots' (the engine
+    holds fewer groups at once rather than exceed it); a budget above the slots' leaves it as it was."""
+    from launch.memory import generator_parts
+
+    shape = Shape.from_fields(SMOLLM2)
+    base = dict(samples_per_prompt=4, max_new_tokens=64, max_batch_prompts=4)
+    cfg = small_config(data={"prompts_per_step": 8, "max_prompt_tokens": 64}, generator=base)
+    kv = generator_parts(cfg, shape)["KV cache"]
+    assert kv == 16 * 128 * shape.layers * 2 * shape.kv_width * 4  # 16 slots x 128 positions, fp32
+    for budget, want in ((512, kv / 4), (10 ** 6, kv)):
+        cfg = small_config(data={"prompts_per_step": 8, "max_prompt_tokens": 64},
+                           generator={**base, "kv_budget_tokens": budget})
+        assert generator_parts(cfg, shape)["KV cache"] == want

@@ -179,3 +179,33 @@ def test_sliding_window_layers_decode_as_the_model_computes_them(family):
                 logits_TV = model(torch.cat([grp.prompt_ids_P, resp])[None]).logits[0, P - 1:-1]
                 ref = torch.log_softmax(logits_TV.float(), -1).gather(-1, resp[:, None])[:, 0]
                 torch.testing.assert_close(logp, ref, **LOGP_OF_FLOAT64)
+
+
+class _Sized(Slots):
+    sizes: list = []
+
+    def __init__(self, engine, params, *, slots, length, response):
+        type(self).sizes.append((slots, length))
+        super().__init__(engine, params, slots=slots, length=length, response=response)
+
+
+def test_a_kv_budget_bounds_the_slots_and_admission_waits_for_them(tok, requests, monkeypatch):
+    """kv_budget_tokens for two slots (one group of G=2): four prompts decode one group at a time, in order, into
+    a store of at most the budget's positions, with the samples the unbounded engine gives; a budget that holds
+    no group is refused, naming the setting."""
+    monkeypatch.setattr(native_engine, "Slots", _Sized)
+    model = _ending(torch.float64, tok.eos_token_id)
+    params = SamplingParams(n=2, max_new_tokens=10, seed=6)
+    reqs = requests[:4]
+    length = max(len(r.prompt_ids) for r in reqs) + params.max_new_tokens
+    _Sized.sizes = []
+    bounded = list(_engine(model, tok, max_batch_prompts=4, admission="continuous",
+                           kv_budget_tokens=2 * length + 1).generate(reqs, params, step=0))
+    assert _Sized.sizes == [(2, length)]
+    assert [g.index for g in bounded] == [0, 1, 2, 3]  # one group at a time: they leave in admission order
+    free = {g.index: g for g in _engine(model, tok, max_batch_prompts=4).generate(reqs, params, step=0)}
+    assert _Sized.sizes[1] == (8, length)
+    for g in bounded:
+        assert all(torch.equal(a, b) for a, b in zip(g.response_ids, free[g.index].response_ids))
+    with pytest.raises(ValueError, match=r"generator.kv_budget_tokens=10 holds no group: one group is 2 samples"):
+        _engine(model, tok, kv_budget_tokens=10).generate(reqs, params, step=0)

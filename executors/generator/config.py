@@ -75,6 +75,10 @@ class GeneratorConfig(BaseModel):
     max_batch_prompts: int = Field(2, ge=1, description="prompt groups the native engine decodes at once; with a "
                                    "model.path: waves of ~16 sample rows (CPU, at least 2 per replica) or ~256 "
                                    "(GPU/NPU), so that groups leave while the trainer works")
+    kv_budget_tokens: int | None = Field(
+        None, ge=1, description="native engine: the most KV positions (slots x each slot's length: the longest prompt "
+        "+ max_new_tokens, or + multi_turn.max_total_tokens) a replica's engine may hold; fewer groups then decode at "
+        "once and admission waits for their slots (same samples). None: max_batch_prompts' groups")
     admission: Literal["chunked", "continuous"] = Field(
         "continuous", description="native engine: chunked: the next max_batch_prompts prompts start when all are "
         "done; continuous: a finished group's slot takes the next prompt at once. Same samples either way")

@@ -40,7 +40,7 @@ ADMISSIONS = ("continuous", "chunked")
 class NativeEngine:
     def __init__(self, model: transformers.PreTrainedModel, *, eos_token_id: int, pad_token_id: int,
                  max_batch_prompts: int = 16, admission: str = "chunked", routing=None, numerics: str = "default",
-                 check_every: int | None = None, graphs: bool | None = None):
+                 check_every: int | None = None, graphs: bool | None = None, kv_budget_tokens: int | None = None):
         """routing: the recorder of an MoE model's routing (executors/generator/routing.py); None: the
         model's own (recorder_for), NO_ROUTING for a dense one. numerics: "exact" runs the model's products
         and attention batch-invariant (modeling/numerics.py), as the trainer does under model.numerics=exact.
@@ -48,7 +48,9 @@ class NativeEngine:
         read costs nothing and 1 hands a group out the step it ends; on an accelerator each read waits for the
         device, so it reads every 8th step (an ended sample feeds pads until then; the samples are the same).
         graphs: decode single-turn steps in batch-size buckets (executors/generator/graphs.py), captured as CUDA
-        graphs on a CUDA device where the step can be (default numerics, no routing record); None: on CUDA."""
+        graphs on a CUDA device where the step can be (default numerics, no routing record); None: on CUDA.
+        kv_budget_tokens: the most KV positions (slots x their length) a call's store may hold: fewer groups decode
+        at once, and admission waits for their slots (generator.kv_budget_tokens)."""
         if max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts must be >= 1, got {max_batch_prompts}")
         if check_every is not None and check_every < 1:
@@ -74,6 +76,7 @@ class NativeEngine:
         self.admission = admission
         self.check_every = check_every or (1 if self.device.type == "cpu" else 8)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.kv_budget_tokens = kv_budget_tokens
         self._kept: tuple[tuple, Slots, DecodeGraphs] | None = None  # with graphs: the slots a call leaves
 
     @property
@@ -128,17 +131,38 @@ class NativeEngine:
         if any(p.numel() == 0 for p in prompts):
             raise ValueError("empty prompt")
         waiting = [(r.index, p, r.resume) for r, p in zip(requests, prompts)]
-        return self._stream(waiting, params, step, stop, turns, budget)  # validated now, not at the first next()
+        if not waiting:
+            return iter(())
+        # the slots: every group the admission may hold at once, each sample as long as its prompt and response (with
+        # graphs in multiples of 128, so that the next call, whose prompts differ, finds the same store)
+        response = params.max_new_tokens if turns is None else turns.max_total_tokens
+        length = max(p.numel() for p in prompts) + response
+        graphs = self.graphs and turns is None
+        if graphs:
+            length = -(-length // 128) * 128
+        # multi-turn: waiting samples keep their slots, so room for as many groups again (admission waits for slots)
+        groups = min(len(waiting), self.max_batch_prompts * (1 if turns is None else 2),
+                     self._budgeted_groups(params.n, length))
+        slots, decode_graphs = self._slots(params, groups=groups, length=length, response=response, graphs=graphs)
+        return self._stream(waiting, params, step, stop, turns, budget, slots, decode_graphs)  # validated now
+
+    def _budgeted_groups(self, samples: int, length: int) -> int:
+        """The groups whose slots fit kv_budget_tokens (a call with one group that does not fit is refused)."""
+        if self.kv_budget_tokens is None:
+            return self.max_batch_prompts * 2
+        groups = self.kv_budget_tokens // (samples * length)
+        if groups < 1:
+            raise ValueError(f"generator.kv_budget_tokens={self.kv_budget_tokens} holds no group: one group is "
+                             f"{samples} samples x {length} positions (its longest prompt and response) = "
+                             f"{samples * length}")
+        return groups
 
     def _slots(self, params: SamplingParams, *, groups: int, length: int, response: int,
                graphs: bool) -> tuple[Slots, DecodeGraphs | None]:
-        """A call's slots (every group the admission can hold at once, each sample as long as its prompt and
-        response): fresh ones, or with graphs the ones the last call left where their shape and sampling are the
-        same and no other stream holds them, so their captured steps replay (a step's prompts vary: the store's
-        length then goes in multiples of 128)."""
+        """A call's slots: fresh ones, or with graphs the ones the last call left where their shape and sampling are
+        the same and no other stream holds them, so their captured steps replay."""
         if not graphs:
             return Slots(self, params, slots=groups * params.n, length=length, response=response), None
-        length = -(-length // 128) * 128
         key = (groups * params.n, length, response, params.temperature, params.top_p, params.top_k)
         if self._kept is None or self._kept[0] != key or self._kept[1].busy:
             slots = Slots(self, params, slots=groups * params.n, length=length, response=response)
@@ -148,19 +172,10 @@ class NativeEngine:
         slots.reset(params)
         return slots, decode_graphs
 
-    def _stream(self, waiting, params, step, stop, turns, budget) -> Iterator[GroupCompletion]:
-        if not waiting:
-            return
-        longest = max(p.numel() for _, p, _ in waiting)
-        groups = min(len(waiting), self.max_batch_prompts)
+    def _stream(self, waiting, params, step, stop, turns, budget, slots, decode_graphs) -> Iterator[GroupCompletion]:
         if turns is None:
-            driver = _Single(self, params, step, budget, *self._slots(
-                params, groups=groups, length=longest + params.max_new_tokens, response=params.max_new_tokens,
-                graphs=self.graphs))
-        else:  # waiting samples keep their slots: room for as many groups again (admission waits for slots)
-            groups = min(len(waiting), 2 * groups)
-            slots, _ = self._slots(params, groups=groups, length=longest + turns.max_total_tokens,
-                                   response=turns.max_total_tokens, graphs=False)
+            driver = _Single(self, params, step, budget, slots, decode_graphs)
+        else:
             driver = _MultiTurn(self, params, step, turns, slots)
         try:
             yield from self._schedule(driver, collections.deque(waiting), stop)

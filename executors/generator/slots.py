@@ -36,7 +36,7 @@ class Slots:
 
         self.seed_N, self.pos_N, self.len_N, self.stop_N = zeros(), zeros(), zeros(), zeros()
         self.eos_N, self.ended_N = zeros(torch.bool), zeros(torch.bool)
-        self.tokens_NT = torch.full((slots, response), engine.pad_token_id, dtype=torch.long, device=dev)
+        self.tokens_NT = torch.full((slots + 1, response), engine.pad_token_id, dtype=torch.long, device=dev)
         self.logp_NT, self.sampled_NT = zeros(torch.float32, response), zeros(torch.bool, response)
         self.next_tok_N, self.next_logp_N = zeros(), zeros(torch.float32)
         self.ended_N[self.scratch] = True
