@@ -213,7 +213,18 @@ def check_placement(cfg: RunConfig, *, critic: bool) -> None:
 
 def check_engine(cfg: RunConfig) -> None:
     """The engine's limits, before any rank starts (executors/generator/engines.py)."""
-    ENGINES.get(cfg.generator.engine).check(cfg.generator, cfg.model.path)
+    g, engine = cfg.generator, ENGINES.get(cfg.generator.engine)
+    if g.kv_budget_tokens is not None:
+        if engine.kv_note:  # an engine that sizes its own KV cache
+            raise ValueError(f"generator.kv_budget_tokens is the native engine's; generator.engine={g.engine} sizes its "
+                             f"own: {engine.kv_note}")
+        # the longest group a step can bring: G samples of the longest prompt and response
+        need = g.samples_per_prompt * (cfg.data.max_prompt_tokens + cfg.response_tokens)
+        if g.kv_budget_tokens < need:
+            raise ValueError(f"generator.kv_budget_tokens={g.kv_budget_tokens} cannot hold one group: G="
+                             f"{g.samples_per_prompt} samples x (data.max_prompt_tokens={cfg.data.max_prompt_tokens} + "
+                             f"{cfg.response_tokens} response tokens) = {need}")
+    engine.check(g, cfg.model.path)
 
 
 def check_numerics(cfg: RunConfig) -> None:

@@ -209,3 +209,16 @@ def test_a_kv_budget_bounds_the_slots_and_admission_waits_for_them(tok, requests
         assert all(torch.equal(a, b) for a, b in zip(g.response_ids, free[g.index].response_ids))
     with pytest.raises(ValueError, match=r"generator.kv_budget_tokens=10 holds no group: one group is 2 samples"):
         _engine(model, tok, kv_budget_tokens=10).generate(reqs, params, step=0)
+
+
+def test_a_kv_budget_that_cannot_hold_a_group_is_refused_before_any_rank_starts():
+    from recipes.checks import check_engine
+    from tests.fixtures import small_config
+
+    gen = {"samples_per_prompt": 4, "max_new_tokens": 16}
+    check_engine(small_config(data={"max_prompt_tokens": 48}, generator={**gen, "kv_budget_tokens": 256}))
+    with pytest.raises(ValueError, match=r"kv_budget_tokens=255 cannot hold one group: G=4 samples x "
+                                         r"\(data.max_prompt_tokens=48 \+ 16 response tokens\) = 256"):
+        check_engine(small_config(data={"max_prompt_tokens": 48}, generator={**gen, "kv_budget_tokens": 255}))
+    with pytest.raises(ValueError, match="is the native engine's; generator.engine=vllm"):
+        check_engine(small_config(generator={**gen, "engine": "vllm", "kv_budget_tokens": 10 ** 6}))
