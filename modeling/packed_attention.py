@@ -89,13 +89,19 @@ _ACTIVE: ContextVar[PackMask | None] = ContextVar("tidal_pack_mask", default=Non
 
 
 @contextmanager
-def packed_forward(pack: PackMask):
-    """Within this block, forwards of installed models attend through `pack` (per call, thread/task-local)."""
-    token = _ACTIVE.set(pack)
+def scoped(var: ContextVar, value):
+    """`var` holds `value` within this block (per call, thread/task-local): how a forward hands its layout to the
+    attention and mask functions transformers calls (here, and the engine's slots: modeling/slot_attention.py)."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _ACTIVE.reset(token)
+        var.reset(token)
+
+
+def packed_forward(pack: PackMask):
+    """Within this block, forwards of installed models attend through `pack`."""
+    return scoped(_ACTIVE, pack)
 
 
 def active_pack() -> PackMask | None:

@@ -21,7 +21,6 @@ hands every layer the SlotForward the engine set around the call (`slot_forward`
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from modeling.exact_attention import _attend, _plan, _Seqs
+from modeling.packed_attention import scoped
 
 ATTN_NAME = "tidal_slots"
 
@@ -69,13 +69,9 @@ class SlotForward:
 _ACTIVE: ContextVar[SlotForward | None] = ContextVar("tidal_slot_forward", default=None)
 
 
-@contextmanager
 def slot_forward(fwd: SlotForward):
-    token = _ACTIVE.set(fwd)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    """Within this block, the model's forward attends over `fwd`'s slots."""
+    return scoped(_ACTIVE, fwd)
 
 
 def _mask(*args, **kwargs):

@@ -141,15 +141,14 @@ class NativeEngine:
         if graphs:
             length = -(-length // 128) * 128
         # multi-turn: waiting samples keep their slots, so room for as many groups again (admission waits for slots)
-        groups = min(len(waiting), self.max_batch_prompts * (1 if turns is None else 2),
-                     self._budgeted_groups(params.n, length))
+        groups = min(len(waiting), self.max_batch_prompts * (1 if turns is None else 2))
+        if self.kv_budget_tokens is not None:
+            groups = min(groups, self._budgeted_groups(params.n, length))
         slots, decode_graphs = self._slots(params, groups=groups, length=length, response=response, graphs=graphs)
         return self._stream(waiting, params, step, stop, turns, budget, slots, decode_graphs)  # validated now
 
     def _budgeted_groups(self, samples: int, length: int) -> int:
         """The groups whose slots fit kv_budget_tokens (a call with one group that does not fit is refused)."""
-        if self.kv_budget_tokens is None:
-            return self.max_batch_prompts * 2
         groups = self.kv_budget_tokens // (samples * length)
         if groups < 1:
             raise ValueError(f"generator.kv_budget_tokens={self.kv_budget_tokens} holds no group: one group is "
