@@ -35,8 +35,9 @@ Measured (medians over the steps after the first, then over --repeats):
 Threads: TRL one process with torch's default intra-op threads (or --trl-threads); Tidal as launched,
 its ranks pin cores // ranks threads each (controller/devices.py pin_threads; 1 each on 2 cores; the
 co-located placement is one process with every core, like TRL's).
---systems picks the Tidal runs of a round (default sync, periodic, colocated); they interleave with TRL
-(TRL, Tidal sync, Tidal periodic, Tidal co-located, TRL, ...); the load average is recorded before
+--systems picks the Tidal runs of a round (default sync, periodic, colocated, default: the plain launch,
+no placement, schedule or slot flags, whatever launch/auto.py chooses; the fixed systems leave the slots
+to it too); they interleave with TRL (TRL, Tidal sync, Tidal periodic, Tidal co-located, TRL, ...); the load average is recorded before
 and after each run. TRL is an optional bench dependency, never a test one; `make bench-trl` builds
 .venv-trl and runs the defaults:
     .venv-trl/bin/python bench/vs_trl.py [--bf16] [--steps 10] [--repeats 3]
@@ -61,9 +62,9 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ("trl", "sync", "periodic", "colocated")
+SYSTEMS = ("trl", "sync", "periodic", "colocated", "default")
 NAMES = {"trl": "TRL GRPOTrainer", "sync": "Tidal sync", "periodic": "Tidal periodic",
-         "colocated": "Tidal co-located"}
+         "colocated": "Tidal co-located", "default": "Tidal default (the launch's choice)"}
 EMBEDDED_REWARD = "modeling.tiny.task:embedded_reward"
 
 
@@ -258,9 +259,12 @@ def run(system: str, *, args, job: dict, out: Path) -> dict:
                 "data.chat_template=false"]
         from launch import jobs  # TRL's venv also runs this file, for its worker
 
-        # co-located: one process runs every executor, the sync schedule (the only one it takes)
-        schedule, sets = ("sync", [*sets, "placement=colocated"]) if system == "colocated" else (system, sets)
-        cmd = jobs.command("grpo", "--schedule", schedule, steps=args.steps, output_dir=out / "run", overrides=sets)
+        # co-located: one process runs every executor, the sync schedule (the only one it takes); sync and
+        # periodic: the split placement; default: what the plain launch chooses (launch/auto.py)
+        fixed = {"colocated": ("sync", "colocated"), "sync": ("sync", "split"), "periodic": ("periodic", "split")}
+        if system in fixed:
+            sets = [*sets, f"schedule={fixed[system][0]}", f"placement={fixed[system][1]}"]
+        cmd = jobs.command("grpo", steps=args.steps, output_dir=out / "run", overrides=sets)
     load = [os.getloadavg()[0]]
     with open(out / "stdout", "w") as so, open(out / "stderr", "w") as se:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=so, stderr=se, start_new_session=True)
@@ -294,16 +298,19 @@ def run(system: str, *, args, job: dict, out: Path) -> dict:
         rows = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
         timeline = [json.loads(line) for line in (out / "run/timeline.jsonl").read_text().splitlines()]
         role = {r["rank"]: r["executor"] for r in timeline if r["kind"] == "step"}
+        together = json.loads((out / "run/config.json").read_text())["placement"] == "colocated"
         # the trainer's step ends (co-located: the one rank's, named after its host executor)
         ends = [max(r["t1"] for r in timeline if r["kind"] == "step" and r["step"] == k
-                    and (r["executor"] == "trainer" or system == "colocated")) for k in range(args.steps)]
+                    and (r["executor"] == "trainer" or together)) for k in range(args.steps)]
         later = rows[1:]
         step_s = [r["step_s"] for r in later]
         trained = [r["trainer/tokens"] for r in later]
         completion = [r["trainer/response_len_mean"] * job["B"] * job["G"] for r in later]
         phases = {k.split("/", 1)[1]: [r.get(k, 0.0) for r in later]
                   for k in ("generator/gen_s", "reward/score_s", "trainer/train_s", "trainer/push_s")}
-        extra = {"overlap_s": statistics.median(r.get("overlap_s", 0.0) for r in later)}
+        extra = {"overlap_s": statistics.median(r.get("overlap_s", 0.0) for r in later),
+                 "auto": [line for line in (out / "stderr").read_text().splitlines() if line.startswith("tidal: auto")
+                          or line.startswith("  predicted s/step")]}
         # a rank's own subprocesses (e.g. a reward that runs code) inherit RANK: a rank is a process with
         # RANK whose parent has none (their CPU is in the total, and in the rank's once reaped)
         ranks = {pid: int(r) for pid, r in poller.rank.items()
@@ -387,6 +394,10 @@ def report(results: dict[str, list[dict]], args, job: dict, lengths: list[int]) 
         "", "s/step", "trained tok/step", "tokens/s", "completion tok/s", "CPU-s/step", "wall vs TRL", "CPU vs TRL"]))
     print(f"TRL's training forward also holds {med(r['padded'] for r in results['trl']):.0f} padded tokens/step "
           f"(rows x columns)\n")
+    for s in systems:  # what the launch chose, for the keys each system left to it (round 1)
+        for line in results[s][0].get("auto", []):
+            print(f"{NAMES[s]}: {line.strip()}")
+    print()
 
     body = []
     for s in systems:
@@ -430,9 +441,10 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true", help="both sides in bf16 (see the module's docstring)")
     p.add_argument("--steps", type=int, default=10, help="steps per run; the first is left out")
     p.add_argument("--repeats", type=int, default=3, help="rounds of (TRL and the Tidal --systems)")
-    p.add_argument("--systems", default="sync,periodic,colocated",
-                   help="the Tidal runs of a round, comma-separated: sync, periodic, colocated (co-located placement, "
-                        "sync schedule; one process with every core)")
+    p.add_argument("--systems", default="sync,periodic,colocated,default",
+                   help="the Tidal runs of a round, comma-separated: sync, periodic (split placement), colocated "
+                        "(co-located placement, sync schedule; one process with every core), default (no placement, "
+                        "schedule or slot flags: the launch's own choice, launch/auto.py)")
     p.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0: torch's default")
     p.add_argument("--poll", type=float, default=0.2, help="seconds between polls of the processes")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")

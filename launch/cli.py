@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -127,9 +128,44 @@ def _file_source(path: Path) -> str:
     return f"preset {path}" if path.resolve().parent == presets else f"file {path}"
 
 
-def resolve(args: argparse.Namespace) -> RunConfig:
+def resolve(args: argparse.Namespace, *, rates: str = "rule") -> RunConfig:
+    """The run's config from the file, --set and the flags over the defaults. rates: how the keys left to
+    the launch are chosen (launch/auto.py choose): "measure" in the process that starts the ranks."""
     from recipes import defaults
 
+    data, layers = _user_layers(args)
+    from algorithms.registry import get_algorithm
+    from recipes.advantages import ADVANTAGE_SOURCES
+
+    sections = ADVANTAGE_SOURCES.get(get_algorithm(args.algo).advantage_source).sections
+    free = auto_keys(data)
+    pretrained = defaults.pretrained_defaults(data, sections=sections)
+    defaults.apply(data, pretrained)
+    layers.insert(0, (defaults.PRETRAINED_SOURCE, {k: v for k, v in pretrained.items()}))
+    source = str(args.config) if args.config else "command line"
+
+    def validate(values: dict) -> RunConfig:
+        try:
+            return RunConfig.model_validate(values).with_algorithm(args.algo)
+        except ValidationError as exc:
+            raise ValueError(config_error(exc, source, model=RunConfig)) from None
+
+    choice = choose_auto(args, validate(data), free=free, rates=rates)
+    if choice is not None:
+        defaults.apply(data, choice.settings)
+        layers.insert(0, ("auto", dict(choice.settings)))
+    implied = defaults.placement_defaults(data)
+    defaults.apply(data, implied)
+    layers.insert(0, (defaults.PLACEMENT_SOURCE, dict(implied)))
+    cfg = validate(data)
+    if args.resume is not None and cfg.output_dir is None:
+        raise ValueError("--resume needs --output-dir (the run to continue), or a checkpoint path "
+                         "<run>/checkpoints/step_NNNNNN")
+    return cfg.model_copy(update={"sources": defaults.sources(cfg.resolved(), layers), "auto": choice})
+
+
+def _user_layers(args: argparse.Namespace) -> tuple[dict, list[tuple[str, dict]]]:
+    """The config file, --set and the flags merged, and each as a layer (its name, the values it set)."""
     data = _load_file(args.config) if args.config else {}
     if isinstance(data.get("schedule"), str):  # `schedule: sync` names the section's kind
         data["schedule"] = {"kind": data["schedule"]}
@@ -153,25 +189,66 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         data["output_dir"] = str(_run_of(args.resume))  # continue in the run the checkpoint belongs to
         layers.append(("--resume", {"output_dir": data["output_dir"]}))
     layers.append(("--algo", {"algo": args.algo}))
-    from algorithms.registry import get_algorithm
-    from recipes.advantages import ADVANTAGE_SOURCES
+    return data, layers
 
-    sections = ADVANTAGE_SOURCES.get(get_algorithm(args.algo).advantage_source).sections
-    pretrained = defaults.pretrained_defaults(data, sections=sections)
-    defaults.apply(data, pretrained)
-    layers.insert(0, (defaults.PRETRAINED_SOURCE, {k: v for k, v in pretrained.items()}))
-    implied = defaults.placement_defaults(data)
-    defaults.apply(data, implied)
-    layers.insert(0, (defaults.PLACEMENT_SOURCE, dict(implied)))
-    source = str(args.config) if args.config else "command line"
+
+def auto_keys(data: dict) -> set[str]:
+    """The keys the launch chooses (launch/auto.py): placement, schedule.kind and, for a pretrained
+    model.path, the engine's slots, where unset or `auto` (an `auto` is taken out of `data`)."""
+    from executors.generator.engines import ENGINES
+
+    free = set()
+    if isinstance(data.get("schedule"), str):  # --set schedule=NAME names the section's kind
+        data["schedule"] = {"kind": data["schedule"]}
+    engine = (data.get("generator") or {}).get("engine", "native") if isinstance(data.get("generator"), dict) else "native"
     try:
-        cfg = RunConfig.model_validate(data).with_algorithm(args.algo)
-    except ValidationError as exc:
-        raise ValueError(config_error(exc, source, model=RunConfig)) from None
-    if args.resume is not None and cfg.output_dir is None:
-        raise ValueError("--resume needs --output-dir (the run to continue), or a checkpoint path "
-                         "<run>/checkpoints/step_NNNNNN")
-    return cfg.model_copy(update={"sources": defaults.sources(cfg.resolved(), layers)})
+        slots_key = ENGINES.get(str(engine)).slots_key
+    except ValueError:
+        slots_key = None  # the config's validation names the field
+    model = data.get("model")
+    keys = ("placement", "schedule.kind") + ((slots_key,) if slots_key and isinstance(model, dict) and model.get("path")
+                                             else ())
+    for key in keys:
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            free.add(key)
+        elif node[leaf] == "auto":
+            del node[leaf]
+            free.add(key)
+    return free
+
+
+def choose_auto(args: argparse.Namespace, cfg: RunConfig, *, free: set[str], rates: str):
+    """launch/auto.py's choice for the free keys. A rank under `python launch.py` takes the launcher's
+    (TIDAL_AUTO); under torchrun the world size and cached rates decide; a resume keeps its run's."""
+    from launch.selflaunch import under_launcher
+    from launch.auto import Choice, choose
+    from recipes.defaults import flatten
+    from recipes.registry import recipe_for
+
+    if not free:
+        return None
+    if under_launcher() and os.environ.get("TIDAL_AUTO"):
+        choice = Choice.from_json(os.environ["TIDAL_AUTO"])
+        return replace(choice, settings={k: v for k, v in choice.settings.items() if k in free})
+    recorded = None
+    if args.resume is not None and cfg.output_dir and (Path(cfg.output_dir) / "config.json").is_file():
+        recorded = flatten(json.loads((Path(cfg.output_dir) / "config.json").read_text()))
+    from controller.world import world_size_of
+
+    recipe = recipe_for(cfg.algo)
+
+    def build(placement: str, schedule: str) -> int:
+        update = {"placement": placement, "schedule": cfg.schedule.model_copy(update={"kind": schedule})}
+        return world_size_of(recipe.build(cfg.model_copy(update=update)))
+
+    world = int(os.environ["WORLD_SIZE"]) if under_launcher() and "WORLD_SIZE" in os.environ else None
+    return choose(cfg, free=free, slots_key=next((k for k in free if k.startswith("generator.")), None), build=build,
+                  world_size=world, recorded=recorded, rates="cached" if world is not None else rates,
+                  say=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _plan(args: argparse.Namespace, cfg: RunConfig) -> int:
@@ -188,6 +265,19 @@ def _plan(args: argparse.Namespace, cfg: RunConfig) -> int:
            *(["--seed", str(args.seed)] if args.seed is not None else []),
            *[arg for spec in args.overrides for arg in ("--set", spec)]]
     print(plan_here(job, devices=devices, gen_tp=cfg.generator.tp, train_unit=cfg.trainer.tp * cfg.trainer.pp))
+    return 0
+
+
+def _dry_run(cfg: RunConfig, recipe, graph) -> int:
+    from launch.dryrun import describe
+    from launch.memory import Shape, describe_memory
+
+    from controller.job import with_schedule
+
+    memory = describe_memory(cfg, Shape.of(cfg.model.path), executors=tuple(e.name for e in graph.executors))
+    for line in cfg.auto.lines() if cfg.auto else ():
+        print(line.removeprefix("tidal: "))
+    print(describe(with_schedule(graph, cfg.schedule.build()), cfg, recipe, memory=memory))
     return 0
 
 
@@ -218,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         check_flags(args)
-        cfg = resolve(args)
+        from launch.selflaunch import under_launcher
+
+        # --plan calibrates with runs of its own
+        cfg = resolve(args, rates="rule" if args.plan else "cached")
         from recipes.registry import recipe_for  # the executors' classes: only once the config is valid
 
         recipe = recipe_for(cfg.algo)
@@ -228,17 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.plan:
             return _plan(args, cfg)
         preflight(cfg, resume=args.resume, overwrite=args.overwrite, writes=not args.dry_run)
+        if cfg.auto is not None and cfg.auto.unmeasured and not under_launcher():
+            # the process that starts the ranks measures what the launch chooses, once the inputs are checked
+            cfg = resolve(args, rates="measure")
+            graph = recipe.build(cfg)
         if args.dry_run:
-            from launch.dryrun import describe
-            from launch.memory import Shape, describe_memory
-
-            from controller.job import with_schedule
-
-            memory = describe_memory(cfg, Shape.of(cfg.model.path), executors=tuple(e.name for e in graph.executors))
-            print(describe(with_schedule(graph, cfg.schedule.build()), cfg, recipe, memory=memory))
-            return 0
-        from launch.selflaunch import under_launcher
-
+            return _dry_run(cfg, recipe, graph)
         if under_launcher():
             from launch.run import run
 
@@ -262,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from controller.world import roles, world_size_of
     from launch.selflaunch import launch_here, without_max_restarts
+
+    if cfg.auto is not None:  # the ranks take this choice rather than each making its own
+        os.environ["TIDAL_AUTO"] = cfg.auto.to_json()
 
     return launch_here(without_max_restarts(argv), nproc=world_size_of(graph), max_restarts=args.max_restarts or 0,
                        roles=roles(graph), stop_timeout_s=cfg.stop_timeout_s)

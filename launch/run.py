@@ -34,6 +34,8 @@ def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = No
     began = time.time()
     if os.environ.get("RANK", "0") == "0":
         print(numerics_line(cfg), file=sys.stderr, flush=True)
+        for line in cfg.auto.lines() if cfg.auto else ():
+            print(line, file=sys.stderr, flush=True)
 
     def output_dir() -> Path:
         return Path(cfg.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
@@ -46,6 +48,7 @@ def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = No
             (world.env.output_dir / "config.json").write_text(json.dumps(record, indent=2))
 
     derive = partial(recipe.derive, world_size=world_size_of(graph), run={}) if recipe.derive else None
+    derive = watched(derive, cfg)
     cadence = Cadence(every=cfg.checkpoint_every, minutes=cfg.checkpoint_minutes, keep=cfg.checkpoint_keep,
                       config=cfg.resolved())
     outcome = run_job(graph, steps=cfg.steps, seed=cfg.seed, output_dir=output_dir, schedule=cfg.schedule.build(),
@@ -57,6 +60,27 @@ def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = No
         print(end_line(outcome, steps=cfg.steps, wall_s=time.time() - began, resume=resume_command(outcome.output_dir)),
               file=sys.stderr, flush=True)
     return outcome.exit_code
+
+
+def watched(derive, cfg: RunConfig):
+    """The step's figures, each step also held against the launch's plan (launch/auto.py PlanWatch):
+    a run that strays from it is told which plan its own rates favour."""
+    if derive is None or cfg.auto is None or cfg.auto.chosen is None:
+        return derive
+    from launch.auto import PlanWatch
+
+    watch = PlanWatch(cfg, cfg.auto)
+
+    def figures(records: dict) -> dict:
+        out = derive(records)
+        gen, trainer = records.get("generator", {}), records.get("trainer", {})
+        if all(isinstance(v, (int, float)) for v in (out.get("step_s"), gen.get("gen_s"), trainer.get("train_s"),
+                                                     trainer.get("response_len_mean"))):
+            watch.observe(step_s=out["step_s"], gen_s=gen["gen_s"], train_s=trainer["train_s"],
+                          length=trainer["response_len_mean"])
+        return out
+
+    return figures
 
 
 def row_sinks(cfg: RunConfig, output_dir: Path, first_step: int) -> list:

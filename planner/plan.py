@@ -201,8 +201,9 @@ def calibration_runs(argv: list[str], out: Path, *, steps: int = 5,
     """Run the configured job on this machine (sync: the rates; periodic: how much the executors slow
     each other when they overlap), `steps` steps each, the first warming up; with `colocated` (the
     --set layout it needs) a third, co-located, for the swap's cost."""
-    runs = [("sync", ()), ("periodic", ())] + ([("colocated", ("--set", "placement=colocated", *colocated))]
-                                               if colocated else [])
+    split = ("--set", "placement=split")  # not the launch's choice (launch/auto.py): the placement is what is measured
+    runs = [("sync", split), ("periodic", split)] + ([("colocated", ("--set", "placement=colocated", *colocated))]
+                                                     if colocated else [])
     dirs = []
     for name, extra in runs:
         d = out / name

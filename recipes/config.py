@@ -6,7 +6,7 @@ RunConfig.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -75,6 +75,7 @@ class RunConfig(BaseModel):
     algo_config: AlgoConfig | None = Field(None, exclude=True)
     sources: dict[str, str] = Field(default_factory=dict, exclude=True,
                                     description="where each dotted key's value came from (launch/cli.py)")
+    auto: Any = Field(None, exclude=True, description="launch/auto.py's Choice: what the launch chose and why")
 
     @field_validator("rollout")
     @classmethod

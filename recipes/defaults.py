@@ -3,9 +3,8 @@
 The classes' defaults are tuned for the embedded task (a 1M-parameter model trained from scratch:
 lr 1e-3, 8-token answers). A pretrained `model.path` gets RL fine-tuning defaults instead, where
 the user left a value unset: lr 1e-6 with a short warm-up (TRL's and verl's GRPO defaults; 1e-3
-wrecked a 135M instruct model in one step), TRL's prompt/completion lengths, decode slots chosen
-from the step's shape and the device (decode_slots: why), and the tokenizer's chat template when it
-has one. KL stays off (beta 0) and grad_clip 1.0, as for the embedded task.
+wrecked a 135M instruct model in one step), TRL's prompt/completion lengths, and the tokenizer's chat template when it has one; its decode
+slots are the launch's choice (launch/auto.py; decode_slots is the rule where nothing was measured). KL stays off (beta 0) and grad_clip 1.0, as for the embedded task.
 """
 from __future__ import annotations
 
@@ -83,7 +82,6 @@ def pretrained_defaults(data: dict, *, sections: tuple[str, ...] = ()) -> dict[s
     chosen = dict(PRETRAINED)
     for section in sections:
         chosen |= PRETRAINED_SECTIONS[section]
-    chosen |= admission_defaults(data, device_type=_device_type())
     if _has_chat_template(str(model_path)):
         chosen["data.chat_template"] = True
     return {key: value for key, value in chosen.items() if not _is_set(data, key)}
@@ -108,49 +106,6 @@ def decode_slots(*, prompts: int, samples: int, replicas: int, device_type: str,
     if device_type == "cpu" and overlaps:
         return max(1, min(by_rows, -(-per_replica // 2)))
     return max(1, min(by_rows, per_replica))
-
-
-def admission_defaults(data: dict, *, device_type: str) -> dict[str, object]:
-    """The pretrained defaults of admission (decode_slots) from the step's shape as configured:
-    the native engine's slots, or vLLM's sample rows in flight (it admits requests first come,
-    first served, so a cap on rows makes the same waves)."""
-    from executors.generator.config import DataConfig, GeneratorConfig
-
-    classes = {"data": DataConfig, "generator": GeneratorConfig}
-
-    def get(key):  # the value as configured, else its class default
-        section, field = key.split(".")
-        node = data.get(section)
-        if isinstance(node, dict) and field in node:
-            return node[field]
-        return classes[section].model_fields[field].default
-
-    try:
-        samples, prompts, replicas = (int(get(k)) for k in ("generator.samples_per_prompt", "data.prompts_per_step",
-                                                              "generator.replicas"))
-    except (TypeError, ValueError):
-        return {}  # not a number: the config's validation names the field
-    if min(samples, prompts, replicas) < 1:
-        return {}
-    schedule = data.get("schedule")
-    kind = schedule.get("kind") if isinstance(schedule, dict) else schedule
-    overlaps = kind != "sync" and data.get("placement") != "colocated"
-    slots = decode_slots(prompts=prompts, samples=samples, replicas=replicas, device_type=device_type,
-                         overlaps=overlaps)
-    from executors.generator.engines import ENGINES
-
-    try:
-        engine = ENGINES.get(str(get("generator.engine")))
-    except ValueError:
-        return {}  # the config's validation names the field
-    return dict([engine.slots_setting(slots, samples=samples)])
-
-
-def _device_type() -> str:
-    """cpu, or the accelerator the ranks of this machine will use (controller/devices.py decides)."""
-    from controller.devices import detect_device
-
-    return detect_device().type
 
 
 def apply(data: dict, defaults: dict[str, object]) -> None:

@@ -29,8 +29,8 @@ def _resolve(*argv: str):
 def test_embedded_task_keeps_its_tuned_defaults():
     cfg = _resolve()
     assert cfg.trainer.lr == 1e-3 and cfg.trainer.warmup_steps == 0 and cfg.generator.max_new_tokens == 8
-    assert set(cfg.sources.values()) == {"default", "--algo"}
-    assert [k for k, _, _ in non_defaults(cfg)] == ["algo"]
+    assert set(cfg.sources.values()) == {"default", "--algo", "auto"}  # auto: the launch's choice (launch/auto.py)
+    assert {k for k, _, _ in non_defaults(cfg)} == {"algo", "placement", "schedule.kind"}
 
 
 def test_pretrained_model_gets_fine_tuning_defaults(model_dir):
@@ -58,10 +58,12 @@ def test_what_the_user_sets_wins_and_is_named(model_dir, tmp_path):
 
 
 def test_decode_slots_come_from_the_step_shape_unless_set(model_dir):
-    """A pretrained model's slots make waves of a replica's prompts (so periodic overlaps even when
-    every sample reaches the cap: tests/test_overlap_default.py); what the user sets wins."""
+    """Where no rates were measured (a library call; a rank under torchrun without a cache entry), a
+    pretrained model's slots make waves of a replica's prompts by the rule (so periodic overlaps even when
+    every sample reaches the cap: tests/test_overlap_default.py); what the user sets wins. The launch's
+    measured choice: tests/test_auto.py."""
     cfg = _resolve("--set", f"model.path={model_dir}")  # B=8, G=16 on this CPU: one group (16 rows) a wave
-    assert cfg.generator.max_batch_prompts == 1 and cfg.sources["generator.max_batch_prompts"] == "pretrained default"
+    assert cfg.generator.max_batch_prompts == 1 and cfg.sources["generator.max_batch_prompts"] == "auto"
     cfg = _resolve("--set", f"model.path={model_dir}", "--set", "data.prompts_per_step=16",
                    "--set", "generator.samples_per_prompt=4", "--set", "generator.replicas=2")
     assert cfg.generator.max_batch_prompts == 4  # 16 rows a wave, 8 prompts per replica: 2 waves
@@ -76,7 +78,7 @@ def test_decode_slots_come_from_the_step_shape_unless_set(model_dir):
     assert cfg.generator.max_batch_prompts == 16 and cfg.sources["generator.max_batch_prompts"] == "--set"
     # vLLM: the same waves as a cap on the sample rows in flight; the native slots keep their default
     cfg = _resolve("--set", f"model.path={model_dir}", "--set", "generator.engine=vllm")
-    assert cfg.generator.vllm.max_num_seqs == 16 and cfg.sources["generator.vllm.max_num_seqs"] == "pretrained default"
+    assert cfg.generator.vllm.max_num_seqs == 16 and cfg.sources["generator.vllm.max_num_seqs"] == "auto"
     assert cfg.sources["generator.max_batch_prompts"] == "default"
     cfg = _resolve("--set", f"model.path={model_dir}", "--set", "generator.engine=vllm",
                    "--set", "generator.vllm.max_num_seqs=64")

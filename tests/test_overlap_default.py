@@ -1,6 +1,7 @@
 """Periodic asynchrony overlaps at a pretrained model's defaults (issue 26): when every sample
 reaches the token cap, the groups decoded together leave together, so the decode slots a
-model.path gets by default (recipes/defaults.py decode_slots) must make waves."""
+model.path gets by default must make waves: here the rule (recipes/defaults.py decode_slots), which a
+rank under torchrun takes where no rates were measured for the job (launch/auto.py)."""
 from __future__ import annotations
 
 import json
@@ -39,7 +40,7 @@ def test_every_sample_hits_the_cap_and_the_default_makes_waves(runs):
     config = json.loads((runs["periodic"] / "config.json").read_text())
     assert config["generator"]["max_batch_prompts"] == 2 == decode_slots(prompts=4, samples=4, replicas=1,
                                                                          device_type="cpu")
-    assert config["_sources"]["generator.max_batch_prompts"] == "pretrained default"
+    assert config["_sources"]["generator.max_batch_prompts"] == "auto"
     for row in metrics(runs["sync"]) + metrics(runs["periodic"]):
         assert row["trainer/response_len_mean"] == 32  # the case that overlapped nothing at 16 slots
 

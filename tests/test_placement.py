@@ -233,7 +233,7 @@ def test_bad_colocated_settings_are_refused_before_any_rank_starts(args, message
 
 def test_colocated_picks_the_sync_schedule_when_none_is_given():
     cfg = resolve(parser().parse_args(["--algo", "grpo", "--set", "placement=colocated"]))
-    assert cfg.schedule.kind == "sync" and cfg.sources["schedule.kind"] == "placement=colocated"
+    assert cfg.schedule.kind == "sync" and cfg.sources["schedule.kind"] == "auto"  # its only schedule
     # a vLLM engine shares the device with the trainer: a smaller share by default, the user's if given
     vllm = ["--algo", "grpo", "--set", "placement=colocated", "--set", "generator.engine=vllm"]
     cfg = resolve(parser().parse_args(vllm))

@@ -27,7 +27,7 @@ SECTIONS = {"top level": RunConfig, "`model`": ModelConfig, "`data`": DataConfig
             "`trainer`": TrainerConfig, "`trainer.lora`": LoraConfig,
             "`trainer.loss_scale`": LossScaleConfig, "`critic`": CriticConfig,
             "`eval`": EvalConfig, "`logging`": LoggingConfig, "`multi_turn`": MultiTurnConfig}
-NOT_OPTIONS = {"algo", "algo_config", "sources"}  # set by --algo and the CLI, not by a config
+NOT_OPTIONS = {"algo", "algo_config", "sources", "auto"}  # set by --algo and the CLI, not by a config
 
 
 def _row(section: str) -> str:

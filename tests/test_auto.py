@@ -1,0 +1,176 @@
+"""The launch's choice of placement, schedule and slots (launch/auto.py): from the model with given
+rates (a cache entry written here), by world size under torchrun, kept on resume, explicit settings
+winning, the same bits as the fixed plan it picks, and what a run that strays from the plan is told."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import jobs
+from launch.cli import auto_keys, parser, resolve
+from launch import auto
+from launch.measure import measure
+from tests.e2e import max_abs_diff, weights
+
+
+def _resolve(*argv: str, rates: str = "cached"):
+    return resolve(parser().parse_args(["--algo", "grpo", *argv]), rates=rates)
+
+
+def at(*, gen: float, train: float, row: float | None = None) -> dict:
+    """Rates at one thread count: a decode forward's fixed part (and per row), a trained token's cost."""
+    return {"gen": {"forward_s": gen, "row_s": gen / 50 if row is None else row, "prefill_token_s": 0.0},
+            "train": {"group_s": 0.0, "token_s": train, "barrier_s": 0.01, "copy_s": 0.001}}
+
+
+SPLIT, COLOCATED = auto.threads_for(3, device="cpu"), auto.threads_for(1, device="cpu")  # the threads of a rank
+FAST_SECOND_THREAD = {"split": at(gen=0.02, train=1e-3), "colocated": at(gen=0.01, train=5e-4)}  # a 0.5B model
+NO_SECOND_THREAD = {"split": at(gen=0.02, train=1e-3), "colocated": at(gen=0.02, train=1e-3)}  # the embedded one
+two_cores = pytest.mark.skipif(SPLIT == COLOCATED, reason="a split rank and a co-located one get the same threads")
+
+
+def _cache(cfg, rates: dict, *, prompt_len: int = 20) -> None:
+    """A cache entry as launch/measure.py writes it, for the job `cfg` on this machine."""
+    threads = {"split": SPLIT, "colocated": COLOCATED}
+    spec = auto.measure_spec(cfg, threads=[threads[p] for p in rates])
+    entry = {"prompt_len": prompt_len, "measure_s": 1.0, "rates": {str(threads[p]): r for p, r in rates.items()}}
+    auto.cache_dir().mkdir(parents=True, exist_ok=True)
+    (auto.cache_dir() / f"{auto.cache_key(spec)}.json").write_text(json.dumps(entry))
+
+
+@pytest.fixture(autouse=True)
+def own_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TIDAL_THREADS", raising=False)
+
+
+@two_cores
+def test_the_rates_decide_between_colocated_and_split():
+    cfg = _resolve()  # no rates cached: the rule, as before
+    assert (cfg.placement, cfg.schedule.kind) == ("split", "periodic") and cfg.sources["placement"] == "auto"
+    assert "no rates measured" in cfg.auto.basis
+    # products that run twice as fast on two threads (a 0.5B model): one process with both cores wins
+    _cache(cfg, FAST_SECOND_THREAD)
+    cfg = _resolve()
+    assert (cfg.placement, cfg.schedule.kind) == ("colocated", "sync"), cfg.auto.lines()
+    assert cfg.auto.chosen.step_s == min(o.step_s for o in cfg.auto.options)
+    assert {(o.placement, o.schedule) for o in cfg.auto.options} == {("colocated", "sync"), ("split", "periodic"),
+                                                                     ("split", "sync")}
+    # a model too small for a second thread to help (the embedded one): overlap on split ranks wins
+    _cache(cfg, NO_SECOND_THREAD)
+    cfg = _resolve()
+    assert (cfg.placement, cfg.schedule.kind) == ("split", "periodic"), cfg.auto.lines()
+    line = cfg.auto.lines()[1]
+    assert "<- chosen" in line and "colocated sync" in line and "split sync" in line
+
+
+@two_cores
+def test_explicit_settings_win_and_auto_is_the_same_as_unset():
+    _cache(_resolve(), FAST_SECOND_THREAD)
+    cfg = _resolve("--set", "placement=split")
+    assert (cfg.placement, cfg.schedule.kind) == ("split", "periodic") and cfg.sources["placement"] == "--set"
+    assert set(cfg.auto.settings) == {"schedule.kind"}
+    cfg = _resolve("--schedule", "periodic")  # co-located cannot run periodic: split is the only plan
+    assert cfg.placement == "split" and "only plan" in cfg.auto.basis
+    cfg = _resolve("--set", "placement=auto", "--set", "schedule=auto")
+    assert (cfg.placement, cfg.schedule.kind) == ("colocated", "sync")
+    assert _resolve("--set", "placement=colocated", "--schedule", "sync").auto is None
+    assert auto_keys({"placement": "split", "schedule": {"kind": "auto"}}) == {"schedule.kind"}
+
+
+@two_cores
+def test_under_torchrun_the_world_size_decides(monkeypatch):
+    _cache(_resolve(), FAST_SECOND_THREAD)  # co-located would win
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert _resolve().placement == "split"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert _resolve().placement == "colocated"
+
+
+def test_waves_only_where_they_pay(tmp_path):
+    model = tmp_path / "model"
+    from modeling.hf import load_model, load_tokenizer, save_hf
+
+    save_hf(load_model(None), load_tokenizer(None), model)
+    job = ("--set", f"model.path={model}", "--set", "placement=split", "--set", "data.prompts_per_step=8",
+           "--set", "generator.samples_per_prompt=4", "--set", "generator.max_new_tokens=32")
+    cfg = _resolve(*job)
+    assert cfg.sources["generator.max_batch_prompts"] == "auto"
+    # decoding a row costs little beside a forward's fixed part, training is as long as decoding: waves
+    # cost more forwards than the overlap wins, so one wave
+    _cache(cfg, {"split": at(gen=0.05, train=2e-4)})
+    cfg = _resolve(*job)
+    assert cfg.generator.max_batch_prompts == 8, cfg.auto.lines()
+    # rows cost as much as the fixed part (a forward bound by its rows): waves cost nothing and overlap
+    _cache(cfg, {"split": at(gen=0.0, row=0.01, train=2e-3)})
+    cfg = _resolve(*job)
+    assert cfg.generator.max_batch_prompts < 8 and cfg.schedule.kind == "periodic", cfg.auto.lines()
+
+
+def test_a_resume_keeps_the_runs_choice(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"placement": "colocated", "schedule": {"kind": "sync"}}))
+    cfg = _resolve("--output-dir", str(out), "--resume")
+    assert (cfg.placement, cfg.schedule.kind) == ("colocated", "sync") and cfg.auto.basis == "as the resumed run chose"
+
+
+@two_cores
+def test_a_run_off_its_plan_is_told_which_plan_its_rates_favour():
+    _cache(_resolve(), NO_SECOND_THREAD)
+    cfg = _resolve()
+    chosen, said = cfg.auto.chosen, []
+    assert chosen.placement == "split"
+    watch = auto.PlanWatch(cfg, cfg.auto, say=said.append)
+    for _ in range(1 + auto.OFF_FOR - 1):  # the first step warms up; then one short of saying it
+        watch.observe(step_s=2 * chosen.step_s, gen_s=chosen.gen_s, train_s=4 * chosen.train_s)
+    assert said == []
+    watch.observe(step_s=chosen.step_s, gen_s=chosen.gen_s, train_s=chosen.train_s)  # on plan: the count restarts
+    for _ in range(auto.OFF_FOR):
+        watch.observe(step_s=2 * chosen.step_s, gen_s=chosen.gen_s, train_s=4 * chosen.train_s)
+    assert len(said) == 1 and "2.00x the plan's" in said[0] and "training 4.00x" in said[0], said
+    assert "--set" in said[0] or "still stands" in said[0]
+
+
+def test_the_measurement_times_the_real_engine_and_trainer_model():
+    spec = {"model_path": None, "gen_dtype": "float32", "train_dtype": "float32", "samples": 4, "groups": 2,
+            "response_tokens": 8, "extra_forwards": 0, "threads": [1],
+            "trainer": {"shared_prompt": "auto", "token_budget": 4096, "micro_batch_size": 8, "logprob_chunk": 1024},
+            "data": {"path": None, "prompt_key": "prompt", "chat_template": False, "max_prompt_tokens": 256,
+                     "prompts": 4, "seed": 0, "embedded_prompts": 64}}
+    threads = torch.get_num_threads()
+    try:
+        out = measure(spec)
+    finally:
+        torch.set_num_threads(threads)
+    from modeling.hf import load_tokenizer
+    from modeling.tiny.task import embedded_prompts
+    from executors.data import PromptRow, PromptSet
+
+    prompts = PromptSet([PromptRow(prompt=p["prompt"], extras={}) for p in embedded_prompts(64, seed=0)],
+                        tokenizer=load_tokenizer(None), max_prompt_tokens=256, apply_chat_template=False)
+    step = prompts.prompts(0, range(4), batch_size=4, seed=0, max_topups=0)
+    assert out["prompt_len"] == round(sum(len(ids) for _, _, ids in step) / 4)
+    r = out["rates"]["1"]
+    assert r["gen"]["forward_s"] + r["gen"]["row_s"] > 0 and r["train"]["token_s"] + r["train"]["group_s"] > 0
+    assert r["train"]["barrier_s"] > 0 and r["train"]["copy_s"] > 0
+
+
+@two_cores
+def test_the_choice_changes_no_bit(tmp_path):
+    """The launch's choice (co-located here, from the cached rates) is the fixed plan, set by hand."""
+    _cache(_resolve(), FAST_SECOND_THREAD)
+    chosen = jobs.run("grpo", overrides={"logging.plots": False}, steps=2, output_dir=tmp_path / "auto")
+    assert chosen.returncode == 0, chosen.stderr[-3000:]
+    assert "tidal: auto: placement=colocated schedule.kind=sync" in chosen.stderr
+    fixed = jobs.run("grpo", overrides={"logging.plots": False, "placement": "colocated", "schedule": "sync"},
+                     steps=2, output_dir=tmp_path / "fixed")
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    assert "tidal: auto" not in fixed.stderr
+    recorded = json.loads(Path(tmp_path / "auto" / "config.json").read_text())
+    assert recorded["_sources"]["placement"] == "auto" and recorded["placement"] == "colocated"
+    assert max_abs_diff(weights(tmp_path / "auto" / "final"), weights(tmp_path / "fixed" / "final")) == 0.0
