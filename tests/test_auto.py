@@ -162,13 +162,17 @@ def test_the_measurement_times_the_real_engine_and_trainer_model():
 
 @two_cores
 def test_the_choice_changes_no_bit(tmp_path):
-    """The launch's choice (co-located here, from the cached rates) is the fixed plan, set by hand."""
+    """The launch's choice (co-located here, from the cached rates) is the fixed plan, set by hand; and
+    the run, several times faster than these made-up rates predict, is told so once."""
     _cache(_resolve(), FAST_SECOND_THREAD)
-    chosen = jobs.run("grpo", overrides={"logging.plots": False}, steps=2, output_dir=tmp_path / "auto")
+    steps = 1 + auto.OFF_FOR  # the first step warms up
+    chosen = jobs.run("grpo", overrides={"logging.plots": False}, steps=steps, output_dir=tmp_path / "auto")
     assert chosen.returncode == 0, chosen.stderr[-3000:]
     assert "tidal: auto: placement=colocated schedule.kind=sync" in chosen.stderr
+    assert chosen.stderr.count(f"tidal: auto: the last {auto.OFF_FOR} steps took") == 1, chosen.stderr[-3000:]
+    # the plan set by hand, its one rank forked by the warm launcher (as torchrun --nproc-per-node 1 runs it)
     fixed = jobs.run("grpo", overrides={"logging.plots": False, "placement": "colocated", "schedule": "sync"},
-                     steps=2, output_dir=tmp_path / "fixed")
+                     steps=steps, output_dir=tmp_path / "fixed", nproc=1)
     assert fixed.returncode == 0, fixed.stderr[-3000:]
     assert "tidal: auto" not in fixed.stderr
     recorded = json.loads(Path(tmp_path / "auto" / "config.json").read_text())
