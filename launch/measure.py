@@ -18,17 +18,22 @@ pin_threads):
   barrier   one AdamW step over the parameters
   copy      every parameter copied into a buffer (the push's local part)
 
-Each figure is one timed call after a warm-up call of the same kind (the first allocates and picks
-kernels): a 0.5B model's micro-steps take seconds on a CPU, and the choice needs ratios between
-candidates, not a benchmark's repeats.
+Each figure is timed after a warm-up call of the same kind (the first allocates and picks kernels): one
+call where it takes REPEAT_S or more (a 0.5B model's micro-steps take seconds on a CPU, and the
+choice needs ratios between candidates, not a benchmark's repeats), else the median of up to REPEATS
+(the embedded model's calls take milliseconds, and a single one measured at a process's start ran 2x
+slow: it once made co-location look 17% faster on the embedded job, which then ran 0.44 s a step
+against split + periodic's 0.28).
 """
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
 
+REPEAT_S, REPEATS = 0.2, 7
 DECODE_EXTRA = 8  # the D decode forwards a longer call adds
 TRAIN_RESPONSES = (4, 24)  # a group's responses at two lengths (capped at the job's)
 # the measured rows' prompt and the decode calls' context, at most: their cost per token is what is fitted
@@ -38,9 +43,14 @@ TRAIN_PROMPT, DECODE_CONTEXT = 64, 128
 
 
 def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    """The median of as many calls as fit in REPEAT_S (at most REPEATS): one for a 0.5B model's
+    micro-steps, several for a small model's milliseconds, whose first calls in a process run slow."""
+    times, start = [], time.perf_counter()
+    while not times or (time.perf_counter() - start < REPEAT_S and len(times) < REPEATS):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _line(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
