@@ -156,21 +156,32 @@ def cache_key(spec: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+def entry_path(spec: dict, threads: int) -> Path:
+    """The cache entry of one thread count's rates (a placement's ranks): any plan list that needs it shares it."""
+    return cache_dir() / f"{cache_key({**spec, 'threads': [threads]})}.json"
+
+
 def cached_rates(spec: dict) -> dict | None:
-    path = cache_dir() / f"{cache_key(spec)}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    """The rates at every thread count of `spec`, from their cache entries; None where one is missing."""
+    out: dict = {"rates": {}, "measure_s": 0.0}
+    for threads in spec["threads"]:
+        try:
+            entry = json.loads(entry_path(spec, threads).read_text())
+        except (OSError, ValueError):
+            return None
+        out["prompt_len"] = entry["prompt_len"]
+        out["rates"][str(threads)] = entry["rates"][str(threads)]
+    return out
 
 
 def measured_rates(spec: dict) -> dict:
-    """Measured in a process of its own (launch/measure.py), then cached (written whole, then renamed)."""
-    out_dir = cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """The thread counts not cached yet, measured in a process of their own (launch/measure.py), then
+    cached, one entry per thread count (each written whole, then renamed)."""
+    missing = [t for t in spec["threads"] if not entry_path(spec, t).is_file()]
+    cache_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tidal-measure-") as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "rates.json")
-        spec_path.write_text(json.dumps(spec))
+        spec_path.write_text(json.dumps({**spec, "threads": missing}))
         env = {**os.environ, "TIDAL_THREADS": ""}  # the measurement sets its own threads
         proc = subprocess.run([sys.executable, "-m", "launch.measure", str(spec_path), str(out_path)],
                               cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, env=env)
@@ -179,11 +190,12 @@ def measured_rates(spec: dict) -> dict:
             raise ValueError(f"auto: measuring this job's rates failed: {last} (placement, schedule.kind and the "
                              f"slots, all set, skip the measurement)")
         result = json.loads(out_path.read_text())
-    final = out_dir / f"{cache_key(spec)}.json"
-    tmp_final = final.with_suffix(f".tmp{os.getpid()}")
-    tmp_final.write_text(json.dumps(result))
-    tmp_final.replace(final)
-    return result
+    for threads in missing:
+        final = entry_path(spec, threads)
+        tmp_final = final.with_suffix(f".tmp{os.getpid()}")
+        tmp_final.write_text(json.dumps({**result, "rates": {str(threads): result["rates"][str(threads)]}}))
+        tmp_final.replace(final)
+    return {**cached_rates(spec), "measure_s": result["measure_s"]}
 
 
 def rates_at(measured: dict, threads: int, *, placement: str, device: str) -> Rates:
@@ -245,7 +257,7 @@ def best(found: list[Option]) -> Option:
     return min(close, key=lambda o: (-o.slots, o.placement != "split", o.step_s))
 
 
-def threads_for(ranks: int, *, device: str) -> int:
+def threads_for(ranks: int) -> int:
     """The threads each of `ranks` ranks on this machine gets (controller/devices.py pin_threads)."""
     if os.environ.get("TIDAL_THREADS"):
         return int(os.environ["TIDAL_THREADS"])
@@ -298,7 +310,7 @@ def model_choice(cfg, measured: dict, plans: list, *, settings, slots_free: bool
 
     current = ENGINES.get(cfg.generator.engine).slots(cfg.generator.model_dump())
     found = options(cfg, measured, plans, slots=slot_values(cfg) if slots_free else [current], device=device,
-                    threads_of=lambda r: threads_for(r, device=device))
+                    threads_of=threads_for)
     chosen = best(found)
     per_plan = {}
     for o in sorted(found, key=lambda o: o.step_s):
@@ -339,7 +351,7 @@ def choose(cfg, *, free: set[str], slots_key: str | None, build, world_size: int
         return Choice(settings=settings(placement=placement, schedule=schedule, slots=None),
                       basis=f"world size {world_size}" if world_size else "the only plan this job takes")
     device = detect_device().type
-    spec = measure_spec(cfg, threads=[threads_for(r, device=device) for _, _, r in plans])
+    spec = measure_spec(cfg, threads=[threads_for(r) for _, _, r in plans])
     measured = cached_rates(spec) if rates != "rule" else None
     if measured is None and rates != "measure":  # a rank resolves the config alone: none may time anything
         where = f"world size {world_size}; " if world_size else ""

@@ -26,19 +26,20 @@ def at(*, gen: float, train: float, row: float | None = None) -> dict:
             "train": {"group_s": 0.0, "token_s": train, "barrier_s": 0.01, "copy_s": 0.001}}
 
 
-SPLIT, COLOCATED = auto.threads_for(3, device="cpu"), auto.threads_for(1, device="cpu")  # the threads of a rank
+SPLIT, COLOCATED = auto.threads_for(3), auto.threads_for(1)  # the threads of a rank
 FAST_SECOND_THREAD = {"split": at(gen=0.02, train=1e-3), "colocated": at(gen=0.01, train=5e-4)}  # a 0.5B model
 NO_SECOND_THREAD = {"split": at(gen=0.02, train=1e-3), "colocated": at(gen=0.02, train=1e-3)}  # the embedded one
 two_cores = pytest.mark.skipif(SPLIT == COLOCATED, reason="a split rank and a co-located one get the same threads")
 
 
 def _cache(cfg, rates: dict, *, prompt_len: int = 20) -> None:
-    """A cache entry as launch/measure.py writes it, for the job `cfg` on this machine."""
+    """Cache entries as launch/auto.py writes them (one per thread count), for the job `cfg` on this machine."""
     threads = {"split": SPLIT, "colocated": COLOCATED}
     spec = auto.measure_spec(cfg, threads=[threads[p] for p in rates])
-    entry = {"prompt_len": prompt_len, "measure_s": 1.0, "rates": {str(threads[p]): r for p, r in rates.items()}}
     auto.cache_dir().mkdir(parents=True, exist_ok=True)
-    (auto.cache_dir() / f"{auto.cache_key(spec)}.json").write_text(json.dumps(entry))
+    for placement, r in rates.items():
+        entry = {"prompt_len": prompt_len, "measure_s": 1.0, "rates": {str(threads[placement]): r}}
+        auto.entry_path(spec, threads[placement]).write_text(json.dumps(entry))
 
 
 @pytest.fixture(autouse=True)
