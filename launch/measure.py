@@ -27,6 +27,7 @@ against split + periodic's 0.28).
 """
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import sys
@@ -158,8 +159,10 @@ def measure(spec: dict) -> dict:
     prompt_len = prompt_length(tok, spec["data"])
     context = min(DECODE_CONTEXT, prompt_len + spec["response_tokens"] // 2)
     gen_model = load_model(spec["model_path"], dtype=getattr(torch, spec["gen_dtype"])).to(device)
-    # one model where both sides compute in one dtype: a second 0.5B copy costs seconds to load
-    train_model = gen_model if spec["train_dtype"] == spec["gen_dtype"] else \
+    # the trainer's model apart from the engine's, as in a job: the engine adapts the model it is given (a
+    # bf16 model's head gets an fp32 weight made in inference mode, which no backward may use). A copy,
+    # not a second load, where both sides compute in one dtype: loading a 0.5B model again costs seconds
+    train_model = copy.deepcopy(gen_model) if spec["train_dtype"] == spec["gen_dtype"] else \
         load_model(spec["model_path"], dtype=getattr(torch, spec["train_dtype"])).to(device)
     optim = torch.optim.AdamW(train_model.parameters(), lr=1e-9)
     never = gen_model.config.vocab_size + 1  # an EOS no sample draws: every call writes all its tokens

@@ -137,8 +137,9 @@ def test_a_run_off_its_plan_is_told_which_plan_its_rates_favour():
     assert "--set" in said[0] or "still stands" in said[0]
 
 
-def test_the_measurement_times_the_real_engine_and_trainer_model():
-    spec = {"model_path": None, "gen_dtype": "float32", "train_dtype": "float32", "samples": 4, "groups": 2,
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the engine's fp32 head is its own
+def test_the_measurement_times_the_real_engine_and_trainer_model(dtype):
+    spec = {"model_path": None, "gen_dtype": dtype, "train_dtype": dtype, "samples": 4, "groups": 2,
             "response_tokens": 8, "extra_forwards": 0, "threads": [1],
             "trainer": {"shared_prompt": "auto", "token_budget": 4096, "micro_batch_size": 8, "logprob_chunk": 1024},
             "data": {"path": None, "prompt_key": "prompt", "chat_template": False, "max_prompt_tokens": 256,
