@@ -1,7 +1,7 @@
 """Name -> entry registries: adding an algorithm, a recipe or a reward is one `register` line."""
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -28,6 +28,18 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._entries)
+
+    def having(self, capability: Callable[[T], object]) -> list[str]:
+        """The names of the entries that have a capability (`capability(entry)` true)."""
+        return [name for name in self.names() if capability(self._entries[name])]
+
+    def offer(self, capability: Callable[[T], object]) -> str:
+        """What a refusal for a missing capability suggests: the registered entries that have it, read
+        from the registry (a third entry with it is offered too), never a name written into the check."""
+        names = self.having(capability)
+        if not names:
+            return f"no registered {self.kind} has it"
+        return f"use {self.key or self.kind}={' or '.join(names)}"
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries

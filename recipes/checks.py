@@ -21,9 +21,10 @@ def check_trainer(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
     if t.precision != "fp32" and cfg.model.dtype != "float32":
         raise ValueError(f"trainer.precision={t.precision} keeps float32 master weights: it needs model.dtype=float32 "
                          f"(got {cfg.model.dtype}; model.dtype=bfloat16 alone trains pure bf16 weights)")
-    if t.precision == "fp16" and t.backend != "torch":
-        raise ValueError(f"trainer.precision=fp16 with trainer.backend={t.backend}: its loss scale is built for "
-                         f"the torch backend only; use trainer.precision=bf16 there")
+    if t.precision == "fp16" and not BACKENDS.get(t.backend).fp16:
+        raise ValueError(f"trainer.precision=fp16 with trainer.backend={t.backend}: that backend has no loss scale "
+                         f"(modeling/loss_scale.py); use trainer.precision=bf16 there, or "
+                         f"{BACKENDS.offer(lambda b: b.fp16)}")
     BACKENDS.get(t.backend).check(t, cfg.model.path)
     if dynamic_sampling and t.mini_batches > 1:
         raise ValueError("algorithm.dynamic_sampling with trainer.mini_batches > 1 is not supported yet "
@@ -38,7 +39,8 @@ def check_pipeline(cfg: RunConfig, *, batch_scope: bool) -> None:
         return
     field = f"trainer.pp={t.pp}"
     if not BACKENDS.get(t.backend).pipeline:
-        raise ValueError(f"{field}: pipeline parallel is built in the megatron backend; set trainer.backend=megatron")
+        raise ValueError(f"{field}: trainer.backend={t.backend} has no pipeline parallel; "
+                         f"{BACKENDS.offer(lambda b: b.pipeline)}")
     if batch_scope:
         raise ValueError(f"{field} with algorithm {cfg.algo!r}: batch-scope advantages train each micro-batch in "
                          f"two loss passes, which the pipeline schedule does not carry; use a group-scope algorithm")
@@ -98,12 +100,12 @@ def check_moe(cfg: RunConfig, *, critic: bool) -> None:
                              f"with tp=1 and without fsdp (the dense weights replicated over dp)")
         if not BACKENDS.get(t.backend).expert_parallel:
             raise ValueError(f"trainer.ep={t.ep} with trainer.backend={t.backend}: that backend has no expert "
-                             f"parallel; use trainer.backend=torch")
+                             f"parallel; {BACKENDS.offer(lambda b: b.expert_parallel)}")
     if t.routing_replay:
         why = ENGINES.get(cfg.generator.engine).no_routing
         if why:
             raise ValueError(f"trainer.routing_replay=true with generator.engine={cfg.generator.engine}: {why}; "
-                             f"use generator.engine=native")
+                             f"{ENGINES.offer(lambda e: not e.no_routing)}")
         if cfg.rollout != "single_turn" or cfg.generator.partial_rollout_tokens is not None:
             raise ValueError("trainer.routing_replay=true is built for single-turn rollouts generated whole: a "
                              "multi-turn observation and a resumed partial rollout are fed without recording their "
@@ -117,8 +119,8 @@ def check_lora(cfg: RunConfig) -> None:
         return
     field = f"trainer.lora.rank={lora.rank}"
     if not BACKENDS.get(t.backend).lora:
-        raise ValueError(f"{field} with trainer.backend={t.backend}: that backend trains no LoRA adapters; use "
-                         f"trainer.backend=torch")
+        raise ValueError(f"{field} with trainer.backend={t.backend}: that backend trains no LoRA adapters; "
+                         f"{BACKENDS.offer(lambda b: b.lora)}")
     if t.tp > 1 or t.fsdp or cfg.generator.tp > 1:
         raise ValueError(f"{field} with trainer.tp={t.tp}, trainer.fsdp={t.fsdp}, generator.tp={cfg.generator.tp}: "
                          f"LoRA runs with tp=1 and without fsdp (the frozen base replicated over dp)")
@@ -205,10 +207,11 @@ def check_placement(cfg: RunConfig, *, critic: bool) -> None:
                          "(reward.model.replicas) would need their own turn on the device; use placement=split")
     from controller.devices import detect_device  # where this job's ranks will run
 
-    why = ENGINES.get(g.engine).no_release(detect_device().type)
+    device = detect_device().type
+    why = ENGINES.get(g.engine).no_release(device)
     if why:
-        raise ValueError(f"placement=colocated with generator.engine={g.engine}: {why}; use generator.engine=native "
-                         f"or placement=split")
+        raise ValueError(f"placement=colocated with generator.engine={g.engine}: {why}; "
+                         f"{ENGINES.offer(lambda e: not e.no_release(device))} or placement=split")
 
 
 def check_engine(cfg: RunConfig) -> None:
@@ -232,12 +235,14 @@ def check_numerics(cfg: RunConfig) -> None:
     if cfg.model.numerics != "exact":
         return
     field, g, t = "model.numerics=exact", cfg.generator, cfg.trainer
-    if g.engine != "native":
-        raise ValueError(f"{field} with generator.engine={g.engine}: the trainer cannot run vLLM's kernels, and "
-                         f"vLLM's own batch-invariant mode is CUDA-only; use generator.engine=native")
-    if t.backend != "torch":
-        raise ValueError(f"{field} with trainer.backend={t.backend}: megatron-core's layers are not batch-invariant "
-                         f"here; use trainer.backend=torch")
+    # by capability (executors/generator/engines.py, executors/trainer/backends.py), never by name
+    if not ENGINES.get(g.engine).exact:
+        raise ValueError(f"{field} with generator.engine={g.engine}: that engine's kernels are not the trainer's "
+                         f"batch-invariant ones (docs/numerics.md); "
+                         f"{ENGINES.offer(lambda e: e.exact)}")
+    if not BACKENDS.get(t.backend).exact:
+        raise ValueError(f"{field} with trainer.backend={t.backend}: that backend's layers are not batch-invariant "
+                         f"(docs/numerics.md); {BACKENDS.offer(lambda b: b.exact)}")
     for name, tp in (("generator.tp", g.tp), ("trainer.tp", t.tp), ("trainer.ep", t.ep)):
         if tp > 1:
             raise ValueError(f"{field} with {name}={tp}: a sharded product ends in an all-reduce whose order is not "

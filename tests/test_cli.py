@@ -69,7 +69,7 @@ def test_dry_run_places_tensor_parallel_units():
     (["--set", "generator.engine=vllm", "--set", "generator.top_p=0.9"], "generator.engine=vllm needs generator.top_p=1"),
     (["--set", "generator.engine=fast"], "generator.engine: unknown generator engine 'fast'; known: native, vllm"),
     (["--set", "trainer.backend=jax"], "trainer.backend: unknown trainer backend 'jax'; known: megatron, torch"),
-    (["--set", "trainer.pp=2"], "trainer.pp=2: pipeline parallel is built in the megatron backend; set "
+    (["--set", "trainer.pp=2"], "trainer.pp=2: trainer.backend=torch has no pipeline parallel; use "
                                 "trainer.backend=megatron"),
 ])
 def test_config_errors_name_the_field(args, message):

@@ -142,7 +142,17 @@ ENDPOINT_MAPS = {"inbound", "outbound"}
 # the registries that may name an engine or a backend; the planner reads run configs as plain dicts and
 # imports nothing of the project (the layers above), so it cannot consult them
 REGISTRIES = {"executors/generator/engines.py", "executors/trainer/backends.py"}
-CHOICES = {"megatron", "vllm"}
+
+
+def _choices() -> set[str]:
+    """Every registered engine's and backend's name, read from the registries: a third one is covered too."""
+    from executors.generator.engines import ENGINES
+    from executors.trainer.backends import BACKENDS
+
+    return set(ENGINES.names()) | set(BACKENDS.names())
+
+
+CHOICES = _choices()
 PRODUCT = ("common", "algorithms", "channels", "modeling", "executors", "controller", "recipes", "launch", "examples")
 
 
@@ -153,14 +163,20 @@ def _string_port_lookups(path: Path) -> list[int]:
             and node.value.attr in ENDPOINT_MAPS and isinstance(node.slice, ast.Constant)]
 
 
-def _choice_comparisons(path: Path) -> list[int]:
-    """Lines comparing with == / != to an engine's or backend's name."""
+def _choice_comparisons(path: Path, choices: set[str] = CHOICES) -> list[int]:
+    """Lines comparing an engine's or backend's name (==, !=, in and not in a literal tuple, list or set):
+    what a feature needs of one is a capability its registry entry declares."""
+    def names(node) -> list:
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return [c.value for c in items if isinstance(c, ast.Constant)]
+
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
-            if any(isinstance(c, ast.Constant) and c.value in CHOICES for c in [node.left, *node.comparators]):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                 for op in node.ops):
+            if any(name in choices for c in [node.left, *node.comparators] for name in names(c)):
                 out.append(node.lineno)
-    return out
+    return sorted(out)
 
 
 def _product_files():
@@ -182,5 +198,36 @@ def test_engines_and_backends_are_chosen_in_their_registries_only():
 
 def test_the_port_and_choice_checkers_see_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text('def step(self, ctx):\n    ctx.inbound["weights"]\n    return cfg.backend == "megatron"\n')
-    assert (_string_port_lookups(bad), _choice_comparisons(bad)) == ([2], [3])
+    bad.write_text('def step(self, ctx):\n    ctx.inbound["weights"]\n    return cfg.backend == "megatron"\n'
+                   'ok = engine in ("native", "other")\n')
+    assert (_string_port_lookups(bad), _choice_comparisons(bad)) == ([2], [3, 4])
+    assert "torch" in CHOICES and "native" in CHOICES  # the registered names, not a list kept here
+    assert _choice_comparisons(bad, choices={"other"}) == [4]  # a third engine's name is caught the same way
+
+
+def test_a_refusal_asks_for_a_capability_and_offers_every_entry_that_has_it(monkeypatch):
+    """A third backend with fp16 and exact layers, and a third engine with exact decoding, registered
+    beside the others: the checks take them (no "use torch" / "use native" written in), and a refusal
+    names them with the built-in ones."""
+    from dataclasses import replace
+
+    from executors.generator.engines import ENGINES
+    from executors.trainer.backends import BACKENDS
+    from recipes.checks import check_numerics, check_trainer
+    from tests.fixtures import small_config
+
+    monkeypatch.setitem(BACKENDS._entries, "third", replace(BACKENDS.get("torch"), about="a test's"))
+    monkeypatch.setitem(ENGINES._entries, "replay", replace(ENGINES.get("native")))
+    fp16 = {"precision": "fp16"}
+    check_trainer(small_config(trainer={**fp16, "backend": "third"}), dynamic_sampling=False)
+    with pytest.raises(ValueError, match=r"trainer.precision=fp16 with trainer.backend=megatron: .*"
+                                         r"use trainer.backend=third or torch$"):
+        check_trainer(small_config(trainer={**fp16, "backend": "megatron"}), dynamic_sampling=False)
+    exact = {"model": {"numerics": "exact"}}
+    check_numerics(small_config(**exact, generator={"engine": "replay"}, trainer={"backend": "third"}))
+    with pytest.raises(ValueError, match=r"generator.engine=vllm: .*use generator.engine=native or replay$"):
+        check_numerics(small_config(**exact, generator={"engine": "vllm"}))
+    monkeypatch.setitem(BACKENDS._entries, "third", replace(BACKENDS.get("torch"), exact=False))
+    with pytest.raises(ValueError, match=r"trainer.backend=third: that backend's layers are not batch-invariant "
+                                         r".*use trainer.backend=torch$"):
+        check_numerics(small_config(**exact, trainer={"backend": "third"}))

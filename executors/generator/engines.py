@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal
 
 from common.registry import Registry
-from executors.generator.config import GeneratorConfig, VllmConfig
+from executors.generator.config import GeneratorConfig
 
 if TYPE_CHECKING:
     from executors.generator.contract import EngineSpec
@@ -25,7 +25,9 @@ class EngineKind:
     push_buffer: bool  # receives pushes into a buffer of its own weights' size, then loads them
     # how it admits groups: fixed ("continuous": a continuous batcher), or None: generator.admission
     admission: Literal["continuous", "chunked"] | None = None
-    config: type | None = None  # its own options' section under generator (generator.vllm: VllmConfig)
+    # its own options' section under generator (generator.vllm), if it has one: a resume may change it
+    # (controller/checkpoint.py), as it may change the engine
+    options: str | None = None
     kv_note: str = ""  # its KV cache, where the memory estimate cannot size it: how it is sized
     # (device type) -> why it cannot give its device memory back there (placement=colocated), or "" when it can
     no_release: Callable[[str], str] = lambda device_type: ""
@@ -33,6 +35,9 @@ class EngineKind:
     colocated_defaults: dict = field(default_factory=dict)
     # an MoE model's routing: what it cannot record of it (for trainer.routing_replay), or "" when it records
     no_routing: str = ""
+    # model.numerics=exact: it decodes with the batch-invariant products and attention the trainer computes
+    # with (modeling/numerics.py), so its log-probs are the trainer's bit for bit
+    exact: bool = False
 
     def slots(self, generator: dict) -> int:
         """Its decode slots in prompt groups, from a resolved generator section (config.json's)."""
@@ -131,9 +136,10 @@ def _build_vllm(spec: EngineSpec):
 
 ENGINES: Registry[EngineKind] = Registry("generator engine", key="generator.engine")
 ENGINES.register("native", EngineKind(build=_build_native, check=_no_check, slots_key="generator.max_batch_prompts",
-                                      slots_are_rows=False, push_buffer=False))
+                                      slots_are_rows=False, push_buffer=False, exact=True))
 ENGINES.register("vllm", EngineKind(build=_build_vllm, check=_check_vllm, slots_key="generator.vllm.max_num_seqs",
-                                    slots_are_rows=True, push_buffer=True, admission="continuous", config=VllmConfig,
+                                    slots_are_rows=True, push_buffer=True, admission="continuous",
+                                    options="generator.vllm",
                                     no_release=_vllm_no_release,
                                     # it shares the device with the trainer's weights, which stay there
                                     # (verl's co-located rollout default is 0.5)

@@ -20,6 +20,9 @@ class Backend:
     expert_parallel: bool = False  # it can split an MoE model's experts over dp (trainer.ep)
     lora: bool = False  # it can train LoRA adapters (trainer.lora)
     pipeline: bool = False  # it can cut the model into pipeline stages (trainer.pp)
+    fp16: bool = False  # it trains with fp16 compute under a dynamic loss scale (trainer.precision=fp16)
+    # its layers compute with modeling/numerics.py's batch-invariant products and attention (model.numerics=exact)
+    exact: bool = False
     about: str = ""
 
 
@@ -61,7 +64,8 @@ def _check_megatron(cfg: TrainerConfig, model_path: str | None) -> None:
 
 
 BACKENDS: Registry[Backend] = Registry("trainer backend", key="trainer.backend")
-BACKENDS.register("torch", Backend(models=_torch_models, check=_no_check, expert_parallel=True, lora=True,
+BACKENDS.register("torch", Backend(models=_torch_models, check=_no_check, expert_parallel=True, lora=True, fp16=True,
+                                   exact=True,
                                    about="HF model classes with DTensor tp and FSDP2"))
 BACKENDS.register("megatron", Backend(models=_megatron_models, check=_check_megatron, per_rank_optimizer=True,
                                       pipeline=True,
