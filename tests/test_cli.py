@@ -69,6 +69,8 @@ def test_dry_run_places_tensor_parallel_units():
     (["--set", "generator.engine=vllm", "--set", "generator.top_p=0.9"], "generator.engine=vllm needs generator.top_p=1"),
     (["--set", "generator.engine=fast"], "generator.engine: unknown generator engine 'fast'; known: native, vllm"),
     (["--set", "trainer.backend=jax"], "trainer.backend: unknown trainer backend 'jax'; known: megatron, torch"),
+    (["--set", "generator.engine=tests.nosuch:ENGINE"], "generator.engine: generator engine 'tests.nosuch:ENGINE': "
+                                                        "cannot import 'tests.nosuch'"),
     (["--set", "trainer.pp=2"], "trainer.pp=2: trainer.backend=torch has no pipeline parallel; use "
                                 "trainer.backend=megatron"),
 ])

@@ -231,3 +231,29 @@ def test_a_refusal_asks_for_a_capability_and_offers_every_entry_that_has_it(monk
     with pytest.raises(ValueError, match=r"trainer.backend=third: that backend's layers are not batch-invariant "
                                          r".*use trainer.backend=torch$"):
         check_numerics(small_config(**exact, trainer={"backend": "third"}))
+
+
+def test_an_engine_in_a_file_of_its_own_runs_a_job(tmp_path):
+    """generator.engine=module:attr names an EngineKind in a user's file (tests/engine_plugin.py), with no line
+    added to the registry: RECORD (the native engine, saving each group) and REPLAY (no decoding at all: the
+    saved groups) run the job; the replayed run trains on the same groups, so its weights end bit for bit the
+    same. A name that is no EngineKind is refused in one line."""
+    from tests.e2e import launch, metrics
+
+    env = {"TIDAL_REPLAY_DIR": str(tmp_path / "groups")}
+    (tmp_path / "groups").mkdir()
+    runs = {}
+    for name in ("RECORD", "REPLAY"):
+        runs[name] = launch(tmp_path / name, "--set", f"generator.engine=tests.engine_plugin:{name}", env=env)
+        assert runs[name].returncode == 0, runs[name].stderr[-3000:]
+    rows = {name: metrics(tmp_path / name) for name in runs}
+    assert len(list((tmp_path / "groups").glob("*.pt"))) == sum(r["trainer/groups"] for r in rows["RECORD"]) > 0
+    for key in ("trainer/rollout_digest", "trainer/logp_mismatch_max", "trainer/loss"):
+        assert [r[key] for r in rows["REPLAY"]] == [r[key] for r in rows["RECORD"]], key
+    assert (tmp_path / "REPLAY/final/model.safetensors").read_bytes() == \
+        (tmp_path / "RECORD/final/model.safetensors").read_bytes()
+    from executors.generator.engines import ENGINES
+
+    with pytest.raises(ValueError, match=r"generator.engine: generator engine 'tests.engine_plugin:Replay': "
+                                         r"tests.engine_plugin.Replay is of type type, where an object of type EngineKind is needed"):
+        ENGINES.get("tests.engine_plugin:Replay")

@@ -134,7 +134,7 @@ def _build_vllm(spec: EngineSpec):
     return engine, specs, shards
 
 
-ENGINES: Registry[EngineKind] = Registry("generator engine", key="generator.engine")
+ENGINES: Registry[EngineKind] = Registry("generator engine", key="generator.engine", plugin=EngineKind)
 ENGINES.register("native", EngineKind(build=_build_native, check=_no_check, slots_key="generator.max_batch_prompts",
                                       slots_are_rows=False, push_buffer=False, exact=True))
 ENGINES.register("vllm", EngineKind(build=_build_vllm, check=_check_vllm, slots_key="generator.vllm.max_num_seqs",

@@ -63,7 +63,7 @@ def _check_megatron(cfg: TrainerConfig, model_path: str | None) -> None:
         check_stages(layers=config.num_hidden_layers, pp=cfg.pp)
 
 
-BACKENDS: Registry[Backend] = Registry("trainer backend", key="trainer.backend")
+BACKENDS: Registry[Backend] = Registry("trainer backend", key="trainer.backend", plugin=Backend)
 BACKENDS.register("torch", Backend(models=_torch_models, check=_no_check, expert_parallel=True, lora=True, fp16=True,
                                    exact=True,
                                    about="HF model classes with DTensor tp and FSDP2"))
