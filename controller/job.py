@@ -78,7 +78,8 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
     started = process_start_time()
     startup = ((("imports", started, entered),) if started else ()) + (("connect", entered, time.time()),)
     if rank == 0:
-        print(f"tidal: {dist.get_world_size()} ranks connected in {time.time() - (started or entered):.1f} s; "
+        n = dist.get_world_size()
+        print(f"tidal: {n} rank{'s' if n != 1 else ''} connected in {time.time() - (started or entered):.1f} s; "
               f"output in {output_dir}; loading the models", file=sys.stderr, flush=True)
     roles = rank_roles(graph)
     watchdog = Watchdog(rank=rank, roles=roles).start()

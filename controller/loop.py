@@ -145,8 +145,10 @@ class Controller:
 
     def stream(self, executors, contexts: list[StepContext]) -> list | None:
         """Each executor's streamed phase in turn, its outputs closed after it (a guest runs once its
-        host's consumers can finish the step). None: a stop dropped the step; what was sent to this
-        rank is still received, and every output is closed, so no consumer waits on it."""
+        host's consumers can finish the step). None: a stop dropped the step; every output is closed, so
+        no consumer waits on it, and then what was sent to this rank is received. Closed first: a consumer
+        may be on this very rank (placement=colocated: the trainer after the reward it hosts), and its
+        stream ends only with the end markers this rank's own outputs send (closing only posts them)."""
         states = []
         try:
             for executor, ctx in zip(executors, contexts):
@@ -155,11 +157,11 @@ class Controller:
                     out.close_step()
         except StepAborted:
             states = None
-            for rx in self.world.receivers():
-                rx.drain()
             for ctx in contexts:
                 for out in ctx.outbound.values():
                     out.close_step()
+            for rx in self.world.receivers():
+                rx.drain()
         return states
 
     def open(self, step: int, executor, timeline: Timeline) -> StepContext:

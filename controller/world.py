@@ -110,9 +110,11 @@ def device_index(graph: Graph, *, rank: int, local_rank: int) -> int | None:
 
 
 def roles(graph: Graph) -> dict[int, str]:
-    """Global rank -> the executor placed there (what a failure report names)."""
+    """Global rank -> the executors it runs, the one placed there and then its guests (what a failure
+    report names: co-located, "generator + reward + trainer")."""
     units = placement(graph)
-    return {rank: ex.name for ex in graph.placed for unit in units[ex.name] for rank in unit}
+    return {rank: " + ".join(e.name for e in graph.on_ranks_of(ex.name))
+            for ex in graph.placed for unit in units[ex.name] for rank in unit}
 
 
 def world_size_of(graph: Graph) -> int:

@@ -43,7 +43,8 @@ def launch_here(argv: list[str], *, nproc: int, max_restarts: int, roles: dict[i
     # the ranks print it in their resume line: the command that started them, not torchrun's
     os.environ["TIDAL_LAUNCHER"] = launcher_command(max_restarts=max_restarts)
     who = ", ".join(f"{name} {_span(ranks)}" for name, ranks in _by_executor(roles or {}).items())
-    print(f"tidal: starting {nproc} ranks on this machine" + (f" ({who})" if who else ""), file=sys.stderr, flush=True)
+    ranks = f"{nproc} rank" + ("s" if nproc != 1 else "")
+    print(f"tidal: starting {ranks} on this machine" + (f" ({who})" if who else ""), file=sys.stderr, flush=True)
     # --standalone: a rendezvous on a free local port, so two jobs on one machine never collide
     grace = ["--shutdown-timeout", str(stop_timeout_s)]
     if not _knows(torchrun, grace[0]):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from executors.generator.engines import ENGINES
+from executors.generator.engines import DEFAULT_ADMISSION, ENGINES
 from planner.model import GenFeatures, GenRates, Rates, StepShape, TrainRates, simulate
 
 # the generator terms a calibration fits (GenRates field <- GenFeatures field). A prefill counts as
@@ -43,7 +43,7 @@ def shapes_of(run_dir: Path) -> dict[int, StepShape]:
     tokens = {row["step"]: row["trainer/tokens"] for row in _lines(run_dir / "metrics.jsonl")}
     shared = trainer.get("shared_prompt", "auto") != "off"
     engine = ENGINES.get(gen.get("engine", "native"))  # vLLM: max_num_seqs sample rows, taken as whole groups
-    slots, admission = engine.slots(gen), engine.admission or gen.get("admission", "chunked")
+    slots, admission = engine.slots(gen), engine.admission or gen.get("admission", DEFAULT_ADMISSION)
     shapes = {}
     for step, groups in lengths.items():
         if step not in tokens:

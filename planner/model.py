@@ -19,7 +19,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field, fields
 
-ADMISSIONS = ("chunked", "continuous")
+from executors.generator.engines import ADMISSIONS, DEFAULT_ADMISSION
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +69,7 @@ class StepShape:
     prompt_lens: tuple[int, ...]
     lengths: tuple[tuple[int, ...], ...]
     max_batch_prompts: int
-    admission: str = "chunked"
+    admission: str = DEFAULT_ADMISSION
     replicas: int = 1
     dp: int = 1
     shared_prompt: bool = True  # the trainer trains a group's prompt once (else once per sample)

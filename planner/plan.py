@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 from tabulate import tabulate
 
-from executors.generator.engines import ENGINES
+from executors.generator.engines import DEFAULT_ADMISSION, ENGINES
 from planner.model import GenRates, Rates, StepShape, TrainRates, simulate, simulate_offpolicy
 
 
@@ -189,7 +189,7 @@ def load_rates(path: Path) -> tuple[Rates, list[StepShape], dict]:
         lengths, G = list(s["lengths"]), s["samples"]
         per_prompt = tuple(tuple(lengths[(i * G + j) % len(lengths)] for j in range(G)) for i in range(s["prompts"]))
         shape = StepShape(prompt_lens=(s["prompt_len"],) * s["prompts"], lengths=per_prompt,
-                          max_batch_prompts=s["max_batch_prompts"], admission=s.get("admission", "continuous"),
+                          max_batch_prompts=s["max_batch_prompts"], admission=s.get("admission", DEFAULT_ADMISSION),
                           shared_prompt=s.get("shared_prompt", True))
     except (KeyError, TypeError) as exc:
         raise ValueError(f"rates file {path}: missing or malformed {exc}") from None

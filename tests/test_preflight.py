@@ -216,11 +216,15 @@ def test_self_launch_runs_a_job_to_the_end(tmp_path):
     assert [r["step"] for r in metrics(tmp_path)] == [0]
 
 
+# the tests that name a rank set the layout: a python launch chooses its own from this machine's rates
+SPLIT = ["--set", "placement=split"]
+
+
 def test_self_launch_hands_on_a_failed_rank_without_torch_noise(tmp_path):
     """A failed job (from Python: JobFailed, with its exit code and what it printed)."""
     with pytest.raises(jobs.JobFailed) as failed:
-        jobs.run("grpo", *SMALL, "--set", "reward.functions=[tests.rewards:boom]", steps=1, output_dir=tmp_path,
-                 timeout=300)
+        jobs.run("grpo", *SMALL, *SPLIT, "--set", "reward.functions=[tests.rewards:boom]", steps=1,
+                 output_dir=tmp_path, timeout=300)
     stderr = str(failed.value)
     assert not re.search(r"exited with (0|2):", stderr), stderr[-3000:]
     assert "tidal: rank 1 (reward) failed: RewardError" in stderr
@@ -248,7 +252,7 @@ def test_self_launch_exits_143_on_sigterm(tmp_path):
 
 def test_self_launch_names_a_killed_rank_and_exits_128_plus_the_signal(tmp_path):
     proc = subprocess.Popen([sys.executable, "launch.py", "--algo", "grpo", "--steps", "500", "--output-dir",
-                             str(tmp_path), *SMALL], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             str(tmp_path), *SMALL, *SPLIT], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=_env())
     try:
         wait_for_steps(tmp_path, 2, proc)

@@ -126,16 +126,25 @@ def test_plain_resume_names_a_damaged_newest_checkpoint_and_the_whole_one_before
 STALL = ["--set", "reward.functions=[tests.rewards:length_parity_then_stall]", "--set", "reward.timeout_s=2000"]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "python"])
+PLACED = {"torchrun": ([], 3), "python": (["--set", "placement=split"], 3),
+          # one rank hosting all three: the trainer waits on the reward's outputs on its own rank (it hung until
+          # a dropped step closed this rank's outputs before draining its inputs: controller/loop.py stream)
+          "colocated": (["--set", "placement=colocated", "--set", "schedule=sync"], 1)}
+
+
+@pytest.mark.parametrize("launcher", list(PLACED))
 def test_sigterm_in_a_long_step_saves_at_once_and_resumes_equal(whole, tmp_path, launcher):
     """Step 1 stalls in the reward for 1000 s (far past torchrun's 30 s shutdown timeout). SIGTERM to
     the launcher drops that step within seconds, saves step 0 (no cadence had saved it) and exits
-    143 naming the resume command; the resumed run equals the uninterrupted one bit for bit."""
+    143 naming the resume command; the resumed run equals the uninterrupted one bit for bit. Each
+    placement set (a python launch would choose its own), co-located too."""
     out, marker = tmp_path / "run", tmp_path / "stalled"
-    returncode, err, took = sigterm_when_stalled(out, marker, *SIGNAL, *STALL, steps=4, torchrun=launcher == "torchrun")
+    placed, nproc = PLACED[launcher]
+    returncode, err, took = sigterm_when_stalled(out, marker, *SIGNAL, *STALL, *placed, steps=4,
+                                                 torchrun=launcher == "torchrun")
     print(f"\n{launcher}: SIGTERM to exit {took:.1f} s (the stalled step alone: 1000 s)")
     # torchrun's own agent ends in a traceback of its SignalException (exit 1); python launch.py hands on 143
-    assert returncode == (128 + signal.SIGTERM if launcher == "python" else 1), err[-3000:]
+    assert returncode == (1 if launcher == "torchrun" else 128 + signal.SIGTERM), err[-3000:]
     assert took < 60, took  # within torchrun's default 30 s on a quiet machine; 60 s: a guard for a busy one
     line = next(line for line in err.splitlines() if line.startswith("tidal: stopped after step "))
     assert line.startswith(f"tidal: stopped after step 0 (checkpoint {out / 'checkpoints/step_000000'} saved"), line
@@ -143,7 +152,7 @@ def test_sigterm_in_a_long_step_saves_at_once_and_resumes_equal(whole, tmp_path,
     assert (out / "checkpoints/step_000000/manifest.json").is_file()
     assert not list((out / "checkpoints").glob(".tmp*"))
     assert [r["step"] for r in metrics(out)] == [0]  # the dropped step left no record
-    resumed = launch(out, *SIGNAL, *STALL, "--resume", steps=4, timeout=400)  # no stall now
+    resumed = launch(out, *SIGNAL, *STALL, "--resume", steps=4, nproc=nproc, timeout=400)  # no stall now
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3]
     _same(whole["default"], out, steps=range(4))

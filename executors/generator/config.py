@@ -59,6 +59,11 @@ class VllmConfig(BaseModel):
                               "a model.path: G x the native engine's slots, so the step's requests run in waves")
 
 
+# how the native engine admits prompt groups to its slots: the one default of the engine, the config and the planner
+ADMISSIONS = ("continuous", "chunked")
+DEFAULT_ADMISSION = "continuous"
+
+
 class GeneratorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     replicas: int = Field(1, ge=1, description="generator data-parallel replicas")
@@ -80,7 +85,7 @@ class GeneratorConfig(BaseModel):
         "+ max_new_tokens, or + multi_turn.max_total_tokens) a replica's engine may hold; fewer groups then decode at "
         "once and admission waits for their slots (same samples). None: max_batch_prompts' groups")
     admission: Literal["chunked", "continuous"] = Field(
-        "continuous", description="native engine: chunked: the next max_batch_prompts prompts start when all are "
+        DEFAULT_ADMISSION, description="native engine: chunked: the next max_batch_prompts prompts start when all are "
         "done; continuous: a finished group's slot takes the next prompt at once. Same samples either way")
     partial_rollout_tokens: int | None = Field(
         None, ge=1, description="partial rollouts: a sample writes at most this many tokens per step; a group not "

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal
 
 from common.registry import Registry
-from executors.generator.config import GeneratorConfig
+from executors.generator.config import ADMISSIONS, DEFAULT_ADMISSION, GeneratorConfig  # noqa: F401 (the planner reads them here)
 
 if TYPE_CHECKING:
     from executors.generator.contract import EngineSpec

@@ -27,6 +27,7 @@ import torch
 from executors.generator.contract import (GroupCompletion, PromptRequest, Resume, SamplingParams, Turns,
                                           room_for_a_turn)
 from executors.generator.graphs import DecodeGraphs
+from executors.generator.config import ADMISSIONS, DEFAULT_ADMISSION
 from executors.generator.routing import NO_ROUTING, recorder_for
 from executors.generator.sampling import sample_seed
 from executors.generator.slots import Slots
@@ -34,12 +35,11 @@ from executors.generator.slots import Slots
 if TYPE_CHECKING:  # transformers loads with the first chunk: building a graph stays light
     import transformers
 
-ADMISSIONS = ("continuous", "chunked")
 
 
 class NativeEngine:
     def __init__(self, model: transformers.PreTrainedModel, *, eos_token_id: int, pad_token_id: int,
-                 max_batch_prompts: int = 16, admission: str = "chunked", routing=None, numerics: str = "default",
+                 max_batch_prompts: int = 16, admission: str = DEFAULT_ADMISSION, routing=None, numerics: str = "default",
                  check_every: int | None = None, graphs: bool | None = None, kv_budget_tokens: int | None = None):
         """routing: the recorder of an MoE model's routing (executors/generator/routing.py); None: the
         model's own (recorder_for), NO_ROUTING for a dense one. numerics: "exact" runs the model's products
