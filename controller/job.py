@@ -98,7 +98,9 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
             row_sinks = sinks(output_dir, begin.step)
             writer = MetricsWriter(executors=[e.name for e in graph.executors], steps=steps_run,
                                    path=output_dir / "metrics.jsonl", console_keys=console_keys,
-                                   timeout=timeout, derive=derive, sinks=row_sinks, every_s=progress_every_s).start()
+                                   timeout=timeout, derive=derive, sinks=row_sinks, every_s=progress_every_s,
+                                   progress={e.name: " + ".join(x.name for x in graph.on_ranks_of(e.name))
+                                             for e in graph.placed}).start()
             watchdog.before_exit(writer.drain)
         stopped = Controller(world=world, steps=steps_run, schedule=schedule, control=control,
                              startup=startup).run()

@@ -106,11 +106,13 @@ class _Drained(Exception):
 class MetricsWriter:
     def __init__(self, *, executors: Sequence[str], steps: range, path: Path,
                  console_keys: Sequence[str] | None, timeout: timedelta, derive=None,
-                 sinks: Sequence[Sink] = (), every_s: float = 30.0):
+                 sinks: Sequence[Sink] = (), every_s: float = 30.0, progress: dict[str, str] | None = None):
         """sinks: where each row goes besides metrics.jsonl (TensorBoard, W&B), made by the caller on its thread
         (a failure there, no package or a read-only dir, stops the job before step 0 instead of silently ending the
         metrics thread) and closed by it."""
         self.executors, self.steps, self.path = list(executors), steps, path
+        # the progress line's clauses: a placed executor -> its title (controller/progress.py describe)
+        self.progress = progress if progress is not None else {name: name for name in self.executors}
         self.sinks = list(sinks)
         self.console_keys, self.derive = console_keys, derive
         self.samples_path, self._samples_offset = path.parent / "samples.jsonl", 0
@@ -129,7 +131,7 @@ class MetricsWriter:
             time.sleep(0.1)
             if time.monotonic() - self._quiet_since >= self.every_s:
                 bar.write(f"tidal: step {step}, {time.time() - self._began:.0f} s into the run: "
-                          f"{describe(self._store, self.executors)}")
+                          f"{describe(self._store, self.progress)}")
                 self._quiet_since = time.monotonic()
 
     def start(self) -> "MetricsWriter":

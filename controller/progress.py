@@ -48,18 +48,20 @@ class Progress:
         self.store.set(_key(self.executor), json.dumps({"step": step, "doing": doing, "counts": dict(self.counts)}))
 
 
-def describe(store, executors: list[str], *, now: float | None = None) -> str:
-    """Rank 0's side: one clause per executor that has posted, e.g. "trainer: train for 3 s, trained 5"."""
+def describe(store, labels: dict[str, str], *, now: float | None = None) -> str:
+    """Rank 0's side: one clause per placed executor, e.g. "trainer: train for 3 s, trained 5". `labels`:
+    a placed executor's name -> what its clause is titled: its guests post through its timeline, so they
+    share its clause ("generator + reward + trainer" co-located)."""
     now = time.time() if now is None else now
-    keys = [_key(name) for name in executors]
     parts = []
-    for name, key in zip(executors, keys):
+    for name, label in labels.items():
+        key = _key(name)
         if not store.check([key]):
-            parts.append(f"{name}: starting")
+            parts.append(f"{label}: starting")
             continue
         posted = json.loads(store.get(key))
         doing = posted["doing"]
         what = f"{doing[0]} for {now - doing[1]:.0f} s" if doing else "waiting"
         counts = ", ".join(f"{kind} {n}" for kind, n in posted["counts"].items())
-        parts.append(f"{name}: {what}" + (f", {counts}" if counts else ""))
+        parts.append(f"{label}: {what}" + (f", {counts}" if counts else ""))
     return "; ".join(parts)
