@@ -26,7 +26,7 @@ from executors.generator.engines import ENGINES
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d{6,})$")
 # every engine's own options (executors/generator/engines.py): a resume may change the engine, and its options with it
-ENGINE_OPTIONS = tuple(ENGINES.get(name).options for name in ENGINES.names() if ENGINES.get(name).options)
+ENGINE_OPTIONS = tuple(filter(None, (ENGINES.get(name).options for name in ENGINES.names())))
 # settings a resumed run may change: where and how it runs, not what it computes
 RESUMABLE_CHANGES = ("steps", "output_dir", "timeout_s", "stop_timeout_s", "checkpoint_every", "checkpoint_minutes",
                      "checkpoint_keep", "trainer.dp", "trainer.tp", "trainer.pp", "trainer.pp_drain", "trainer.fsdp", "trainer.ep", "trainer.lora.merged", "critic.dp", "critic.tp", "critic.fsdp", "generator.replicas",

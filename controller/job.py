@@ -24,7 +24,7 @@ from controller.metrics_plot import plot_metrics
 from controller.schedules import Schedule, get_schedule
 from controller.timeline import merge, plot, process_start_time
 from controller.world import build_world, check_world_size, device_index, placement, store_client
-from controller.world import roles as rank_roles
+from controller.world import roles as rank_roles, titles
 from controller.devices import detect_device, init_distributed, pin_threads
 
 
@@ -99,8 +99,7 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
             writer = MetricsWriter(executors=[e.name for e in graph.executors], steps=steps_run,
                                    path=output_dir / "metrics.jsonl", console_keys=console_keys,
                                    timeout=timeout, derive=derive, sinks=row_sinks, every_s=progress_every_s,
-                                   progress={e.name: " + ".join(x.name for x in graph.on_ranks_of(e.name))
-                                             for e in graph.placed}).start()
+                                   progress=titles(graph)).start()
             watchdog.before_exit(writer.drain)
         stopped = Controller(world=world, steps=steps_run, schedule=schedule, control=control,
                              startup=startup).run()

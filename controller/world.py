@@ -109,12 +109,16 @@ def device_index(graph: Graph, *, rank: int, local_rank: int) -> int | None:
     return sum(1 for r in range(rank - local_rank, rank) if r in holders)
 
 
+def titles(graph: Graph) -> dict[str, str]:
+    """A placed executor -> what its ranks run, it and then its guests (co-located: "generator + reward +
+    trainer"): what a failure report and the progress line call its ranks."""
+    return {ex.name: " + ".join(e.name for e in graph.on_ranks_of(ex.name)) for ex in graph.placed}
+
+
 def roles(graph: Graph) -> dict[int, str]:
-    """Global rank -> the executors it runs, the one placed there and then its guests (what a failure
-    report names: co-located, "generator + reward + trainer")."""
-    units = placement(graph)
-    return {rank: " + ".join(e.name for e in graph.on_ranks_of(ex.name))
-            for ex in graph.placed for unit in units[ex.name] for rank in unit}
+    """Global rank -> its executors' title (titles)."""
+    units, named = placement(graph), titles(graph)
+    return {rank: named[ex.name] for ex in graph.placed for unit in units[ex.name] for rank in unit}
 
 
 def world_size_of(graph: Graph) -> int:

@@ -36,7 +36,6 @@ if TYPE_CHECKING:  # transformers loads with the first chunk: building a graph s
     import transformers
 
 
-
 class NativeEngine:
     def __init__(self, model: transformers.PreTrainedModel, *, eos_token_id: int, pad_token_id: int,
                  max_batch_prompts: int = 16, admission: str = DEFAULT_ADMISSION, routing=None, numerics: str = "default",
