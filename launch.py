@@ -1,7 +1,7 @@
 """torchrun --nproc-per-node N launch.py --algo grpo [--config FILE] [--set key=value ...]"""
 import sys
 
-from launch.cli import main
+from tidal.launch.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,10 +28,10 @@ sys.path[:] = [_ROOT] + [p for p in sys.path if Path(p or ".").resolve() != Path
 import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from modeling.tiny.task import embedded_prompts  # noqa: E402
-from executors.generator.contract import PromptRequest, SamplingParams  # noqa: E402
-from executors.generator.native_engine import ADMISSIONS, NativeEngine  # noqa: E402
-from modeling.hf import load_model, load_tokenizer  # noqa: E402
+from tidal.modeling.tiny.task import embedded_prompts  # noqa: E402
+from tidal.executors.generator.contract import PromptRequest, SamplingParams  # noqa: E402
+from tidal.executors.generator.native_engine import ADMISSIONS, NativeEngine  # noqa: E402
+from tidal.modeling.hf import load_model, load_tokenizer  # noqa: E402
 
 
 def timed(engine: NativeEngine, requests, params) -> tuple[float, list[float], dict]:

@@ -31,14 +31,14 @@ from tabulate import tabulate
 _ROOT = str(Path(__file__).resolve().parents[1])
 sys.path[:] = [_ROOT] + [p for p in sys.path if Path(p or ".").resolve() != Path(_ROOT, "bench") and p != _ROOT]
 
-from executors.data import _ChatForm, _tokenize
-from executors.generator.contract import PromptRequest, SamplingParams
-from executors.generator.native_engine import NativeEngine
-from modeling.hf import load_model, load_tokenizer
-from executors.trainer.accumulate import Mismatch
-from executors.trainer.config import TrainerConfig
-from executors.learner.models import trainable_copy
-from modeling.packing import make_micro_batches
+from tidal.executors.data import _ChatForm, _tokenize
+from tidal.executors.generator.contract import PromptRequest, SamplingParams
+from tidal.executors.generator.native_engine import NativeEngine
+from tidal.modeling.hf import load_model, load_tokenizer
+from tidal.executors.trainer.accumulate import Mismatch
+from tidal.executors.trainer.config import TrainerConfig
+from tidal.executors.learner.models import trainable_copy
+from tidal.modeling.packing import make_micro_batches
 
 
 class Taps:
@@ -128,8 +128,8 @@ def main() -> None:
     rows = [json.loads(line) for line in open(args.data)][: args.prompts]
     prompts = [torch.tensor(_tokenize(tok, r["prompt"], chat=_ChatForm())) for r in rows]
 
-    gen = load_model(args.model, dtype=torch.bfloat16)  # as executors/generator/executor.py loads it
-    master = load_model(args.model, dtype=torch.float32)  # as executors/trainer/models.py loads it
+    gen = load_model(args.model, dtype=torch.bfloat16)  # as tidal/executors/generator/executor.py loads it
+    master = load_model(args.model, dtype=torch.float32)  # as tidal/executors/trainer/models.py loads it
     policy = trainable_copy(master, TrainerConfig(precision="bf16"))
     gen_p, pol_p = dict(gen.named_parameters()), dict(policy.named_parameters())
     unequal = sum(int((gen_p[n] != p).sum()) for n, p in pol_p.items())

@@ -29,13 +29,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from channels.channel import Channel, Route  # noqa: E402
-from channels.codec import encode  # noqa: E402
-from channels.kinds import Kind  # noqa: E402
-from controller.graph import Graph  # noqa: E402
-from controller.world import build_world  # noqa: E402
-from executors.base import Endpoints, Executor, Input, Output, StepContext
-from common.spawn import spawn  # noqa: E402
+from tidal.channels.channel import Channel, Route  # noqa: E402
+from tidal.channels.codec import encode  # noqa: E402
+from tidal.channels.kinds import Kind  # noqa: E402
+from tidal.controller.graph import Graph  # noqa: E402
+from tidal.controller.world import build_world  # noqa: E402
+from tidal.executors.base import Endpoints, Executor, Input, Output, StepContext
+from tidal.common.spawn import spawn  # noqa: E402
 
 WORLD = 3
 REPEATS = 5

@@ -38,12 +38,12 @@ import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from executors.generator.config import VllmConfig  # noqa: E402
-from executors.generator.contract import PromptRequest, SamplingParams  # noqa: E402
-from executors.generator.native_engine import NativeEngine  # noqa: E402
-from executors.generator.vllm_engine import VllmEngine, receive_buffers  # noqa: E402
-from modeling.hf import load_model, load_tokenizer, save_hf  # noqa: E402
-from common.spawn import free_port  # noqa: E402
+from tidal.executors.generator.config import VllmConfig  # noqa: E402
+from tidal.executors.generator.contract import PromptRequest, SamplingParams  # noqa: E402
+from tidal.executors.generator.native_engine import NativeEngine  # noqa: E402
+from tidal.executors.generator.vllm_engine import VllmEngine, receive_buffers  # noqa: E402
+from tidal.modeling.hf import load_model, load_tokenizer, save_hf  # noqa: E402
+from tidal.common.spawn import free_port  # noqa: E402
 
 REPEATS = 3
 # name -> (B prompts, G samples, prompt tokens, new tokens, model config or None = embedded)

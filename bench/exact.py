@@ -1,6 +1,6 @@
 """model.numerics=exact against the default kernels: the engine/trainer log-prob gap, and what exact costs.
 
-Each config is a whole job, as a user runs it (launch/jobs.py, torchrun, the split placement under the
+Each config is a whole job, as a user runs it (tidal/launch/jobs.py, torchrun, the split placement under the
 periodic schedule), `--steps` steps, `--repeats` times alternating; the first step (start-up) is left out and
 the figures are medians over the rest. Configs: default and exact numerics, each in float32, bf16 and fp16
 (trainer.precision=bf16 / fp16: compute in it with float32 masters, fp16 with a dynamic loss scale; the
@@ -31,7 +31,7 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from launch import jobs  # noqa: E402
+from tidal.launch import jobs  # noqa: E402
 
 CONFIGS = {
     "default fp32": ["model.numerics=default"],
@@ -63,10 +63,10 @@ def batch_dependence(model_path: str | None, data: str | None, *, max_new_tokens
     before the first difference), prompt 0 alone against prompt 0 among 16."""
     import torch
 
-    from executors.generator.contract import PromptRequest, SamplingParams
-    from executors.generator.native_engine import NativeEngine
-    from modeling.hf import load_model, load_tokenizer
-    from modeling.tiny.task import embedded_prompts
+    from tidal.executors.generator.contract import PromptRequest, SamplingParams
+    from tidal.executors.generator.native_engine import NativeEngine
+    from tidal.modeling.hf import load_model, load_tokenizer
+    from tidal.modeling.tiny.task import embedded_prompts
 
     tok = load_tokenizer(model_path)
     if data:

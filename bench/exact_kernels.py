@@ -1,6 +1,6 @@
 """What exact numerics' fixed-shape calls cost, per tile size: the choice of ROW_TILE and ATTN_ITEMS.
 
-Exact mode (modeling/numerics.py) runs every product as library calls of one fixed shape: a linear layer's rows in
+Exact mode (tidal/modeling/numerics.py) runs every product as library calls of one fixed shape: a linear layer's rows in
 tiles of ROW_TILE, attention as items of [ATTN_ROWS x KEY_CHUNK] in calls of ATTN_ITEMS. A small tile wastes
 little on the engine's few rows but makes the trainer's thousands of rows many small calls; a large one the
 reverse. This measures both sides at a model's widths, each against the default kernels in the same run:
@@ -28,7 +28,7 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from modeling import exact_attention, numerics  # noqa: E402
+from tidal.modeling import exact_attention, numerics  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:
@@ -64,7 +64,7 @@ def linear_rows(config, dtype, rows: int, tiles: list[int], repeats: int) -> lis
 
 
 def attention_case(config, dtype, case: str, items: list[int], repeats: int) -> list:
-    from modeling.packed_attention import PackMask, packed_forward
+    from tidal.modeling.packed_attention import PackMask, packed_forward
 
     Hq, J = config.num_attention_heads, config.num_key_value_heads
     D = getattr(config, "head_dim", None) or config.hidden_size // Hq
@@ -99,7 +99,7 @@ def attention_case(config, dtype, case: str, items: list[int], repeats: int) -> 
         seg = torch.cat([torch.full((e - s,), i) for i, (s, e) in enumerate(spans)])
 
         def default():
-            from modeling.packed_attention import _attention
+            from tidal.modeling.packed_attention import _attention
 
             pack = PackMask(seg, spans, shared=True)
             return _attention(Module(), q, k, v, pack)
@@ -131,7 +131,7 @@ def main() -> None:
     p.add_argument("--items", default="32,64,128,256")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from modeling.hf import load_config
+    from tidal.modeling.hf import load_config
 
     config = load_config(args.model)
     dtype = getattr(torch, args.dtype)

@@ -64,7 +64,7 @@ JOB = dict(prompts=8, samples=8, new_tokens=64, steps=4)
 
 
 def accelerator() -> torch.device | None:
-    from controller.devices import detect_device
+    from tidal.controller.devices import detect_device
 
     spec = detect_device()
     return None if spec.type == "cpu" else torch.device(spec.type, 0)
@@ -91,8 +91,8 @@ def part_decode(shape: str, device: torch.device, *, tiny: bool) -> list[dict]:
     """Native engine vs HF `generate`, each sample to `new` tokens (random weights seldom sample EOS)."""
     import transformers
 
-    from executors.generator.contract import PromptRequest, SamplingParams
-    from executors.generator.native_engine import NativeEngine
+    from tidal.executors.generator.contract import PromptRequest, SamplingParams
+    from tidal.executors.generator.native_engine import NativeEngine
 
     new = 8 if tiny else 64
     with torch.device(device):
@@ -161,8 +161,8 @@ def part_train(shape: str, device: torch.device, *, tiny: bool) -> list[dict]:
     device's dense bf16 peak."""
     import transformers
 
-    from modeling.packing import pack_group
-    from modeling.parallel.ac import apply_ac
+    from tidal.modeling.packing import pack_group
+    from tidal.modeling.parallel.ac import apply_ac
 
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config_of(shape, tiny=tiny), dtype=torch.bfloat16,
@@ -339,7 +339,7 @@ def _model_dir(work: Path, *, tiny: bool) -> Path:
     (once: the parts that run jobs share it)."""
     import transformers
 
-    from modeling.hf import load_tokenizer
+    from tidal.modeling.hf import load_tokenizer
 
     path = work / "model"
     if not (path / "config.json").is_file():
@@ -363,8 +363,8 @@ def _spans(run: Path, kind: str) -> list[float]:
 
 
 def colocated(report: Report, clock: Clock, work: Path, *, tiny: bool) -> tuple[list[dict], str]:
-    from launch.cli import parser, resolve
-    from launch.memory import PARTS, Shape, colocated_bytes
+    from tidal.launch.cli import parser, resolve
+    from tidal.launch.memory import PARTS, Shape, colocated_bytes
 
     model = _model_dir(work, tiny=tiny)
     run = work / "colocated"
@@ -393,12 +393,12 @@ def colocated(report: Report, clock: Clock, work: Path, *, tiny: bool) -> tuple[
 
 
 def split(report: Report, clock: Clock, work: Path, *, tiny: bool) -> tuple[list[dict], str]:
-    """The split placement needs one accelerator per device rank (controller/world.py rank_plan): where
+    """The split placement needs one accelerator per device rank (tidal/controller/world.py rank_plan): where
     this machine has them, periodic against sync on the same job; else the plan, and why not."""
-    from controller.devices import detect_device, device_count
-    from controller.world import rank_plan
-    from launch.cli import parser, resolve
-    from recipes.registry import recipe_for
+    from tidal.controller.devices import detect_device, device_count
+    from tidal.controller.world import rank_plan
+    from tidal.launch.cli import parser, resolve
+    from tidal.recipes.registry import recipe_for
 
     cfg = resolve(parser().parse_args(_job_args(None, "periodic")))
     plan = rank_plan(recipe_for("grpo").build(cfg))

@@ -36,7 +36,7 @@ def _rss_mb() -> float:
 def _one(tokens: int, vocab: int, chunk: int) -> dict:
     import torch
 
-    from modeling.head import head_logprobs
+    from tidal.modeling.head import head_logprobs
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

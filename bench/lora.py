@@ -28,7 +28,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.placement import rank_pids  # noqa: E402
-from launch import jobs  # noqa: E402
+from tidal.launch import jobs  # noqa: E402
 
 SIZES = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
              intermediate_size=2304)
@@ -38,8 +38,8 @@ def random_model(path: Path) -> Path:
     import torch
     import transformers
 
-    from modeling.tiny import MODEL_SIZES
-    from modeling.hf import load_tokenizer, save_hf
+    from tidal.modeling.tiny import MODEL_SIZES
+    from tidal.modeling.hf import load_tokenizer, save_hf
 
     tok = load_tokenizer(None)
     config = transformers.Qwen3Config(**{**MODEL_SIZES, **SIZES, "vocab_size": len(tok)}, bos_token_id=tok.eos_token_id,

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tabulate import tabulate  # noqa: E402
 
-from executors.reward.functions import math_simple, math_verify  # noqa: E402
+from tidal.executors.reward.functions import math_simple, math_verify  # noqa: E402
 
 PAIRS = Path(__file__).resolve().parents[1] / "tests" / "math_verify_pairs.jsonl"
 REPEATS = 20

@@ -20,7 +20,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launch import jobs  # noqa: E402
+from tidal.launch import jobs  # noqa: E402
 
 CONFIGS = {  # name: (ranks, overrides)
     "embedded job (tp=1)": (3, []),

@@ -28,8 +28,8 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common.spawn import spawn  # noqa: E402
-from launch import jobs  # noqa: E402
+from tidal.common.spawn import spawn  # noqa: E402
+from tidal.launch import jobs  # noqa: E402
 
 SKIP = 2
 CONFIGS = {  # name -> (model, --set overrides)
@@ -40,9 +40,9 @@ CONFIGS = {  # name -> (model, --set overrides)
 
 
 def models(root: Path) -> dict[str, Path]:
-    from modeling.tiny import MODEL_SIZES
-    from modeling.tiny.moe import write_embedded_moe
-    from modeling.hf import load_tokenizer, save_hf
+    from tidal.modeling.tiny import MODEL_SIZES
+    from tidal.modeling.tiny.moe import write_embedded_moe
+    from tidal.modeling.hf import load_tokenizer, save_hf
 
     import torch
     import transformers
@@ -73,9 +73,9 @@ def _micro_step(model_dir: str, ep: int, iters: int) -> tuple[float, float]:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from modeling.hf import load_model
-    from modeling.parallel.ep import apply_ep, expert_mesh
-    from modeling.packing import make_micro_batches
+    from tidal.modeling.hf import load_model
+    from tidal.modeling.parallel.ep import apply_ep, expert_mesh
+    from tidal.modeling.packing import make_micro_batches
 
     torch.set_num_threads(1)
     model = load_model(model_dir).train()

@@ -34,9 +34,9 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from launch import jobs  # noqa: E402
-from executors.environments.base import EnvStep  # noqa: E402
-from executors.environments.lookup import Lookup  # noqa: E402
+from tidal.launch import jobs  # noqa: E402
+from tidal.executors.environments.base import EnvStep  # noqa: E402
+from tidal.executors.environments.lookup import Lookup  # noqa: E402
 
 MULTI_TURN = ["rollout=multi_turn", "logging.samples_every=1"]
 
@@ -64,7 +64,7 @@ class Latent:
     inline = False
 
     def __init__(self, sample: dict, *, latency: float, inner: str = "lookup", **inner_args):
-        from executors.environments.base import env_class
+        from tidal.executors.environments.base import env_class
 
         self.latency = latency
         self.env = env_class(inner)(sample, **inner_args)
@@ -154,9 +154,9 @@ def part1(args, tmp: Path) -> None:
 
 
 def part2(args, tmp: Path) -> None:
-    from planner.calibrate import calibrate, fit_concurrency
-    from planner.plan import predict
-    from planner.calibrate import shapes_of
+    from tidal.planner.calibrate import calibrate, fit_concurrency
+    from tidal.planner.plan import predict
+    from tidal.planner.calibrate import shapes_of
 
     chain = [*MULTI_TURN, "multi_turn.env=bench.multi_turn:Chain", "multi_turn.max_turns=6"]
     cal_cfgs = [["generator.max_new_tokens=8", "generator.max_batch_prompts=1", "data.prompts_per_step=16"],

@@ -26,9 +26,9 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from launch import jobs  # noqa: E402
-from planner.calibrate import calibrate, fit_concurrency, shapes_of  # noqa: E402
-from planner.plan import predict, predict_offpolicy  # noqa: E402
+from tidal.launch import jobs  # noqa: E402
+from tidal.planner.calibrate import calibrate, fit_concurrency, shapes_of  # noqa: E402
+from tidal.planner.plan import predict, predict_offpolicy  # noqa: E402
 
 CONFIGS = {  # the embedded job on this machine's 2 cores: training-bound, then generation-bound
     "default job": [],

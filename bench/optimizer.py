@@ -1,6 +1,6 @@
 """The barrier's optimizer step on a real model's parameters: torch's AdamW as the trainer ran it before
 (the per-tensor loop, torch's CPU default), foreach, and fused (the trainer's choice now,
-modeling/optim.py fused_adamw); the gradient clip's norm beside it. One process, no torch.distributed,
+tidal/modeling/optim.py fused_adamw); the gradient clip's norm beside it. One process, no torch.distributed,
 median of `--repeats` steps after one warm-up; ratios against the default loop in the same run.
 
     .venv/bin/python -m bench.optimizer [--model /work/real/smollm2-135m-hf] [--threads 1]
@@ -34,7 +34,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    from modeling.parallel import clip_grad_norm_
+    from tidal.modeling.parallel import clip_grad_norm_
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     params = list(model.parameters())

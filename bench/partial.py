@@ -29,7 +29,7 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from launch import jobs  # noqa: E402
+from tidal.launch import jobs  # noqa: E402
 
 JOB = ["generator.max_new_tokens=64", "reward.functions=[bench.partial:short]"]
 CONFIGS = {
@@ -92,9 +92,9 @@ def engine(args) -> None:
 
     import torch
 
-    from executors.generator.contract import PromptRequest, Resume, SamplingParams
-    from executors.generator.native_engine import NativeEngine
-    from modeling.hf import load_model, load_tokenizer
+    from tidal.executors.generator.contract import PromptRequest, Resume, SamplingParams
+    from tidal.executors.generator.native_engine import NativeEngine
+    from tidal.modeling.hf import load_model, load_tokenizer
 
     torch.set_num_threads(2)
     tok, model = load_tokenizer(args.model), load_model(args.model, seed=0)

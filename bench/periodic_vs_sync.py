@@ -1,5 +1,5 @@
 """Periodic asynchrony vs the synchronous schedule, same job, same seed, one invocation, with the
-placement planner's prediction of both (planner/).
+placement planner's prediction of both (tidal/planner/).
 
 First the planner is calibrated on three configs of its own (short sync runs for the rates, and a
 periodic run of the last for how much the executors slow each other when they overlap). Then for each config:
@@ -23,9 +23,9 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from launch import jobs  # noqa: E402
-from planner.calibrate import calibrate, fit_concurrency, shapes_of  # noqa: E402
-from planner.plan import predict  # noqa: E402
+from tidal.launch import jobs  # noqa: E402
+from tidal.planner.calibrate import calibrate, fit_concurrency, shapes_of  # noqa: E402
+from tidal.planner.plan import predict  # noqa: E402
 
 LONG_TAIL_MODEL = "{long_tail_model}"  # made by long_tail_model() in the run's temp dir
 # generator and trainer on one core each (reward is light); 3 ranks on this 2-core machine
@@ -54,7 +54,7 @@ def long_tail_model(path: Path) -> str:
     lengths spread from 2 tokens to the cap (a long tail, as reasoning models show)."""
     import torch
 
-    from modeling.hf import load_model, load_tokenizer
+    from tidal.modeling.hf import load_model, load_tokenizer
 
     tok, model = load_tokenizer(None), load_model(None, seed=1)
     with torch.no_grad():

@@ -23,7 +23,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launch import jobs  # noqa: E402
+from tidal.launch import jobs  # noqa: E402
 from megatron_vs_torch import med  # noqa: E402  (bench/ is this script's directory: the same median of medians)
 
 CONFIGS = {  # name: (pp, pp_drain)
@@ -42,7 +42,7 @@ def write_model(path: Path, *, layers: int) -> Path:
     import torch
     import transformers
 
-    from modeling.hf import ATTN_IMPL, load_tokenizer, save_hf
+    from tidal.modeling.hf import ATTN_IMPL, load_tokenizer, save_hf
 
     tok = load_tokenizer(None)
     config = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=256, intermediate_size=768,

@@ -5,7 +5,7 @@ planner's prediction of each; and what the reward rank of the split placement co
 Every configuration runs `--steps` steps `--repeats` times (alternating); the first 2 steps of each
 are skipped. TPSPD is the recipe's (tokens / step s / ranks); tokens/s is the whole machine's, the
 fairer figure where 3 ranks share 2 cores. The planner is calibrated from the first repeat's runs
-(planner/calibrate.py: the split sync run's rates, the periodic run's concurrency, the co-located
+(tidal/planner/calibrate.py: the split sync run's rates, the periodic run's concurrency, the co-located
 run's swap) and predicts each configuration's median step.
 
 The reward rank: its process's CPU seconds (utime + stime from /proc, read every 50 ms while the job
@@ -33,7 +33,7 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from launch import jobs  # noqa: E402
+from tidal.launch import jobs  # noqa: E402
 
 TWO = ["generator.replicas=2", "trainer.dp=2"]
 CONFIGS = {  # name -> (ranks, schedule, --set overrides)
@@ -102,8 +102,8 @@ def scored_s(out: Path, *, rank: int, steps: range) -> float:
 
 
 def predictions(dirs: dict[str, Path]) -> dict[str, float]:
-    from planner.calibrate import calibrate, fit_concurrency, shapes_of, swap_seconds
-    from planner.plan import colocated, predict
+    from tidal.planner.calibrate import calibrate, fit_concurrency, shapes_of, swap_seconds
+    from tidal.planner.plan import colocated, predict
 
     rates = calibrate(dirs["split, 3 ranks"])
     rates = dataclasses.replace(rates, concurrency=fit_concurrency(rates, dirs["split, 3 ranks, periodic"]),

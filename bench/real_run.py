@@ -1,6 +1,6 @@
 """A realistic job, periodic vs sync, at the old decode-slot default of a pretrained model
 (generator.max_batch_prompts=16: every prompt of the step at once) and at the new one (decode
-slots from the step's shape, recipes/defaults.py decode_slots), all in one invocation.
+slots from the step's shape, tidal/recipes/defaults.py decode_slots), all in one invocation.
 
 The model: --model PATH, or a random-init Llama of SmolLM2-135M's decoder shape (30 layers, hidden
 576, 9 heads / 3 kv heads, MLP 1536; the embedded 512-token tokenizer, so the head is smaller)
@@ -48,7 +48,7 @@ def smollm2_shaped_model(out: Path) -> str:
     import torch
     import transformers
 
-    from modeling.hf import load_tokenizer, save_hf
+    from tidal.modeling.hf import load_tokenizer, save_hf
 
     tok = load_tokenizer(None)
     config = transformers.LlamaConfig(
@@ -63,7 +63,7 @@ def smollm2_shaped_model(out: Path) -> str:
 
 def humaneval_like_prompts(out: Path, *, n: int = 164) -> str:
     """Prompts of code-like text whose lengths in the embedded tokenizer follow PROMPT_TOKENS."""
-    from modeling.hf import load_tokenizer
+    from tidal.modeling.hf import load_tokenizer
 
     tok, rng = load_tokenizer(None), random.Random(0)
     words = ["def", "return", "list", "int", "numbers", "for", "in", "if", "else", "the", "of", "a", "string",
@@ -79,7 +79,7 @@ def humaneval_like_prompts(out: Path, *, n: int = 164) -> str:
 
 
 def run(name: str, schedule: str, sets: list[str], *, job: list[str], steps: int, out: Path) -> dict:
-    from launch import jobs
+    from tidal.launch import jobs
 
     jobs.run("grpo", "--schedule", schedule, output_dir=out, steps=steps, overrides=[*job, *sets], timeout=steps * 600,
              nproc=3)
@@ -95,7 +95,7 @@ def collect(out: Path) -> dict:
 
 def forward_cost(model_dir: str, *, rows=(4, 8, 16), context: int = 150, repeats: int = 9) -> None:
     """One thread, as a generator rank of a 2-core machine has: the median decode forward at each
-    row count, over a KV cache of `context` tokens (recipes/defaults.py SATURATING_ROWS)."""
+    row count, over a KV cache of `context` tokens (tidal/recipes/defaults.py SATURATING_ROWS)."""
     import time
 
     import torch

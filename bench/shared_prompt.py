@@ -25,8 +25,8 @@ import torch
 from tabulate import tabulate
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from modeling.batching import split_group
-from modeling.packing import auto_shared_prompt, pack_group
+from tidal.modeling.batching import split_group
+from tidal.modeling.packing import auto_shared_prompt, pack_group
 
 CASES = [(200, 8, 50), (1000, 8, 100), (100, 8, 1000)]  # (P, G, R)
 AUTO_PROMPTS, AUTO_G, AUTO_R = (10, 25, 50, 100, 200), 8, 500

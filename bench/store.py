@@ -1,7 +1,7 @@
 """The rendezvous store as the channels use it: how many item headers per second it carries.
 
 Every channel item's header is one `queue_push` per receiving rank by the sender and one blocking
-`queue_pop` by each of those ranks (channels/channel.py), so an item reaching R ranks costs 2R store
+`queue_pop` by each of those ranks (tidal/channels/channel.py), so an item reaching R ranks costs 2R store
 operations; at the end of a step each source unit's leader pushes an end marker to every
 destination rank (2 operations each). The bodies go p2p and are not measured here. K client
 processes share one TCPStore server (the job's, on rank 0's host); each pushes and pops HEADER-byte
@@ -26,7 +26,7 @@ sys.path[:] = [_ROOT] + [p for p in sys.path if Path(p or ".").resolve() != Path
 
 from tabulate import tabulate  # noqa: E402
 
-from common.spawn import free_port  # noqa: E402
+from tidal.common.spawn import free_port  # noqa: E402
 
 HEADER = json.dumps({"src": 17, "header": {"index": 123, "prompt_ids": [0, 0], "responses": [[0, 64]] * 16,
                                            "rewards": [0.0] * 16}, "nbytes": 123456})

@@ -55,7 +55,7 @@ def model_dir(name: str) -> Path:
         import torch
         import transformers
 
-        from modeling.hf import load_tokenizer, save_hf
+        from tidal.modeling.hf import load_tokenizer, save_hf
 
         cls, sizes = MODELS[name]
         torch.manual_seed(0)
@@ -67,12 +67,12 @@ def model_dir(name: str) -> Path:
 def _one(name: str, options: dict, G: int, R: int) -> dict:
     import torch
 
-    from algorithms.grpo import GRPOConfig
-    from algorithms.registry import get_algorithm
-    from channels.payloads import ScoredGroup
-    from controller.timeline import Timeline
-    from executors.base import ExecutorEnv, Endpoints, StepContext
-    from executors.trainer.executor import Trainer, TrainerConfig
+    from tidal.algorithms.grpo import GRPOConfig
+    from tidal.algorithms.registry import get_algorithm
+    from tidal.channels.payloads import ScoredGroup
+    from tidal.controller.timeline import Timeline
+    from tidal.executors.base import ExecutorEnv, Endpoints, StepContext
+    from tidal.executors.trainer.executor import Trainer, TrainerConfig
 
     torch.set_num_threads(2)
     path = model_dir(name)
@@ -91,7 +91,7 @@ def _one(name: str, options: dict, G: int, R: int) -> dict:
                         reward_failures=0)
 
     class Sink:  # the weight push goes nowhere: one rank, no generator
-        bytes_per_push = 0  # what a WEIGHTS port reports (controller/world.py Outlet)
+        bytes_per_push = 0  # what a WEIGHTS port reports (tidal/controller/world.py Outlet)
         def push(self, shards, specs):
             pass
 

@@ -33,10 +33,10 @@ Measured (medians over the steps after the first, then over --repeats):
   train); TRL from its own profiling timers: transformers.generate, _calculate_rewards, and the rest of
   the step after _prepare_inputs (training forward, backward, optimizer step).
 Threads: TRL one process with torch's default intra-op threads (or --trl-threads); Tidal as launched,
-its ranks pin cores // ranks threads each (controller/devices.py pin_threads; 1 each on 2 cores; the
+its ranks pin cores // ranks threads each (tidal/controller/devices.py pin_threads; 1 each on 2 cores; the
 co-located placement is one process with every core, like TRL's).
 --systems picks the Tidal runs of a round (default sync, periodic, colocated, default: the plain launch,
-no placement, schedule or slot flags, whatever launch/auto.py chooses; the fixed systems leave the slots
+no placement, schedule or slot flags, whatever tidal/launch/auto.py chooses; the fixed systems leave the slots
 to it too); they interleave with TRL (TRL, Tidal sync, Tidal periodic, Tidal co-located, TRL, ...); the load average is recorded before
 and after each run. TRL is an optional bench dependency, never a test one; `make bench-trl` builds
 .venv-trl and runs the defaults:
@@ -65,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("trl", "sync", "periodic", "colocated", "default")
 NAMES = {"trl": "TRL GRPOTrainer", "sync": "Tidal sync", "periodic": "Tidal periodic",
          "colocated": "Tidal co-located", "default": "Tidal default (the launch's choice)"}
-EMBEDDED_REWARD = "modeling.tiny.task:embedded_reward"
+EMBEDDED_REWARD = "tidal.modeling.tiny.task:embedded_reward"
 
 
 # ---- the job: model, rows in the length band, reward ---------------------------------------------------
@@ -73,18 +73,18 @@ EMBEDDED_REWARD = "modeling.tiny.task:embedded_reward"
 def write_job(args, tmp: Path) -> tuple[str, Path, list[int]]:
     """(model directory, the JSONL both sides read, its prompts' token lengths)."""
     sys.path.insert(0, str(ROOT))
-    from modeling.hf import load_tokenizer
+    from tidal.modeling.hf import load_tokenizer
 
     model_dir = args.model
     if model_dir is None:
-        from modeling.hf import load_model, save_hf
+        from tidal.modeling.hf import load_model, save_hf
 
         model_dir = str(tmp / "model")
         save_hf(load_model(None, seed=0), load_tokenizer(None), Path(model_dir))
     if args.data:
         rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
     else:
-        from modeling.tiny.task import embedded_prompts
+        from tidal.modeling.tiny.task import embedded_prompts
 
         rows = embedded_prompts(4096, seed=0)
     tok = load_tokenizer(model_dir)
@@ -257,10 +257,10 @@ def run(system: str, *, args, job: dict, out: Path) -> dict:
                 # TRL feeds a plain-string prompt to the model as it is; a model with a chat template would
                 # get it applied by Tidal's pretrained defaults: raw prompts on both sides
                 "data.chat_template=false"]
-        from launch import jobs  # TRL's venv also runs this file, for its worker
+        from tidal.launch import jobs  # TRL's venv also runs this file, for its worker
 
         # co-located: one process runs every executor, the sync schedule (the only one it takes); sync and
-        # periodic: the split placement; default: what the plain launch chooses (launch/auto.py)
+        # periodic: the split placement; default: what the plain launch chooses (tidal/launch/auto.py)
         fixed = {"colocated": ("sync", "colocated"), "sync": ("sync", "split"), "periodic": ("periodic", "split")}
         if system in fixed:
             sets = [*sets, f"schedule={fixed[system][0]}", f"placement={fixed[system][1]}"]
@@ -444,7 +444,7 @@ def main() -> None:
     p.add_argument("--systems", default="sync,periodic,colocated,default",
                    help="the Tidal runs of a round, comma-separated: sync, periodic (split placement), colocated "
                         "(co-located placement, sync schedule; one process with every core), default (no placement, "
-                        "schedule or slot flags: the launch's own choice, launch/auto.py)")
+                        "schedule or slot flags: the launch's own choice, tidal/launch/auto.py)")
     p.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0: torch's default")
     p.add_argument("--poll", type=float, default=0.2, help="seconds between polls of the processes")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")

@@ -4,7 +4,7 @@ One spawned world of 4 CPU gloo ranks: trainer ranks 0-1, generator ranks 2-3. P
 the shapes of Qwen3-like models (built on the meta device, so nothing is initialised); each rank
 allocates only its own shards. Per model size and layout:
 
-- direct: the planned push (channels/push_plan.py, run by channels/push.py), every piece straight
+- direct: the planned push (tidal/channels/push_plan.py, run by tidal/channels/push.py), every piece straight
   from an owning trainer rank to the generator rank that needs it, in buckets;
 - gather+bcast: the trainer gathers the full model on trainer rank 0, which broadcasts each full
   parameter to the generator ranks; they keep their slice;
@@ -39,10 +39,10 @@ import torch.distributed as dist  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
-from channels.push import WeightPush  # noqa: E402
-from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan  # noqa: E402
-from modeling.parallel import param_specs  # noqa: E402
-from common.spawn import spawn  # noqa: E402
+from tidal.channels.push import WeightPush  # noqa: E402
+from tidal.channels.push_plan import GeneratorLayout, TrainerLayout, build_plan  # noqa: E402
+from tidal.modeling.parallel import param_specs  # noqa: E402
+from tidal.common.spawn import spawn  # noqa: E402
 
 REPEATS = 3
 TRAINER, GENERATOR = (0, 1), (2, 3)

@@ -1,4 +1,4 @@
-"""PPO with a critic, wired by hand: the graph `launch.py --algo ppo` builds (recipes/ppo.py), as a user
+"""PPO with a critic, wired by hand: the graph `launch.py --algo ppo` builds (tidal/recipes/ppo.py), as a user
 would write it to swap executors for another on-policy algorithm.
 
     torchrun --nproc-per-node 4 examples/ppo_critic.py --steps 2 --output-dir runs/ppo_critic
@@ -14,19 +14,19 @@ import os
 import sys
 from pathlib import Path
 
-from algorithms.registry import get_algorithm
-from channels.channel import Channel
-from channels.kinds import Kind
-from channels.payloads import AdvantagedGroup, RolloutGroup, ScoredGroup, WeightsUpdate
-from controller.graph import Graph
-from controller.job import run_job
-from executors.critic.config import CriticConfig
-from executors.critic.executor import Critic
-from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig
-from executors.generator.executor import Generator
-from executors.reward.config import RewardConfig
-from executors.reward.executor import Reward
-from executors.trainer.executor import Trainer, TrainerConfig
+from tidal.algorithms.registry import get_algorithm
+from tidal.channels.channel import Channel
+from tidal.channels.kinds import Kind
+from tidal.channels.payloads import AdvantagedGroup, RolloutGroup, ScoredGroup, WeightsUpdate
+from tidal.controller.graph import Graph
+from tidal.controller.job import run_job
+from tidal.executors.critic.config import CriticConfig
+from tidal.executors.critic.executor import Critic
+from tidal.executors.generator.config import DataConfig, GeneratorConfig, ModelConfig
+from tidal.executors.generator.executor import Generator
+from tidal.executors.reward.config import RewardConfig
+from tidal.executors.reward.executor import Reward
+from tidal.executors.trainer.executor import Trainer, TrainerConfig
 
 
 def build_graph(*, steps: int) -> Graph:

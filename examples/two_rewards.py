@@ -11,19 +11,19 @@ import os
 import sys
 from pathlib import Path
 
-from algorithms.registry import get_algorithm
-from channels.channel import Channel
-from channels.kinds import Kind
-from channels.payloads import RolloutGroup, ScoredGroup, WeightsUpdate
-from controller.graph import Graph
-from controller.job import run_job
-from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig
-from executors.generator.executor import Generator
-from executors.reward.combine import CombineRewards
-from executors.reward.config import CombineConfig, RewardConfig, RewardModelConfig
-from executors.reward.executor import Reward
-from executors.reward.model import RewardModel
-from executors.trainer.executor import Trainer, TrainerConfig
+from tidal.algorithms.registry import get_algorithm
+from tidal.channels.channel import Channel
+from tidal.channels.kinds import Kind
+from tidal.channels.payloads import RolloutGroup, ScoredGroup, WeightsUpdate
+from tidal.controller.graph import Graph
+from tidal.controller.job import run_job
+from tidal.executors.generator.config import DataConfig, GeneratorConfig, ModelConfig
+from tidal.executors.generator.executor import Generator
+from tidal.executors.reward.combine import CombineRewards
+from tidal.executors.reward.config import CombineConfig, RewardConfig, RewardModelConfig
+from tidal.executors.reward.executor import Reward
+from tidal.executors.reward.model import RewardModel
+from tidal.executors.trainer.executor import Trainer, TrainerConfig
 
 
 def build_graph(*, steps: int) -> Graph:

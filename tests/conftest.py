@@ -1,4 +1,4 @@
-"""Every test's jobs measure into, and read, a cache of their own (launch/auto.py): a rate measured on
+"""Every test's jobs measure into, and read, a cache of their own (tidal/launch/auto.py): a rate measured on
 this machine by a user's run never changes what a test's launch chooses."""
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from launch import jobs
+from tidal.launch import jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 # 2 inference chunks; no PNGs at the end (1.5 s a job; the tests that read them turn them on)
@@ -24,7 +24,7 @@ REQUIRED = {"step", "trainer/reward_mean", "trainer/reward_std", "trainer/respon
 
 def launch(out: Path, *args: str, nproc: int = 3, steps: int = 3, timeout: float = 240,
            algo: str = "grpo", defaults: bool = False, env: dict | None = None) -> jobs.Job:
-    """The job to its end, its `nproc` ranks forked by the warm launcher (launch/warm.py: torchrun's rank
+    """The job to its end, its `nproc` ranks forked by the warm launcher (tidal/launch/warm.py: torchrun's rank
     environment without the ~9 s of imports a job; what needs torchrun itself uses `start`). defaults: the
     embedded job as `make demo` runs it, without the small batch of SMALL. env: added to this process's
     environment (e.g. TIDAL_THREADS=1: the same float sums in every layout)."""

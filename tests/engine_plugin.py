@@ -1,4 +1,4 @@
-"""Two test-only engines, each a `generator.engine=tests.engine_plugin:NAME` (executors/generator/engines.py
+"""Two test-only engines, each a `generator.engine=tests.engine_plugin:NAME` (tidal/executors/generator/engines.py
 EngineKind, named by module:attr: no line added to the registry):
 
   RECORD  the native engine, writing every group it finishes to $TIDAL_REPLAY_DIR (step-index.pt)
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from executors.generator.engines import ENGINES, EngineKind
+from tidal.executors.generator.engines import ENGINES, EngineKind
 
 
 def _dir() -> Path:

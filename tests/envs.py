@@ -2,7 +2,7 @@
 import random
 import time
 
-from executors.environments.lookup import Lookup
+from tidal.executors.environments.lookup import Lookup
 
 
 class BreaksOnSomePrompts(Lookup):

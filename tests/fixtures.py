@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from channels.payloads import ScoredGroup
-from modeling.tiny.task import embedded_prompts, embedded_reward
-from executors.generator.contract import PromptRequest, SamplingParams
-from executors.generator.native_engine import NativeEngine
-from modeling.hf import load_model, load_tokenizer
-from recipes.config import RunConfig
+from tidal.channels.payloads import ScoredGroup
+from tidal.modeling.tiny.task import embedded_prompts, embedded_reward
+from tidal.executors.generator.contract import PromptRequest, SamplingParams
+from tidal.executors.generator.native_engine import NativeEngine
+from tidal.modeling.hf import load_model, load_tokenizer
+from tidal.recipes.config import RunConfig
 
 SMALL = {"data": {"prompts_per_step": 4}, "generator": {"samples_per_prompt": 4, "max_new_tokens": 4}}
 

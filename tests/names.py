@@ -18,7 +18,7 @@ from typing import Mapping
 
 import torch
 
-from channels.payloads import ParamSpec, local_shape
+from tidal.channels.payloads import ParamSpec, local_shape
 
 
 @dataclass(frozen=True)

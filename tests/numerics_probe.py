@@ -32,7 +32,7 @@ HEAD_ROWS = (1, 48, 129)  # the thresholds a Xeon's AMX kernels changed at: 48 r
 
 def published_model(shape: str, dtype: torch.dtype, *, seed: int = 0):
     """A random-init model of a published model's widths and vocabulary (2 layers), in `dtype`."""
-    from modeling.hf import cast_parameters
+    from tidal.modeling.hf import cast_parameters
 
     config = SHAPES[shape]()
     config._attn_implementation = "sdpa"
@@ -43,8 +43,8 @@ def published_model(shape: str, dtype: torch.dtype, *, seed: int = 0):
 
 
 def _model(shape: str, dtype: torch.dtype, tmp: str):
-    from modeling.hf import load_model
-    from modeling.tiny.moe import write_embedded_moe
+    from tidal.modeling.hf import load_model
+    from tidal.modeling.tiny.moe import write_embedded_moe
 
     if shape.startswith("embedded"):
         path = str(write_embedded_moe(f"{tmp}/moe")) if shape == "embedded-moe" else None
@@ -55,7 +55,7 @@ def _model(shape: str, dtype: torch.dtype, tmp: str):
 def _outputs(model, prompts: list[torch.Tensor], keep: int) -> tuple[dict, int]:
     """Each module's first output of one forward of the left-padded `prompts` ([rows, columns, ...]; the model's
     own head: of the last column), and the float32 head's logits of the last `keep` columns of every row."""
-    from modeling.head import fp32_logits
+    from tidal.modeling.head import fp32_logits
 
     seen = {}
 
@@ -106,10 +106,10 @@ def module_differences(model, *, long: bool = True) -> list[str]:
 def product_differences(model, dtype: torch.dtype) -> list[str]:
     """Every distinct product of the model (each linear layer's shape, and the head in float32): a row alone
     against the same row first, in the middle and last among M rows, M up to 4,096 (the heads: 256)."""
-    from modeling.numerics import exact_linear
+    from tidal.modeling.numerics import exact_linear
 
     head = tuple(model.get_output_embeddings().weight.shape)
-    # a low-precision head's logits are its product in float32 (modeling/head.py), on both sides
+    # a low-precision head's logits are its product in float32 (tidal/modeling/head.py), on both sides
     shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)} - {head}
     g = torch.Generator().manual_seed(2)
     cases = [(s, dtype) for s in sorted(shapes)] + [(head, torch.float32)]
@@ -128,7 +128,7 @@ def product_differences(model, dtype: torch.dtype) -> list[str]:
 
 
 def check(case: tuple[str, str, int], tmp: str, *, long: bool = True) -> list[str]:
-    from modeling import numerics
+    from tidal.modeling import numerics
 
     shape, dtype_name, threads = case
     dtype = getattr(torch, dtype_name)

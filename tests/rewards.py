@@ -3,7 +3,7 @@ import os
 import time
 from pathlib import Path
 
-from modeling.tiny.task import embedded_reward
+from tidal.modeling.tiny.task import embedded_reward
 
 
 def slow_embedded(prompt: str, response: str, sample: dict) -> float:

@@ -1,4 +1,4 @@
-"""trainer.activation_checkpointing (modeling/parallel/ac.py): the same log-probs and gradients as
+"""trainer.activation_checkpointing (tidal/modeling/parallel/ac.py): the same log-probs and gradients as
 without it, fewer saved activations, and a deep copy (the old policy) that runs its own layers.
 Under tensor parallel and FSDP2: tests/test_parallel.py (the `+ac` layouts)."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from modeling.parallel import apply_ac, has_ac
-from modeling.packing import make_micro_batches
+from tidal.modeling.parallel import apply_ac, has_ac
+from tidal.modeling.packing import make_micro_batches
 from tests.test_parallel import tiny
 
 

@@ -4,17 +4,17 @@ import math
 import pytest
 import torch
 
-from algorithms.base import Algorithm, LossInputs
-from algorithms.batch_scope import (batch_mean_scale, batch_normalise, batch_normalise_at_barrier, linear_passes,
+from tidal.algorithms.base import Algorithm, LossInputs
+from tidal.algorithms.batch_scope import (batch_mean_scale, batch_normalise, batch_normalise_at_barrier, linear_passes,
                                     score_moments)
-from algorithms.dapo import DAPO, DAPOConfig, keeps_group, overlong_penalty
-from algorithms.dr_grpo import DR_GRPO, DrGRPOConfig
-from algorithms.grpo import GRPO, GRPOConfig
-from algorithms.gspo import GSPO, GSPOConfig
-from algorithms.kl import kl_in_reward, kl_k1, kl_k2, kl_k3, kl_penalised_rewards
-from algorithms.registry import ALGORITHMS
-from algorithms.reinforce_pp import REINFORCE_PP, ReinforcePPConfig
-from algorithms.rloo import RLOO, RLOOConfig
+from tidal.algorithms.dapo import DAPO, DAPOConfig, keeps_group, overlong_penalty
+from tidal.algorithms.dr_grpo import DR_GRPO, DrGRPOConfig
+from tidal.algorithms.grpo import GRPO, GRPOConfig
+from tidal.algorithms.gspo import GSPO, GSPOConfig
+from tidal.algorithms.kl import kl_in_reward, kl_k1, kl_k2, kl_k3, kl_penalised_rewards
+from tidal.algorithms.registry import ALGORITHMS
+from tidal.algorithms.reinforce_pp import REINFORCE_PP, ReinforcePPConfig
+from tidal.algorithms.rloo import RLOO, RLOOConfig
 
 torch.set_num_threads(1)
 F64 = torch.float64

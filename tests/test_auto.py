@@ -1,4 +1,4 @@
-"""The launch's choice of placement, schedule and slots (launch/auto.py): from the model with given
+"""The launch's choice of placement, schedule and slots (tidal/launch/auto.py): from the model with given
 rates (a cache entry written here), by world size under torchrun, kept on resume, explicit settings
 winning, the same bits as the fixed plan it picks, and what a run that strays from the plan is told."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import jobs
-from launch.cli import auto_keys, parser, resolve
-from launch import auto
-from launch.measure import measure
+from tidal.launch import jobs
+from tidal.launch.cli import auto_keys, parser, resolve
+from tidal.launch import auto
+from tidal.launch.measure import measure
 from tests.e2e import max_abs_diff, weights
 
 
@@ -35,7 +35,7 @@ two_cores = pytest.mark.skipif(SPLIT == COLOCATED, reason="a split rank and a co
 
 
 def _cache(cfg, rates: dict, *, prompt_len: int = 20) -> None:
-    """Cache entries as launch/auto.py writes them (one per thread count), for the job `cfg` on this machine."""
+    """Cache entries as tidal/launch/auto.py writes them (one per thread count), for the job `cfg` on this machine."""
     threads = {"split": SPLIT, "colocated": COLOCATED}
     spec = auto.measure_spec(cfg, threads=[threads[p] for p in rates])
     auto.cache_dir().mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def test_under_torchrun_the_world_size_decides(monkeypatch):
 
 def test_waves_only_where_they_pay(tmp_path):
     model = tmp_path / "model"
-    from modeling.hf import load_model, load_tokenizer, save_hf
+    from tidal.modeling.hf import load_model, load_tokenizer, save_hf
 
     save_hf(load_model(None), load_tokenizer(None), model)
     job = ("--set", f"model.path={model}", "--set", "placement=split", "--set", "data.prompts_per_step=8",
@@ -151,9 +151,9 @@ def test_the_measurement_times_the_real_engine_and_trainer_model(dtype):
         out = measure(spec)
     finally:
         torch.set_num_threads(threads)
-    from modeling.hf import load_tokenizer
-    from modeling.tiny.task import embedded_prompts
-    from executors.data import PromptRow, PromptSet
+    from tidal.modeling.hf import load_tokenizer
+    from tidal.modeling.tiny.task import embedded_prompts
+    from tidal.executors.data import PromptRow, PromptSet
 
     prompts = PromptSet([PromptRow(prompt=p["prompt"], extras={}) for p in embedded_prompts(64, seed=0)],
                         tokenizer=load_tokenizer(None), max_prompt_tokens=256, apply_chat_template=False)

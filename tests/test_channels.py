@@ -9,14 +9,14 @@ import json
 import pytest
 import torch
 
-from channels.channel import Channel, Route, Sender
-from channels.codec import decode, encode, field_kinds
-from channels.kinds import Kind
-from channels.payloads import ScoredGroup
-from controller.graph import Graph
-from controller.job import run_job
-from executors.base import Executor, Input, Output
-from common.spawn import spawn
+from tidal.channels.channel import Channel, Route, Sender
+from tidal.channels.codec import decode, encode, field_kinds
+from tidal.channels.kinds import Kind
+from tidal.channels.payloads import ScoredGroup
+from tidal.controller.graph import Graph
+from tidal.controller.job import run_job
+from tidal.executors.base import Executor, Input, Output
+from tidal.common.spawn import spawn
 from tests.toy import Item, Producer, Relay, Sink, make_item
 
 

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from controller.checkpoint import (commit, complete_checkpoints, config_changes, latest, open_checkpoint,
+from tidal.controller.checkpoint import (commit, complete_checkpoints, config_changes, latest, open_checkpoint,
                                    step_dir, tmp_dir)
 
 CONFIG = {"seed": 0, "steps": 10, "trainer": {"lr": 1e-3, "dp": 1}, "generator": {"vllm": {"kv_cache_gb": None}}}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import parser
+from tidal.launch.cli import parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def test_dry_run_prints_placement_and_channels():
     out, memory = proc.stdout.split("memory per rank")
     assert "world size 5" in out
     lines = {line.split()[0]: line for line in out.splitlines() if line.split()}
-    # the memory estimate (launch/memory.py), per executor
+    # the memory estimate (tidal/launch/memory.py), per executor
     assert "0.9M parameters" in memory and "trainer     weights 3 MB, AdamW state 7 MB" in memory
     assert lines["generator"].split()[2:4] == ["0-1", "0"] and "1" in lines["generator"].split()[4]
     assert lines["reward"].split()[2] == "2"
@@ -82,7 +82,7 @@ def test_config_errors_name_the_field(args, message):
 
 
 def test_help_lists_the_registered_algorithms(monkeypatch):
-    from algorithms.registry import ALGORITHMS
+    from tidal.algorithms.registry import ALGORITHMS
 
     help_text = " ".join(parser().format_help().split())
     assert "--algo NAME algorithm: dapo, dr_grpo, grpo, gspo, ppo, reinforce_pp, rloo" in help_text
@@ -118,8 +118,8 @@ def test_vllm_engine_without_vllm_says_how_to_get_it():
 
 def test_pipeline_refuses_what_its_schedule_does_not_carry():
     """trainer.pp's refusals beside the CLI's (the torch backend, above): in-process, no job."""
-    from recipes.checks import check_pipeline, check_trainer
-    from recipes.config import RunConfig
+    from tidal.recipes.checks import check_pipeline, check_trainer
+    from tidal.recipes.config import RunConfig
 
     cfg = RunConfig.model_validate({"algo": "reinforce_pp", "trainer": {"backend": "megatron", "pp": 2}})
     with pytest.raises(ValueError, match="trainer.pp=2 with algorithm 'reinforce_pp': batch-scope advantages"):
@@ -156,7 +156,7 @@ def test_megatron_backend_refuses_a_model_it_cannot_convert_before_any_rank_star
 def test_a_config_error_under_torchrun_is_said_once_by_rank_0(monkeypatch, capsys):
     """Every rank checks the same config: rank 0 says the error at once; another rank waits for the launcher to
     stop it (so it cannot end the job before rank 0 has printed) and says it, with its rank, only if still running."""
-    import launch.cli as cli
+    import tidal.launch.cli as cli
 
     waited = []
     monkeypatch.setattr(cli.time, "sleep", waited.append)

@@ -1,4 +1,4 @@
-"""The corrections of algorithms/corrections.py against values computed by hand: truncated, masked
+"""The corrections of tidal/algorithms/corrections.py against values computed by hand: truncated, masked
 and IcePop importance weights per token and per sequence, AIPO, dual clip, the log-ratio clamp, and
 their bad configs."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from algorithms.base import LossInputs
-from algorithms.gspo import GSPOConfig
-from algorithms.grpo import GRPOConfig
-from algorithms.token_loss import token_level_loss
+from tidal.algorithms.base import LossInputs
+from tidal.algorithms.gspo import GSPOConfig
+from tidal.algorithms.grpo import GRPOConfig
+from tidal.algorithms.token_loss import token_level_loss
 
 LN = math.log
 MASK = torch.tensor([[True, True, True], [True, True, False]])

@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from algorithms.ppo import PPOConfig
-from algorithms.registry import get_algorithm
-from channels.payloads import AdvantagedGroup
-from controller.schedules import Periodic, Sync
-from controller.timeline import Timeline
-from executors.base import ExecutorEnv, Endpoints, StepContext
-from executors.critic.config import CriticConfig
-from executors.critic.executor import Critic
-from executors.critic.model import load_value_model
-from modeling.hf import load_model
-from executors.trainer.executor import Trainer, TrainerConfig
-from executors.learner.models import micro_batches
+from tidal.algorithms.ppo import PPOConfig
+from tidal.algorithms.registry import get_algorithm
+from tidal.channels.payloads import AdvantagedGroup
+from tidal.controller.schedules import Periodic, Sync
+from tidal.controller.timeline import Timeline
+from tidal.executors.base import ExecutorEnv, Endpoints, StepContext
+from tidal.executors.critic.config import CriticConfig
+from tidal.executors.critic.executor import Critic
+from tidal.executors.critic.model import load_value_model
+from tidal.modeling.hf import load_model
+from tidal.executors.trainer.executor import Trainer, TrainerConfig
+from tidal.executors.learner.models import micro_batches
 from tests.fixtures import scored_groups
 from tests.tolerances import LOGP_OF_FLOAT64
 
@@ -31,7 +31,7 @@ ALGO = PPOConfig(beta=0.05, gamma=0.9, lam=0.8, vf_clip=0.01)
 
 class _Sent:
     """Collects what an executor sends on one output port, in-process."""
-    bytes_per_push = 0  # what a WEIGHTS port reports (controller/world.py Outlet)
+    bytes_per_push = 0  # what a WEIGHTS port reports (tidal/controller/world.py Outlet)
 
     def __init__(self):
         self.items = []

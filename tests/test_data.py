@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from executors.data import Columns, PromptRow, PromptSet, _locate, load_prompts
+from tidal.executors.data import Columns, PromptRow, PromptSet, _locate, load_prompts
 
 WORDS = "user assistant the cat sat on a mat dog ran far away one two three four five six seven eight"
 TEMPLATE = ("{% for m in messages %}<s> user {{ m['content'] }}{% endfor %}"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from modeling.hf import load_model, load_tokenizer, save_hf
-from launch.cli import parser, resolve
-from recipes.config import non_defaults
-from recipes.defaults import PRETRAINED, decode_slots, flatten, sources
+from tidal.modeling.hf import load_model, load_tokenizer, save_hf
+from tidal.launch.cli import parser, resolve
+from tidal.recipes.config import non_defaults
+from tidal.recipes.defaults import PRETRAINED, decode_slots, flatten, sources
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def _resolve(*argv: str):
 def test_embedded_task_keeps_its_tuned_defaults():
     cfg = _resolve()
     assert cfg.trainer.lr == 1e-3 and cfg.trainer.warmup_steps == 0 and cfg.generator.max_new_tokens == 8
-    assert set(cfg.sources.values()) == {"default", "--algo", "auto"}  # auto: the launch's choice (launch/auto.py)
+    assert set(cfg.sources.values()) == {"default", "--algo", "auto"}  # auto: the launch's choice (tidal/launch/auto.py)
     assert {k for k, _, _ in non_defaults(cfg)} == {"algo", "placement", "schedule.kind"}
 
 
@@ -121,7 +121,7 @@ def test_sources_of_nested_and_whole_sections():
 
 
 def test_config_json_passes_back_as_a_config(model_dir, tmp_path):
-    """A run's config.json (values and their _sources, as launch/run.py writes it) is a valid --config
+    """A run's config.json (values and their _sources, as tidal/launch/run.py writes it) is a valid --config
     and gives the same run."""
     cfg = _resolve("--set", f"model.path={model_dir}", "--set", "trainer.lr=3e-6")
     path = tmp_path / "config.json"
@@ -132,7 +132,7 @@ def test_config_json_passes_back_as_a_config(model_dir, tmp_path):
 
 
 def test_a_sliding_window_model_packs_by_default(model_dir, tmp_path):
-    """Packed rows take a sliding window (modeling/packed_attention.py): a model whose layers but the last
+    """Packed rows take a sliding window (tidal/modeling/packed_attention.py): a model whose layers but the last
     slide over 4 positions keeps shared_prompt=auto, and its trainer recomputes, from packed rows, the
     log-probs the generator sampled with (a row without the window would differ: prompts and responses
     run past 4 positions)."""

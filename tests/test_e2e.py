@@ -265,7 +265,7 @@ def test_shared_prompt_on_off_and_padded_train_the_same(tmp_path):
     import safetensors.torch
     import torch
 
-    from modeling.hf import load_model
+    from tidal.modeling.hf import load_model
 
     for mode in ("on", "off", "padded"):
         proc = launch(tmp_path / mode, "--set", f"trainer.shared_prompt={mode}",  # a signal from step 0 on

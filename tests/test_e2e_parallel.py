@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from modeling.hf import load_model
+from tidal.modeling.hf import load_model
 from tests.e2e import launch, max_abs_diff, metrics, weights
 
 TOL = 1e-5

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from modeling.tiny.task import embedded_prompts
-from executors.generator.contract import PromptRequest, SamplingParams
-from executors.generator.native_engine import NativeEngine
-from executors.generator.sampling import _top_k_mask, _top_p_mask, sample_tokens
-from modeling.hf import load_model, load_tokenizer
+from tidal.modeling.tiny.task import embedded_prompts
+from tidal.executors.generator.contract import PromptRequest, SamplingParams
+from tidal.executors.generator.native_engine import NativeEngine
+from tidal.executors.generator.sampling import _top_k_mask, _top_p_mask, sample_tokens
+from tidal.modeling.hf import load_model, load_tokenizer
 from tests.tolerances import LOGP_OF_FLOAT64
 
 torch.set_num_threads(1)
@@ -211,7 +211,7 @@ def test_sampling_uses_no_float64():
     a row's uniform is the same computed alone or in a batch, and uniform on (0, 1)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from executors.generator.sampling import uniforms
+    from tidal.executors.generator.sampling import uniforms
 
     class Dtypes(TorchDispatchMode):
         seen = set()
@@ -280,7 +280,7 @@ def test_sampled_frequencies_pass_a_chi_square_test(top_p, top_k, expect):
 
 
 def test_draw_never_picks_a_token_without_mass():
-    from executors.generator.sampling import draw
+    from tidal.executors.generator.sampling import draw
 
     probs_RV = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0], [0.2, 0.0, 0.0, 0.0, 0.0]])
     for u in (1e-7, 0.25, 0.5, 0.75, 1 - 2.0**-23, 1.0):  # 1.0: u x total rounded up to the total
@@ -348,8 +348,8 @@ def test_groups_leave_as_they_finish_and_slots_refill(ending, requests):
 
 
 def test_the_planner_replays_this_engine(ending, requests):
-    """planner/model.py replay_engine, given each group's longest response, leaves in this engine's order."""
-    from planner.model import replay_engine
+    """tidal/planner/model.py replay_engine, given each group's longest response, leaves in this engine's order."""
+    from tidal.planner.model import replay_engine
 
     for admission in ("continuous", "chunked"):
         groups = list(ending(max_batch_prompts=3, admission=admission).generate(requests, ENDING, step=2))

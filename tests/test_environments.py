@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from executors.environments.base import ModelTurn, env_class
-from executors.environments.calculator import Calculator, CalculatorError, evaluate
-from executors.environments.python import TRUNCATED, Python
-from executors.environments.toolcall import MalformedCall, ToolCall, parse_tool_call, tool_schema
+from tidal.executors.environments.base import ModelTurn, env_class
+from tidal.executors.environments.calculator import Calculator, CalculatorError, evaluate
+from tidal.executors.environments.python import TRUNCATED, Python
+from tidal.executors.environments.toolcall import MalformedCall, ToolCall, parse_tool_call, tool_schema
 
 
 def turn(text: str, index: int = 0) -> ModelTurn:
@@ -242,7 +242,7 @@ def test_python_network_namespace_holds_for_subprocesses_and_ctypes():
     this process reaches the server (the probe can fail)."""
     import socket
 
-    from executors.environments.python import NAMESPACE
+    from tidal.executors.environments.python import NAMESPACE
 
     if Python.isolation() != NAMESPACE:
         pytest.skip("no network namespace can be made here (not root, no unprivileged user namespaces): "
@@ -263,8 +263,8 @@ def test_python_deterministic_set_order():
 
 
 def test_dry_run_says_how_the_python_tool_is_kept_off_the_network():
-    from launch.cli import parser, resolve
-    from launch.dryrun import _isolation
+    from tidal.launch.cli import parser, resolve
+    from tidal.launch.dryrun import _isolation
 
     cfg = resolve(parser().parse_args(["--algo", "grpo", "--set", "rollout=multi_turn", "--set", "multi_turn.env=python"]))
     line = _isolation(cfg)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.spawn import free_port
+from tidal.common.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def test_first_failure_stands():
 
     import torch.distributed as dist
 
-    from controller.failure import publish_first
+    from tidal.controller.failure import publish_first
 
     # the watchdog's kind of store: a prefix store over the job's TCPStore
     store = dist.PrefixStore("tidal", dist.TCPStore("127.0.0.1", free_port(), is_master=True,
@@ -69,9 +69,9 @@ def test_a_receive_past_the_timeout_names_who_waits_on_whom():
     import torch
     import torch.distributed as dist
 
-    from channels.channel import Channel, Receiver, Route
-    from channels.kinds import Kind
-    from channels.payloads import ScoredGroup
+    from tidal.channels.channel import Channel, Receiver, Route
+    from tidal.channels.kinds import Kind
+    from tidal.channels.payloads import ScoredGroup
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=1))
     channel = Channel("scored", "reward", "trainer", Kind.SCATTER, ScoredGroup)
@@ -93,9 +93,9 @@ def test_a_spurious_empty_queue_is_waited_out_within_the_deadline():
     import torch
     import torch.distributed as dist
 
-    from channels.channel import Channel, Receiver, Route, _queue_key
-    from channels.kinds import Kind
-    from channels.payloads import ScoredGroup
+    from tidal.channels.channel import Channel, Receiver, Route, _queue_key
+    from tidal.channels.kinds import Kind
+    from tidal.channels.payloads import ScoredGroup
 
     class Spurious:  # the real store, with the race's answer on the first `empties` pops
         def __init__(self, store, empties):

@@ -1,4 +1,4 @@
-"""GAE, token rewards and the clipped value loss against hand computations (algorithms/gae.py)."""
+"""GAE, token rewards and the clipped value loss against hand computations (tidal/algorithms/gae.py)."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from algorithms.gae import clipped_value_loss, explained_variance, gae, token_rewards
+from tidal.algorithms.gae import clipped_value_loss, explained_variance, gae, token_rewards
 
 # two responses of uneven length: 3 tokens and 1 token, padded to T = 3
 MASK = torch.tensor([[True, True, True], [True, False, False]])
@@ -87,8 +87,8 @@ def test_explained_variance():
 def test_per_token_advantages_in_the_clipped_loss():
     """adv_NT reaches the PPO-clip token loss: equal to adv_N when constant along each row, and each
     token's gradient is -A_t * ratio_t / |o_i| (sequence-mean normaliser) where the clip is not active."""
-    from algorithms.base import LossInputs
-    from algorithms.registry import get_algorithm
+    from tidal.algorithms.base import LossInputs
+    from tidal.algorithms.registry import get_algorithm
 
     grpo = get_algorithm("grpo")
     cfg = grpo.config_cls()

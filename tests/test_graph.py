@@ -5,10 +5,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from channels.channel import Channel
-from channels.kinds import Kind
-from controller.graph import Graph
-from executors.base import Input, Output
+from tidal.channels.channel import Channel
+from tidal.channels.kinds import Kind
+from tidal.controller.graph import Graph
+from tidal.executors.base import Input, Output
 from tests.toy import Item, Producer, Relay, Sink
 
 
@@ -57,7 +57,7 @@ def test_same_step_cycle_is_refused_and_named():
 def test_scatter_needs_an_index_field():
     from dataclasses import dataclass
 
-    from executors.base import Executor, Input, Output
+    from tidal.executors.base import Executor, Input, Output
 
     @dataclass
     class NoIndex:

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from algorithms.base import LossInputs
-from algorithms.grpo import GRPO, GRPOConfig, grpo_advantages, grpo_loss
-from algorithms.registry import ALGORITHMS, get_algorithm
-from common.registry import Registry
+from tidal.algorithms.base import LossInputs
+from tidal.algorithms.grpo import GRPO, GRPOConfig, grpo_advantages, grpo_loss
+from tidal.algorithms.registry import ALGORITHMS, get_algorithm
+from tidal.common.registry import Registry
 
 torch.set_num_threads(1)
 LN2, LN15, LN05 = math.log(2.0), math.log(1.5), math.log(0.5)

@@ -1,4 +1,4 @@
-"""The LM head in chunks (modeling/head.py) against the whole-vocabulary reference.
+"""The LM head in chunks (tidal/modeling/head.py) against the whole-vocabulary reference.
 
 Chunked log-probs, entropy and the gradients they give equal the whole head's (one [K, V] logits
 tensor, as the trainer computed before chunking) within 1e-6 (relative) in fp32, for padded, varlen and
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 
-from executors.generator.native_engine import NativeEngine
-from modeling.head import Fp32Head, fp32_logits
-from modeling.packing import make_micro_batches
+from tidal.executors.generator.native_engine import NativeEngine
+from tidal.modeling.head import Fp32Head, fp32_logits
+from tidal.modeling.packing import make_micro_batches
 from tests.test_parallel import tiny
 
 TEMP = 0.7
@@ -188,7 +188,7 @@ def _tp_head(world: int):
 
 
 def test_bf16_head_logits_under_tensor_parallel():
-    from common.spawn import spawn
+    from tidal.common.spawn import spawn
 
     for same, grad_err in spawn(_tp_head, 2, 2, timeout_s=120):
         assert same and grad_err < 1e-2, grad_err  # the input's gradient: bf16, summed over the shards

@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 
-from modeling.tiny import TOKENIZER_FILE
-from modeling.tiny.build_tokenizer import build
-from modeling.tiny.task import embedded_prompts, embedded_reward
-from modeling.hf import load_model, load_tokenizer, save_hf
+from tidal.modeling.tiny import TOKENIZER_FILE
+from tidal.modeling.tiny.build_tokenizer import build
+from tidal.modeling.tiny.task import embedded_prompts, embedded_reward
+from tidal.modeling.hf import load_model, load_tokenizer, save_hf
 
 torch.set_num_threads(1)
 
@@ -119,7 +119,7 @@ def test_tokenizer_loads_without_the_model_stack(tmp_path, family):
     assert (ours.eos_token_id, ours.pad_token_id, ours.padding_side) == (ref.eos_token_id, ref.pad_token_id,
                                                                            ref.padding_side)
     root = Path(__file__).resolve().parents[1]
-    probe = (f"import sys; from modeling.hf import load_tokenizer; load_tokenizer({str(tmp_path)!r}); "
+    probe = (f"import sys; from tidal.modeling.hf import load_tokenizer; load_tokenizer({str(tmp_path)!r}); "
              f"print(sorted(m for m in sys.modules if m.endswith(('core_model_loading', 'modeling_utils', "
              f"'configuration_{family}'))))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=300)

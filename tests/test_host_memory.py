@@ -1,4 +1,4 @@
-"""common/host_memory.py: freed heap pages go back to the system, at a trim or at once."""
+"""tidal/common/host_memory.py: freed heap pages go back to the system, at a trim or at once."""
 from __future__ import annotations
 
 import os
@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from common.host_memory import _libc
+from tidal.common.host_memory import _libc
 
 PROBE = r"""
 import sys
 import torch
-from common.host_memory import map_large_blocks, trim_host_memory
+from tidal.common.host_memory import map_large_blocks, trim_host_memory
 
 def rss_mb():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) // 1024

@@ -8,7 +8,7 @@ recorded keys are 370baf3's; `kernels`, the instruction set they were recorded w
 with the libraries held to AVX2; reinforce_pp_passes' final weights once more when the native engine moved to fixed
 slots, issue 55: its attention reads a sample's keys in place, over another key length than a left-padded
 cache's, so the engine's float32 log-probs round otherwise in their last bits, and that run puts the KL into the
-reward from them, `algorithms/kl.py` kl_penalised_rewards; every rollout and evaluation unchanged). Every metrics
+reward from them, `tidal/algorithms/kl.py` kl_penalised_rewards; every rollout and evaluation unchanged). Every metrics
 key of those rows is still written, under its executor's name now (the recorded rows had flat names),
 but for a null one."""
 from __future__ import annotations

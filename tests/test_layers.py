@@ -1,6 +1,7 @@
 """The house's layers, checked from the code's own imports (docs/architecture.md "Layers").
 
     launch -> recipes -> controller -> executors -> modeling -> channels, algorithms -> common
+    (each a package of `tidal`: tidal.launch, tidal.recipes, ...; no module imports them by their bare names)
     launch, bench -> planner (imports nothing else of the project: a model of the step, not a part of it)
     bench -> launch (jobs from Python, the config and memory estimate: bench stands where a user's script does)
 Each package may import only the packages listed for it; a deferred import inside a function
@@ -40,7 +41,7 @@ NARROW = {
     ("modeling", "channels"): {"channels.payloads"},
     ("planner", "executors"): {"executors.generator.engines"},
 }
-ALGORITHM_USERS = ("executors/trainer/", "executors/critic/")
+ALGORITHM_USERS = ("tidal/executors/trainer/", "tidal/executors/critic/")
 # executors talk through channels, never by importing each other (docs/architecture.md "Layers"): an executor's
 # package may import the shared ones, and another executor's light config classes only
 SHARED_EXECUTOR_PACKAGES = {"base", "data", "learner",  # learner: the trainer's and the critic's base
@@ -49,25 +50,41 @@ SHARED_EXECUTOR_PACKAGES = {"base", "data", "learner",  # learner: the trainer's
 
 def _executor_package(rel: str) -> str | None:
     parts = rel.split("/")
-    return parts[1].removesuffix(".py") if parts[0] == "executors" and len(parts) > 1 else None
+    return parts[2].removesuffix(".py") if parts[:2] == ["tidal", "executors"] and len(parts) > 2 else None
+
+
+def _folder(layer: str) -> Path:
+    """Where a layer's files are: the packages in tidal/, the folders users copy from at the root."""
+    return ROOT / "tidal" / layer if layer in PACKAGES else ROOT / layer
+
+
+def _files(layer: str):
+    """(path from the root, e.g. `tidal/executors/trainer/models.py`; the path) of a layer's files."""
+    for path in sorted(_folder(layer).rglob("*.py")):
+        yield path.relative_to(ROOT).as_posix(), path
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of each absolute import; a project module without its `tidal.` (`executors.base`),
+    one imported by its bare name with a `!` (`!common.spawn`)."""
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.append((node.lineno, node.module))
-    return out
+    return [(line, module.removeprefix("tidal.") if module.startswith("tidal.") else
+             f"!{module}" if module.split(".")[0] in PACKAGES else module) for line, module in out]
 
 
 def _violations() -> list[str]:
     bad = []
     for layer, allowed in ALLOWED.items():
-        for path in sorted((ROOT / layer).rglob("*.py")):
-            rel = path.relative_to(ROOT).as_posix()
+        for rel, path in _files(layer):
             for line, module in _imports(path):
+                if module.startswith("!"):  # installed, `common` would be a user's own module of that name
+                    bad.append(f"{rel}:{line} imports {module[1:]} by its bare name (write tidal.{module[1:]})")
+                    continue
                 top = module.split(".")[0]
                 if top not in PACKAGES + ("tests",) or top == layer:
                     continue
@@ -93,7 +110,7 @@ def _cross_executor(rel: str, path: Path) -> list[str]:
         if theirs in (mine, *SHARED_EXECUTOR_PACKAGES) or parts[2:] == ["config"]:
             continue
         bad.append(f"{rel}:{line} imports {module} (an executor imports no other executor; shared code "
-                   f"goes to executors/learner or modeling/parallel)")
+                   f"goes to tidal/executors/learner or tidal/modeling/parallel)")
     return bad
 
 
@@ -104,26 +121,27 @@ def test_every_import_follows_the_layers():
 def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
     """The rules can fail: a channels module importing an executor, and an executor importing another
     executor's code (its config is allowed), are reported with their lines."""
-    fake = tmp_path / "channels"
-    fake.mkdir()
-    (fake / "bad.py").write_text("import torch\n\nfrom executors.base import Executor\n")
-    (tmp_path / "executors" / "critic").mkdir(parents=True)
-    (tmp_path / "executors" / "critic" / "bad.py").write_text(
-        "from executors.trainer.config import TrainerConfig\nfrom executors.trainer.models import TriModel\n")
+    fake = tmp_path / "tidal" / "channels"
+    fake.mkdir(parents=True)
+    (fake / "bad.py").write_text("import torch\n\nfrom tidal.executors.base import Executor\nfrom common.spawn import spawn\n")
+    (tmp_path / "tidal" / "executors" / "critic").mkdir(parents=True)
+    (tmp_path / "tidal" / "executors" / "critic" / "bad.py").write_text(
+        "from tidal.executors.trainer.config import TrainerConfig\nfrom tidal.executors.trainer.models import TriModel\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert _violations() == [
-        "channels/bad.py:3 imports executors.base (channels may not import executors)",
-        "executors/critic/bad.py:2 imports executors.trainer.models (an executor imports no other executor; shared "
-        "code goes to executors/learner or modeling/parallel)"]
+        "tidal/channels/bad.py:3 imports executors.base (channels may not import executors)",
+        "tidal/channels/bad.py:4 imports common.spawn by its bare name (write tidal.common.spawn)",
+        "tidal/executors/critic/bad.py:2 imports executors.trainer.models (an executor imports no other executor; shared "
+        "code goes to tidal/executors/learner or tidal/modeling/parallel)"]
 
 
 _PROBE = """
 import contextlib, io, sys
-from launch.cli import main
+from tidal.launch.cli import main
 with contextlib.redirect_stdout(io.StringIO()) as out:
     code = main(sys.argv[1:])
-heavy = [m for m in ("transformers", "torch.distributed.tensor", "executors.trainer.models",
-                     "modeling.packed_attention") if m in sys.modules]
+heavy = [m for m in ("transformers", "torch.distributed.tensor", "tidal.executors.trainer.models",
+                     "tidal.modeling.packed_attention") if m in sys.modules]
 print(code, "phases" if "1. prompts" in out.getvalue() else "no-phases", heavy)
 """
 
@@ -141,13 +159,13 @@ def test_cli_and_dry_run_load_no_model_code(args):
 ENDPOINT_MAPS = {"inbound", "outbound"}
 # the registries that may name an engine or a backend; the planner reads run configs as plain dicts and
 # imports nothing of the project (the layers above), so it cannot consult them
-REGISTRIES = {"executors/generator/engines.py", "executors/trainer/backends.py"}
+REGISTRIES = {"tidal/executors/generator/engines.py", "tidal/executors/trainer/backends.py"}
 
 
 def _choices() -> set[str]:
     """Every registered engine's and backend's name, read from the registries: a third one is covered too."""
-    from executors.generator.engines import ENGINES
-    from executors.trainer.backends import BACKENDS
+    from tidal.executors.generator.engines import ENGINES
+    from tidal.executors.trainer.backends import BACKENDS
 
     return set(ENGINES.names()) | set(BACKENDS.names())
 
@@ -181,8 +199,7 @@ def _choice_comparisons(path: Path, choices: set[str] = CHOICES) -> list[int]:
 
 def _product_files():
     for package in PRODUCT:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            yield path.relative_to(ROOT).as_posix(), path
+        yield from _files(package)
 
 
 def test_executors_look_ports_up_by_handle_not_by_string():
@@ -211,9 +228,9 @@ def test_a_refusal_asks_for_a_capability_and_offers_every_entry_that_has_it(monk
     names them with the built-in ones."""
     from dataclasses import replace
 
-    from executors.generator.engines import ENGINES
-    from executors.trainer.backends import BACKENDS
-    from recipes.checks import check_numerics, check_trainer
+    from tidal.executors.generator.engines import ENGINES
+    from tidal.executors.trainer.backends import BACKENDS
+    from tidal.recipes.checks import check_numerics, check_trainer
     from tests.fixtures import small_config
 
     monkeypatch.setitem(BACKENDS._entries, "third", replace(BACKENDS.get("torch"), about="a test's"))
@@ -252,7 +269,7 @@ def test_an_engine_in_a_file_of_its_own_runs_a_job(tmp_path):
         assert [r[key] for r in rows["REPLAY"]] == [r[key] for r in rows["RECORD"]], key
     assert (tmp_path / "REPLAY/final/model.safetensors").read_bytes() == \
         (tmp_path / "RECORD/final/model.safetensors").read_bytes()
-    from executors.generator.engines import ENGINES
+    from tidal.executors.generator.engines import ENGINES
 
     with pytest.raises(ValueError, match=r"generator.engine: generator engine 'tests.engine_plugin:Replay': "
                                          r"tests.engine_plugin.Replay is of type type, where an object of type EngineKind is needed"):

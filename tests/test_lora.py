@@ -8,18 +8,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from algorithms.grpo import GRPOConfig
-from algorithms.registry import get_algorithm
-from channels.payloads import ScoredGroup
-from controller.schedules import Periodic
-from controller.timeline import Timeline
-from executors.base import Endpoints, ExecutorEnv, StepContext
-from modeling.hf import load_model
-from modeling.lora import LoraConfig, adapter_params, apply_lora, merged_state
-from executors.trainer.executor import Trainer, TrainerConfig
-from modeling.packing import make_micro_batches
-from launch.cli import parser, resolve
-from recipes.grpo import build
+from tidal.algorithms.grpo import GRPOConfig
+from tidal.algorithms.registry import get_algorithm
+from tidal.channels.payloads import ScoredGroup
+from tidal.controller.schedules import Periodic
+from tidal.controller.timeline import Timeline
+from tidal.executors.base import Endpoints, ExecutorEnv, StepContext
+from tidal.modeling.hf import load_model
+from tidal.modeling.lora import LoraConfig, adapter_params, apply_lora, merged_state
+from tidal.executors.trainer.executor import Trainer, TrainerConfig
+from tidal.modeling.packing import make_micro_batches
+from tidal.launch.cli import parser, resolve
+from tidal.recipes.grpo import build
 from tests.e2e import launch, metrics
 
 torch.set_num_threads(1)

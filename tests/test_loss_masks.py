@@ -1,7 +1,7 @@
 """Multi-turn groups: only the model's tokens (RolloutGroup.loss_masks) are trained.
 
 The environment's observation tokens are in the model's input (context) but never get a log-prob,
-a gradient, an advantage or a place in a normaliser; GAE passes over them (algorithms/gae.py).
+a gradient, an advantage or a place in a normaliser; GAE passes over them (tidal/algorithms/gae.py).
 """
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from algorithms.gae import gae, token_rewards
-from algorithms.grpo import GRPOConfig
-from algorithms.objective import model_token_advantages
-from algorithms.registry import get_algorithm
-from channels.payloads import AdvantagedGroup, ScoredGroup
-from controller.schedules import Periodic
-from controller.timeline import Timeline
-from executors.base import Endpoints, ExecutorEnv, StepContext
-from modeling.hf import load_model
+from tidal.algorithms.gae import gae, token_rewards
+from tidal.algorithms.grpo import GRPOConfig
+from tidal.algorithms.objective import model_token_advantages
+from tidal.algorithms.registry import get_algorithm
+from tidal.channels.payloads import AdvantagedGroup, ScoredGroup
+from tidal.controller.schedules import Periodic
+from tidal.controller.timeline import Timeline
+from tidal.executors.base import Endpoints, ExecutorEnv, StepContext
+from tidal.modeling.hf import load_model
 from tests.tolerances import EQUAL, close_grads
-from executors.trainer.executor import Trainer, TrainerConfig, _per_sample
-from modeling.packing import make_micro_batches, pack_group
+from tidal.executors.trainer.executor import Trainer, TrainerConfig, _per_sample
+from tidal.modeling.packing import make_micro_batches, pack_group
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -223,7 +223,7 @@ def _scored(index: int, *, vocab: int, seed: int) -> ScoredGroup:
 
 
 class _Pushed:
-    bytes_per_push = 0  # what a WEIGHTS port reports (controller/world.py Outlet)
+    bytes_per_push = 0  # what a WEIGHTS port reports (tidal/controller/world.py Outlet)
     def push(self, shards, specs):
         pass
 
@@ -289,10 +289,10 @@ def test_token_advantages_average_and_whiten_over_model_tokens():
 def test_critic_advantages_and_value_loss_skip_the_environment_tokens():
     """The critic's advantages equal plain GAE over each response's model tokens alone (the KL in the
     reward too), 0 on the environment's; the value loss trains on the model tokens alone."""
-    from algorithms.ppo import PPOConfig
-    from executors.critic.config import CriticConfig
-    from executors.critic.executor import Critic
-    from executors.critic.model import load_value_model
+    from tidal.algorithms.ppo import PPOConfig
+    from tidal.executors.critic.config import CriticConfig
+    from tidal.executors.critic.executor import Critic
+    from tidal.executors.critic.model import load_value_model
 
     algo = PPOConfig(beta=0.05, gamma=0.9, lam=0.8, vf_clip=0.01)
     vocab = load_model(None, seed=0).config.vocab_size

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from executors.reward.functions import REWARDS, math_simple, math_verify, score_group
+from tidal.executors.reward.functions import REWARDS, math_simple, math_verify, score_group
 
 # one pair a line: what, response, gold, each verifier's verdict as measured, and the right verdict
 # (checked by hand; null where it is a convention: two boxed answers, a truncated box, pi vs 3.14159,

@@ -1,4 +1,4 @@
-"""The megatron backend's pieces so far (modeling/megatron/, issue 18): HF <-> megatron conversion
+"""The megatron backend's pieces so far (tidal/modeling/megatron/, issue 18): HF <-> megatron conversion
 for Qwen3, Qwen2 and Llama; megatron-core's GPTModel against the HF model at tensor-parallel 1 and
 2 on gloo, built over 2 of 3 ranks on the trainer's own process groups (a split world); the CPU
 shims (each still needed, each working). One spawn of 3 ranks serves every family and layout."""
@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from modeling.megatron.convert import Layout, shard, to_hf, to_megatron, unshard
-from common.spawn import spawn
+from tidal.modeling.megatron.convert import Layout, shard, to_hf, to_megatron, unshard
+from tidal.common.spawn import spawn
 
 
 def _configs() -> dict[str, transformers.PretrainedConfig]:
@@ -95,9 +95,9 @@ def _ranks_main():
         return out
     from megatron.core.tensor_parallel import random as mrandom
 
-    from modeling.megatron import shims
-    from modeling.megatron.groups import process_groups
-    from modeling.megatron.model import build, load_hf
+    from tidal.modeling.megatron import shims
+    from tidal.modeling.megatron.groups import process_groups
+    from tidal.modeling.megatron.model import build, load_hf
 
     # each shim is still needed: megatron's own call fails on a CPU-only torch without it
     for name, call in (("current_device", torch.cuda.current_device), ("rng_state", mrandom._get_cuda_rng_state)):
@@ -147,7 +147,7 @@ def ranks():
 
 
 def test_cpu_shims_are_needed(ranks):
-    """If megatron or torch stops needing a shim, this fails and the shim goes (modeling/megatron/shims.py)."""
+    """If megatron or torch stops needing a shim, this fails and the shim goes (tidal/modeling/megatron/shims.py)."""
     assert ranks[1]["needs_current_device"] and ranks[1]["needs_rng_state"]
 
 

@@ -11,22 +11,22 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from algorithms.grpo import GRPOConfig
-from algorithms.registry import get_algorithm
-from channels.payloads import chunk
-from controller.schedules import Periodic, Sync
-from controller.timeline import Timeline
-from executors.base import ExecutorEnv, Endpoints, StepContext
-from modeling.parallel import has_ac
-from executors.trainer.executor import Trainer, TrainerConfig
+from tidal.algorithms.grpo import GRPOConfig
+from tidal.algorithms.registry import get_algorithm
+from tidal.channels.payloads import chunk
+from tidal.controller.schedules import Periodic, Sync
+from tidal.controller.timeline import Timeline
+from tidal.executors.base import ExecutorEnv, Endpoints, StepContext
+from tidal.modeling.parallel import has_ac
+from tidal.executors.trainer.executor import Trainer, TrainerConfig
 from tests.fixtures import scored_groups
-from common.spawn import spawn
+from tidal.common.spawn import spawn
 
 TOL = 1e-5
 
 
 class _Pushed:
-    bytes_per_push = 0  # what a WEIGHTS port reports (controller/world.py Outlet)
+    bytes_per_push = 0  # what a WEIGHTS port reports (tidal/controller/world.py Outlet)
     def push(self, shards, specs):
         assert shards.keys() <= specs.keys()  # pipeline stages: each its own layers
         self.named = {n: t.detach().clone() for n, t in shards.items()}
@@ -48,7 +48,7 @@ def _full_grads(trainer: Trainer, seen: dict) -> dict:
     """The optimizer's gradients under HF names, joined over tp (megatron) or as they are (torch)."""
     if trainer.cfg.backend == "torch":
         return seen
-    from modeling.megatron.convert import to_hf, unshard
+    from tidal.modeling.megatron.convert import to_hf, unshard
 
     parts = [None] * trainer.cfg.tp
     dist.all_gather_object(parts, trainer.models._global(seen), group=trainer.models.tp_group)

@@ -1,9 +1,9 @@
-"""launch/memory.py: the memory estimate --dry-run prints (the presets: tests_vllm/test_presets.py)."""
+"""tidal/launch/memory.py: the memory estimate --dry-run prints (the presets: tests_vllm/test_presets.py)."""
 from __future__ import annotations
 
 import pytest
 
-from launch.memory import Shape, trainer_parts
+from tidal.launch.memory import Shape, trainer_parts
 from tests.fixtures import small_config
 
 
@@ -44,7 +44,7 @@ def test_parameter_count_from_config_json_matches_the_model(family, tie):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     assert Shape.from_fields(config.to_dict()).params == sum(p.numel() for p in model.parameters())
-    from modeling.hf import load_model
+    from tidal.modeling.hf import load_model
 
     assert Shape.of(None).params == sum(p.numel() for p in load_model(None).parameters())
 
@@ -53,7 +53,7 @@ def test_a_model_that_is_not_llama_style_gets_no_estimate_not_a_crash(tmp_path):
     """GPT-2 names its sizes n_embd, n_layer, ...: --dry-run says there is no estimate (it used to raise KeyError)."""
     import transformers
 
-    from launch.memory import describe_memory
+    from tidal.launch.memory import describe_memory
 
     transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=512).save_pretrained(tmp_path)
     assert Shape.of(str(tmp_path)) is None
@@ -62,13 +62,13 @@ def test_a_model_that_is_not_llama_style_gets_no_estimate_not_a_crash(tmp_path):
 
 @pytest.mark.parametrize("mode", ["on", "off", "auto", "padded"])
 def test_longest_micro_batch_is_the_one_the_trainer_packs(mode):
-    """micro_batch_tokens against modeling/packing.py's own rows, prompt lengths 1..P: the
+    """micro_batch_tokens against tidal/modeling/packing.py's own rows, prompt lengths 1..P: the
     activations are counted on the row the trainer really builds, not on a whole token_budget."""
     import torch
 
-    from executors.learner.config import LearnerConfig
-    from modeling.packing import make_micro_batches
-    from launch.memory import micro_batch_tokens
+    from tidal.executors.learner.config import LearnerConfig
+    from tidal.modeling.packing import make_micro_batches
+    from tidal.launch.memory import micro_batch_tokens
 
     for P, R, G, budget in [(40, 8, 4, 4096), (3, 64, 4, 4096), (40, 8, 8, 100), (300, 50, 4, 256), (2, 9, 5, 30)]:
         t = LearnerConfig(shared_prompt=mode, token_budget=budget, micro_batch_size=3)
@@ -97,7 +97,7 @@ SMOLLM2 = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_
     (4, 64, 2, (1.43e9, 4.37e9)),
 ])
 def test_estimate_is_within_30_percent_of_measured_peaks(B, new_tokens, slots, measured):
-    from launch.memory import PROCESS_BYTES, generator_parts
+    from tidal.launch.memory import PROCESS_BYTES, generator_parts
 
     shape = Shape.from_fields(SMOLLM2)
     assert round(shape.params / 1e6, 1) == 134.5
@@ -111,8 +111,8 @@ def test_estimate_is_within_30_percent_of_measured_peaks(B, new_tokens, slots, m
 def test_cpu_totals_count_the_process_and_the_load(tmp_path):
     """On CPU a rank holds its interpreter too, and while a model loads, the weights file's pages beside
     their copy (the generator's measured peak); a GPU's memory holds neither."""
-    from modeling.hf import load_model, load_tokenizer, save_hf
-    from launch.memory import PROCESS_BYTES, describe_memory, generator_parts, loading_peak
+    from tidal.modeling.hf import load_model, load_tokenizer, save_hf
+    from tidal.launch.memory import PROCESS_BYTES, describe_memory, generator_parts, loading_peak
 
     save_hf(load_model(None), load_tokenizer(None), tmp_path)
     cfg = small_config(model={"path": str(tmp_path)}, data={"max_prompt_tokens": 8})  # a KV cache below the file
@@ -134,8 +134,8 @@ def test_reward_model_gets_a_row_of_its_own(tmp_path):
     import torch
     import transformers
 
-    from executors.reward.model import load_reward_model
-    from launch.memory import describe_memory, reward_model_parts
+    from tidal.executors.reward.model import load_reward_model
+    from tidal.launch.memory import describe_memory, reward_model_parts
 
     cfg = small_config(reward={"model": {"scale": 2}})
     embedded = sum(p.numel() for p in load_reward_model(None, seed=0).parameters())
@@ -160,10 +160,10 @@ def test_reward_model_gets_a_row_of_its_own(tmp_path):
 
 def test_a_colocated_rank_holds_every_executor_and_the_kv_and_adam_take_turns():
     """placement=colocated: one rank holds the generator's and the trainer's parts, the generator's
-    weights once (the push hands it the trainer's: channels/push_plan.py) where both have one layout;
+    weights once (the push hands it the trainer's: tidal/channels/push_plan.py) where both have one layout;
     on a device its peak leaves out the smaller of the KV cache and AdamW's state (they are never there
     together), on CPU everything is one process's memory."""
-    from launch.memory import PROCESS_BYTES, PARTS, _size, describe_memory
+    from tidal.launch.memory import PROCESS_BYTES, PARTS, _size, describe_memory
 
     row = lambda text: next(line for line in text.splitlines() if line.startswith("co-located rank"))  # noqa: E731
     shape = Shape.of(None)
@@ -199,7 +199,7 @@ PUBLISHED = {  # the fields of the published config.json files the checks and es
 @pytest.mark.parametrize("tie", [True, False])
 def test_pipeline_stages_hold_the_model_between_them(tie):
     """The stages' parameters add up to the model's (a tied head: the last stage's own copy more)."""
-    from launch.memory import stage_shape
+    from tidal.launch.memory import stage_shape
 
     m = Shape.from_fields({**PUBLISHED["qwen2.5-32b-16xh200"], "num_hidden_layers": 4, "tie_word_embeddings": tie})
     parts = [stage_shape(m, pp=4, stage=s) for s in range(4)]
@@ -215,11 +215,11 @@ def test_the_pipeline_presets_place_and_fit(preset, size, world, tmp_path, monke
     import dataclasses
     import json
 
-    from controller.world import placement, world_size_of
-    from executors.generator.engines import ENGINES
-    from launch.cli import parser, resolve
-    from launch.memory import describe_memory
-    from recipes.registry import recipe_for
+    from tidal.controller.world import placement, world_size_of
+    from tidal.executors.generator.engines import ENGINES
+    from tidal.launch.cli import parser, resolve
+    from tidal.launch.memory import describe_memory
+    from tidal.recipes.registry import recipe_for
     from tests.e2e import ROOT
 
     # vLLM is not installed here: its check is the machine's, not the preset's
@@ -245,7 +245,7 @@ def test_the_pipeline_presets_place_and_fit(preset, size, world, tmp_path, monke
 def test_a_kv_budget_bounds_the_estimated_kv_cache():
     """generator.kv_budget_tokens: the estimate's KV cache is the budget's positions, not the slots' (the engine
     holds fewer groups at once rather than exceed it); a budget above the slots' leaves it as it was."""
-    from launch.memory import generator_parts
+    from tidal.launch.memory import generator_parts
 
     shape = Shape.from_fields(SMOLLM2)
     base = dict(samples_per_prompt=4, max_new_tokens=64, max_batch_prompts=4)

@@ -10,12 +10,12 @@ import matplotlib.image
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from controller import metrics
-from controller.control import Decision, decision_key
-from controller.metrics import MetricsWriter, build_row, headers, post_metrics
-from controller.metrics_plot import _panels, plot_metrics
-from controller.timeline import _BUSY, figure, plot, utilisation
-from controller.tensorboard import TensorBoardLog, tags_of
+from tidal.controller import metrics
+from tidal.controller.control import Decision, decision_key
+from tidal.controller.metrics import MetricsWriter, build_row, headers, post_metrics
+from tidal.controller.metrics_plot import _panels, plot_metrics
+from tidal.controller.timeline import _BUSY, figure, plot, utilisation
+from tidal.controller.tensorboard import TensorBoardLog, tags_of
 
 
 def scalars(log_dir: Path) -> dict[str, dict[int, float]]:
@@ -193,7 +193,7 @@ def test_progress_is_plain_lines_off_a_terminal_and_tqdm_on_one(capsys, monkeypa
 
     from tqdm import tqdm
 
-    from controller.metrics import PlainProgress, progress
+    from tidal.controller.metrics import PlainProgress, progress
 
     bar = progress(total=3, first=5)  # pytest's captured stderr is no terminal
     assert isinstance(bar, PlainProgress)
@@ -220,7 +220,7 @@ def test_loading_bars_stay_out_of_logs(tmp_path):
     import subprocess
     import sys
 
-    from modeling.hf import load_model, load_tokenizer, save_hf
+    from tidal.modeling.hf import load_model, load_tokenizer, save_hf
 
     save_hf(load_model(None), load_tokenizer(None), tmp_path)
     root = Path(__file__).resolve().parents[1]
@@ -231,16 +231,16 @@ def test_loading_bars_stay_out_of_logs(tmp_path):
 
     plain = f"import transformers; transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})"
     assert "Loading weights" in stderr_of(plain, "0")  # what a rank's log got
-    ours = f"from modeling.hf import load_model; load_model({str(tmp_path)!r})"
+    ours = f"from tidal.modeling.hf import load_model; load_model({str(tmp_path)!r})"
     assert "Loading weights" not in stderr_of(ours, "0")  # rank 0's: the one a terminal would keep
 
 
 def test_step_figures_read_records_that_carry_the_ranks_device_peak():
-    """On an accelerator the loop adds device_peak_gb to every executor's record (controller/loop.py); the
+    """On an accelerator the loop adds device_peak_gb to every executor's record (tidal/controller/loop.py); the
     recipe's figures read the executors' own fields beside it (the lent H100 failed every job here once)."""
-    from executors.generator.executor import GeneratorMetrics
-    from executors.trainer.stats import TrainerMetrics
-    from recipes.grpo import step_figures
+    from tidal.executors.generator.executor import GeneratorMetrics
+    from tidal.executors.trainer.stats import TrainerMetrics
+    from tidal.recipes.grpo import step_figures
 
     gen = {f.name: 0 for f in dataclasses.fields(GeneratorMetrics)}
     gen.update(gen_start_t=10.0, gen_end_t=14.0, gen_s=4.0, device_peak_gb=1.5)

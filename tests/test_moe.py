@@ -8,18 +8,18 @@ import json
 import pytest
 import torch
 
-from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
-from modeling import moe
-from modeling.tiny.moe import write_embedded_moe
-from executors.generator.contract import PromptRequest, SamplingParams
-from executors.generator.native_engine import NativeEngine
-from modeling.hf import load_model, load_tokenizer
-from modeling.parallel.tp import param_specs
-from modeling.batching import Routes
-from modeling.packing import make_micro_batches
-from launch.cli import parser, resolve
-from launch.memory import Shape, trainer_parts
-from recipes.grpo import build
+from tidal.channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
+from tidal.modeling import moe
+from tidal.modeling.tiny.moe import write_embedded_moe
+from tidal.executors.generator.contract import PromptRequest, SamplingParams
+from tidal.executors.generator.native_engine import NativeEngine
+from tidal.modeling.hf import load_model, load_tokenizer
+from tidal.modeling.parallel.tp import param_specs
+from tidal.modeling.batching import Routes
+from tidal.modeling.packing import make_micro_batches
+from tidal.launch.cli import parser, resolve
+from tidal.launch.memory import Shape, trainer_parts
+from tidal.recipes.grpo import build
 from tests.e2e import launch, max_abs_diff, metrics, weights
 
 torch.set_num_threads(1)
@@ -307,10 +307,10 @@ QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B's published config.json (the fields the 
 def test_the_qwen3_30b_a3b_preset_places_and_fits(tmp_path):
     """On the published config's shape: 16 co-located ranks, 30.5B parameters of which 3.3B active, each
     trainer rank 8 of the 128 experts, and every rank within an H200's 141 GB."""
-    from controller.world import placement, world_size_of
-    from launch.dryrun import describe
-    from launch.memory import describe_memory
-    from recipes.registry import recipe_for
+    from tidal.controller.world import placement, world_size_of
+    from tidal.launch.dryrun import describe
+    from tidal.launch.memory import describe_memory
+    from tidal.recipes.registry import recipe_for
     from tests.e2e import ROOT
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))

@@ -11,12 +11,12 @@ import time
 import pytest
 import torch
 
-from executors.data import PromptRow
-from modeling.tiny.task import embedded_prompts, hide_digit
-from executors.environments.base import EnvStep
-from executors.generator.config import MultiTurnConfig
-from executors.generator.contract import AnsweredTurns, PromptRequest, SamplingParams
-from executors.generator.rollouts import EnvError, MultiTurn, ObservationRenderer
+from tidal.executors.data import PromptRow
+from tidal.modeling.tiny.task import embedded_prompts, hide_digit
+from tidal.executors.environments.base import EnvStep
+from tidal.executors.generator.config import MultiTurnConfig
+from tidal.executors.generator.contract import AnsweredTurns, PromptRequest, SamplingParams
+from tidal.executors.generator.rollouts import EnvError, MultiTurn, ObservationRenderer
 
 from tests.test_engine import _engine, model, model64, tok  # noqa: F401 (fixtures: the embedded model and tokenizer)
 from tests.tolerances import LOGP_OF_FLOAT64
@@ -145,8 +145,8 @@ def test_with_exact_numerics_answers_late_change_no_token_or_logprob(tok, admiss
     """The environment's answers held back by 0-4 iterations against answered at once: with
     model.numerics=exact every sample's tokens and log-probs are the same bit for bit (what lets a tool's
     latency change nothing: issue 45)."""
-    from executors.generator.native_engine import NativeEngine
-    from modeling.hf import load_model
+    from tidal.executors.generator.native_engine import NativeEngine
+    from tidal.modeling.hf import load_model
 
     engine = NativeEngine(load_model(None, seed=0), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                           max_batch_prompts=2, admission=admission, numerics="exact")

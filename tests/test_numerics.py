@@ -1,4 +1,4 @@
-"""Exact numerics (model.numerics=exact, modeling/numerics.py): every op of a forward gives a row the same bits
+"""Exact numerics (model.numerics=exact, tidal/modeling/numerics.py): every op of a forward gives a row the same bits
 alone and in any batch; the engine's samples do not depend on their batch; the engine's log-probs are the
 trainer's, bit for bit, in float32 and bf16, through each of the trainer's layouts."""
 import json
@@ -11,12 +11,12 @@ import pytest
 import torch
 import transformers
 
-from executors.generator.contract import PromptRequest, SamplingParams
-from executors.generator.native_engine import NativeEngine
-from modeling import numerics
-from modeling.hf import load_model, load_tokenizer
-from modeling.packing import make_micro_batches
-from modeling.tiny.task import embedded_prompts
+from tidal.executors.generator.contract import PromptRequest, SamplingParams
+from tidal.executors.generator.native_engine import NativeEngine
+from tidal.modeling import numerics
+from tidal.modeling.hf import load_model, load_tokenizer
+from tidal.modeling.packing import make_micro_batches
+from tidal.modeling.tiny.task import embedded_prompts
 from tests import numerics_probe
 from tests.numerics_probe import SHAPES
 
@@ -132,8 +132,8 @@ def test_the_trainers_logprobs_are_the_engines_bit_for_bit(dtype, mode, tok, req
 
 
 def test_exact_mode_refuses_what_it_does_not_cover(tmp_path):
-    from modeling.tiny.moe import write_embedded_moe
-    from recipes.checks import check_numerics
+    from tidal.modeling.tiny.moe import write_embedded_moe
+    from tidal.recipes.checks import check_numerics
     from tests.fixtures import small_config
 
     def cfg(**sets):
@@ -193,9 +193,9 @@ STEPS = {name: 2 if "widths" in name else 3 for name in JOBS}
 def exact_jobs(tmp_path_factory):
     from tests.e2e import launch, metrics
 
-    from modeling.tiny.moe import write_embedded_moe
+    from tidal.modeling.tiny.moe import write_embedded_moe
 
-    from modeling.hf import save_hf
+    from tidal.modeling.hf import save_hf
 
     paths = {"moe": write_embedded_moe(tmp_path_factory.mktemp("moe") / "tiny", seed=0)}
     for shape in SHAPES:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from channels.channel import Channel
-from channels.kinds import Kind
-from controller.graph import Graph
-from controller.job import with_schedule
-from controller.schedules import OffPolicy, Periodic, ScheduleConfig
-from recipes.config import RunConfig
+from tidal.channels.channel import Channel
+from tidal.channels.kinds import Kind
+from tidal.controller.graph import Graph
+from tidal.controller.job import with_schedule
+from tidal.controller.schedules import OffPolicy, Periodic, ScheduleConfig
+from tidal.recipes.config import RunConfig
 from tests.e2e import launch, metrics, sigterm_when_stalled, start, wait_for_steps
 
 SIGNAL = ["--set", "reward.functions=[tests.rewards:length_parity]", "--set", "trainer.adam_eps=1e-3"]
@@ -155,7 +155,7 @@ def test_schedule_config():
 
 
 def test_cli_keeps_max_lag_beside_the_schedule_flag():
-    from launch.cli import parser, resolve
+    from tidal.launch.cli import parser, resolve
 
     cfg = resolve(parser().parse_args(["--algo", "grpo", "--set", "schedule.max_lag=3", "--schedule", "offpolicy"]))
     assert (cfg.schedule.kind, cfg.schedule.max_lag) == ("offpolicy", 3)
@@ -165,9 +165,9 @@ def test_cli_keeps_max_lag_beside_the_schedule_flag():
 
 
 def test_a_weights_lag_is_the_schedules():
-    """The recipe leaves the WEIGHTS lag unset and the schedule sets it (controller/job.py with_schedule,
+    """The recipe leaves the WEIGHTS lag unset and the schedule sets it (tidal/controller/job.py with_schedule,
     the one place); a lag set otherwise than the schedule's is refused."""
-    from recipes.grpo import build
+    from tidal.recipes.grpo import build
 
     cfg = RunConfig.model_validate({"schedule": {"kind": "offpolicy", "max_lag": 2}}).with_algorithm("grpo")
     unset = build(cfg)
@@ -182,7 +182,7 @@ def test_a_weights_lag_is_the_schedules():
 
 
 def test_only_weights_may_lag_more_than_one_step():
-    from recipes.grpo import build
+    from tidal.recipes.grpo import build
 
     graph = build(RunConfig().with_algorithm("grpo"))
     lagged = [ch if ch.name != "rollouts" else Channel(ch.name, ch.src, ch.dst, ch.kind, ch.payload, lag=2)
@@ -192,7 +192,7 @@ def test_only_weights_may_lag_more_than_one_step():
 
 
 def test_metrics_png_plots_the_staleness_of_an_offpolicy_run(runs):
-    from controller.metrics_plot import _panels
+    from tidal.controller.metrics_plot import _panels
 
     assert _panels(metrics(runs["lag2"]))["staleness (policy versions)"] == ["trainer/staleness_mean",
                                                                                   "trainer/staleness_max"]

@@ -1,4 +1,4 @@
-"""The order a trainer rank takes its groups in (executors/learner/order.py)."""
+"""The order a trainer rank takes its groups in (tidal/executors/learner/order.py)."""
 from __future__ import annotations
 
 import itertools
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from executors.learner.order import IndexOrderedSum, in_index_order
-from modeling.optim import Gradients, InPlaceGradients
+from tidal.executors.learner.order import IndexOrderedSum, in_index_order
+from tidal.modeling.optim import Gradients, InPlaceGradients
 
 
 def _groups(*indices):

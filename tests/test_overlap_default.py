@@ -1,7 +1,7 @@
 """Periodic asynchrony overlaps at a pretrained model's defaults (issue 26): when every sample
 reaches the token cap, the groups decoded together leave together, so the decode slots a
-model.path gets by default must make waves: here the rule (recipes/defaults.py decode_slots), which a
-rank under torchrun takes where no rates were measured for the job (launch/auto.py)."""
+model.path gets by default must make waves: here the rule (tidal/recipes/defaults.py decode_slots), which a
+rank under torchrun takes where no rates were measured for the job (tidal/launch/auto.py)."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from modeling.hf import load_model, load_tokenizer, save_hf
-from recipes.defaults import decode_slots
+from tidal.modeling.hf import load_model, load_tokenizer, save_hf
+from tidal.recipes.defaults import decode_slots
 from tests.e2e import launch, metrics
 
 # B=4, G=4 on CPU: 2 groups at once, 2 waves

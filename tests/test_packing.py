@@ -7,13 +7,13 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers.masking_utils import AttentionMaskInterface
 
-import modeling.packed_attention as packed_attention
-from modeling.hf import load_model
-from modeling.parallel.ac import apply_ac
-from modeling.batching import MicroBatch, split_group
-from modeling.packed_attention import ATTN_NAME, PackMask, install
+import tidal.modeling.packed_attention as packed_attention
+from tidal.modeling.hf import load_model
+from tidal.modeling.parallel.ac import apply_ac
+from tidal.modeling.batching import MicroBatch, split_group
+from tidal.modeling.packed_attention import ATTN_NAME, PackMask, install
 from tests.tolerances import EQUAL, close_grads
-from modeling.packing import (
+from tidal.modeling.packing import (
     PackedMicroBatch,
     auto_shared_prompt,
     make_micro_batches,

@@ -12,11 +12,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from modeling.parallel import (apply_ac, build_mesh, check_divisible, clip_grad_norm_, copy_params_, local,
+from tidal.modeling.parallel import (apply_ac, build_mesh, check_divisible, clip_grad_norm_, copy_params_, local,
                                 param_specs, parallelize, tp_plan)
-from modeling.parallel.tp import apply_tp
-from modeling.batching import response_logprobs, split_group
-from common.spawn import spawn
+from tidal.modeling.parallel.tp import apply_tp
+from tidal.modeling.batching import response_logprobs, split_group
+from tidal.common.spawn import spawn
 
 TOL = 1e-5
 # AdamW's first step is about lr * g / |g|: it turns the rounding of a gradient element near zero

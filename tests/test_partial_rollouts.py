@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling.tiny.task import embedded_prompts
-from executors.generator.contract import PromptRequest, Resume, SamplingParams
-from executors.generator.native_engine import NativeEngine
-from modeling.hf import load_model, load_tokenizer
-from recipes.grpo import build
+from tidal.modeling.tiny.task import embedded_prompts
+from tidal.executors.generator.contract import PromptRequest, Resume, SamplingParams
+from tidal.executors.generator.native_engine import NativeEngine
+from tidal.modeling.hf import load_model, load_tokenizer
+from tidal.recipes.grpo import build
 from tests.e2e import launch, max_abs_diff, metrics, weights
 from tests.tolerances import LOGP_OF_FLOAT64
 
@@ -224,7 +224,7 @@ def test_resume_with_groups_in_flight_equals_the_whole_run(runs, tmp_path, run, 
     (["--algo", "dapo"], "with dynamic sampling (algorithm.dynamic_sampling=true)"),
 ])
 def test_bad_partial_rollout_settings_are_refused_before_any_rank_starts(args, message):
-    from launch.cli import parser, resolve
+    from tidal.launch.cli import parser, resolve
 
     base = ["--algo", "grpo", "--set", "generator.max_new_tokens=8", "--set", "generator.partial_rollout_tokens=3"]
     with pytest.raises(ValueError) as err:

@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from channels import p2p
-from channels.push import WeightPush
-from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
-from controller.world import device_index, rank_plan
-from launch.cli import parser, resolve
-from recipes.grpo import build
+from tidal.channels import p2p
+from tidal.channels.push import WeightPush
+from tidal.channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
+from tidal.controller.world import device_index, rank_plan
+from tidal.launch.cli import parser, resolve
+from tidal.recipes.grpo import build
 from tests.e2e import launch, metrics, weights
-from common.spawn import spawn
+from tidal.common.spawn import spawn
 
 # a CPU kernel's float sums follow its thread count: every layout runs 1 thread per rank
 SAME_THREADS = {"TIDAL_THREADS": "1"}
@@ -82,7 +82,7 @@ SHARED = {  # trainer (ranks, tp, fsdp) -> generator (ranks, tp), on 2 ranks
 
 
 def _push_shared():
-    from modeling.parallel import build_mesh, param_specs, parallelize
+    from tidal.modeling.parallel import build_mesh, param_specs, parallelize
     from tests.test_reshard import _train_step, local, qwen3
 
     torch.set_num_threads(1)
@@ -100,7 +100,7 @@ def _push_shared():
         if tp_g > 1:
             parallelize(engine, mesh=g_mesh, tp=True, fsdp=False)
         works, full, sent = [], None, {}
-        if rank in t_ranks:  # as the trainer's barrier posts it (channels/weights.py: co-located, sync)
+        if rank in t_ranks:  # as the trainer's barrier posts it (tidal/channels/weights.py: co-located, sync)
             model = parallelize(qwen3(seed=0), mesh=t_mesh, tp=tp_t > 1, fsdp=fsdp)
             _train_step(model, seed=0)
             sent = {n: local(p.detach()) for n, p in model.named_parameters()}
@@ -130,7 +130,7 @@ def pushed_shared():
 def test_push_between_shared_ranks_lands_bit_for_bit(pushed_shared, layout):
     """A trainer and a generator on the same ranks: every generator shard equals the trainer's
     weights; where a rank holds the piece it needs (dp replicas onto replicas), nothing crosses ranks."""
-    from modeling.parallel import param_specs
+    from tidal.modeling.parallel import param_specs
     from tests.test_reshard import _sl, qwen3
 
     t_ranks, _, _, g_ranks, tp_g = SHARED[layout]
@@ -198,7 +198,7 @@ def test_colocated_times_its_memory_moves(runs):
 
 
 def test_the_planner_reads_the_swap_from_a_colocated_run(runs):
-    from planner.calibrate import swap_seconds
+    from tidal.planner.calibrate import swap_seconds
 
     steps = metrics(runs / "colocated")
     assert 0 < swap_seconds(runs / "colocated") < min(r["step_s"] for r in steps[1:])

@@ -1,4 +1,4 @@
-"""The placement planner (planner/): its step model against step times computed by hand, its
+"""The placement planner (tidal/planner/): its step model against step times computed by hand, its
 calibration against a run whose timeline the model itself wrote, and `launch.py --plan`."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import main as cli_main
-from planner.calibrate import calibrate, fit_concurrency
-from planner.model import GenFeatures, GenRates, Rates, StepShape, TrainRates, replay_engine, simulate
-from planner.plan import colocated, load_rates, slot_choices, slots_table, splits, table, trainer_unit
+from tidal.launch.cli import main as cli_main
+from tidal.planner.calibrate import calibrate, fit_concurrency
+from tidal.planner.model import GenFeatures, GenRates, Rates, StepShape, TrainRates, replay_engine, simulate
+from tidal.planner.plan import colocated, load_rates, slot_choices, slots_table, splits, table, trainer_unit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -275,7 +275,7 @@ def test_offpolicy_model_pipelines_steps(group_s):
     """max_lag=0 repeats the periodic step; max_lag=1 lets the generator run on through the
     trainer's tail and barrier, so a step costs the busier side alone: the generator's whole step,
     or the trainer's groups back to back plus its barrier."""
-    from planner.model import simulate_offpolicy
+    from tidal.planner.model import simulate_offpolicy
 
     shape = StepShape(prompt_lens=(8,) * 8, lengths=tuple((16,) * 4 for _ in range(8)), max_batch_prompts=2)
     rates = Rates(gen=GenRates(forward_s=0.01, row_s=0.001), reward_group_s=0.001,

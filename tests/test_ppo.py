@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
-from launch import jobs
+from tidal.launch import jobs
 from tests.e2e import ROOT, launch, max_abs_diff, metrics, weights
 
 SIGNAL = ["--set", "reward.functions=[tests.rewards:length_parity]", "--set", "trainer.adam_eps=1e-3",
@@ -74,7 +74,7 @@ def test_sync_equals_periodic_bit_for_bit_policy_and_critic(runs):
 @pytest.mark.parametrize("layout", ["critic_dp2", "critic_tp2"])
 def test_critic_layouts_equal_one_rank(runs, layout):
     """dp: replicas summing gradients; tp: the trainer's plan, with the value head replicated and an
-    untied embedding whose gradient must be resharded (modeling/parallel/tp.py)."""
+    untied embedding whose gradient must be resharded (tidal/modeling/parallel/tp.py)."""
     one, two = runs["periodic"], runs[layout]
     assert [r["trainer/rollout_digest"] for r in metrics(one)][:2] == [r["trainer/rollout_digest"] for r in metrics(two)][:2]
     start = weights(one / "checkpoints/step_000001/critic")

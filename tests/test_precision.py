@@ -13,16 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from algorithms.grpo import GRPOConfig
-from algorithms.registry import get_algorithm
-from controller.schedules import Periodic
-from executors.base import ExecutorEnv
-from modeling.hf import load_model
-from executors.trainer.accumulate import Mismatch
-from executors.trainer.executor import Trainer, TrainerConfig
+from tidal.algorithms.grpo import GRPOConfig
+from tidal.algorithms.registry import get_algorithm
+from tidal.controller.schedules import Periodic
+from tidal.executors.base import ExecutorEnv
+from tidal.modeling.hf import load_model
+from tidal.executors.trainer.accumulate import Mismatch
+from tidal.executors.trainer.executor import Trainer, TrainerConfig
 from tests.e2e import launch, metrics
 from tests.fixtures import scored_groups
-from common.spawn import spawn
+from tidal.common.spawn import spawn
 from tests.test_trainer import _grads_seen, _step
 
 torch.set_num_threads(1)
@@ -174,8 +174,8 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(groups, tmp_path):
     ("ppo", ("critic.precision=fp16",), "critic.precision=fp16: the critic has no loss scale"),
 ])
 def test_fp16_refuses_what_has_no_loss_scale(algo, args, message):
-    from launch.cli import parser, resolve
-    from recipes.grpo import build  # PPO's recipe builds with it too
+    from tidal.launch.cli import parser, resolve
+    from tidal.recipes.grpo import build  # PPO's recipe builds with it too
 
     sets = [x for a in ("trainer.precision=fp16", *args) for x in ("--set", a)]
     with pytest.raises(ValueError) as err:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from modeling.hf import load_model, load_tokenizer, save_hf
-from launch import jobs
-from launch.cli import _run_of
-from launch.selflaunch import cause, without_max_restarts
+from tidal.modeling.hf import load_model, load_tokenizer, save_hf
+from tidal.launch import jobs
+from tidal.launch.cli import _run_of
+from tidal.launch.selflaunch import cause, without_max_restarts
 from tests.e2e import ROOT, SMALL, metrics, rank_pid, wait_for_steps
 
 WEIGHTS = "model.safetensors, model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json"
@@ -198,7 +198,7 @@ def _no_launcher_noise(stderr: str) -> None:
 
 
 def test_self_launch_runs_a_job_to_the_end(tmp_path):
-    """From Python (launch/jobs.py, what `python launch.py` runs): the ranks start, and the run's output
+    """From Python (tidal/launch/jobs.py, what `python launch.py` runs): the ranks start, and the run's output
     dir and metrics come back."""
     t0 = time.monotonic()
     job = jobs.run("grpo", overrides={"data.prompts_per_step": 4, "generator.samples_per_prompt": 4,
@@ -232,9 +232,13 @@ def test_self_launch_hands_on_a_failed_rank_without_torch_noise(tmp_path):
 
 
 def test_self_launch_exits_143_on_sigterm(tmp_path):
-    proc = subprocess.Popen([sys.executable, "launch.py", "--algo", "grpo", "--steps", "500", "--output-dir",
-                             str(tmp_path), *SMALL], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    """Through the installed `tidal` command, away from the checkout: its ranks run the package
+    (`python -m tidal`), and the resume line names the command the user typed."""
+    command = Path(sys.executable).with_name("tidal")
+    proc = subprocess.Popen([str(command), "--algo", "grpo", "--steps", "500", "--output-dir",
+                             str(tmp_path / "run"), *SMALL], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=_env())
+    tmp_path = tmp_path / "run"
     try:
         deadline = time.monotonic() + 240
         metrics = tmp_path / "metrics.jsonl"
@@ -248,6 +252,7 @@ def test_self_launch_exits_143_on_sigterm(tmp_path):
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     _no_launcher_noise(stderr)
+    assert "; resume with: tidal --algo grpo --steps 500 " in stderr, stderr[-3000:]
 
 
 def test_self_launch_names_a_killed_rank_and_exits_128_plus_the_signal(tmp_path):

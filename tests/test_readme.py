@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from executors.critic.config import CriticConfig
-from executors.evaluation.config import EvalConfig
-from executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, MultiTurnConfig, VllmConfig
-from executors.reward.config import RewardConfig, RewardModelConfig
-from executors.trainer.config import TrainerConfig
-from modeling.lora import LoraConfig
-from modeling.loss_scale import LossScaleConfig
-from recipes.config import LoggingConfig, RunConfig
+from tidal.executors.critic.config import CriticConfig
+from tidal.executors.evaluation.config import EvalConfig
+from tidal.executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, MultiTurnConfig, VllmConfig
+from tidal.executors.reward.config import RewardConfig, RewardModelConfig
+from tidal.executors.trainer.config import TrainerConfig
+from tidal.modeling.lora import LoraConfig
+from tidal.modeling.loss_scale import LossScaleConfig
+from tidal.recipes.config import LoggingConfig, RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -90,9 +90,10 @@ def test_every_link_reaches_a_file_and_a_heading():
     assert bad == []
 
 
-FOLDERS = ("algorithms", "bench", "channels", "common", "controller", "docs", "examples", "executors", "launch",
-           "modeling", "planner", "recipes", "tests", "tests_gpu", "tests_vllm")
-PATH_RE = re.compile(rf"\b(?:{'|'.join(FOLDERS)})/(?:[a-z_0-9]+/)*[a-z_0-9]+\.(?:py|md)\b")
+FOLDERS = ("tidal", "bench", "docs", "examples", "tests", "tests_gpu", "tests_vllm")
+# tidal's packages too: a path without its `tidal/` names no file from the root
+PACKAGES = ("algorithms", "channels", "common", "controller", "executors", "launch", "modeling", "planner", "recipes")
+PATH_RE = re.compile(rf"(?<![\w/.-])(?:{'|'.join(FOLDERS + PACKAGES)})/(?:[a-z_0-9]+/)*[a-z_0-9]+\.(?:py|md)\b")
 EXAMPLES_OF_BAD_PATHS = {"tests/test_layers.py"}  # it names made-up files to test the layer check's messages
 
 
@@ -112,7 +113,7 @@ def test_every_page_is_linked_from_the_readme():
 
 def _config_keys() -> set[str]:
     """Every dotted key --set takes (algorithm.* under any algorithm's options)."""
-    from algorithms.registry import ALGORITHMS
+    from tidal.algorithms.registry import ALGORITHMS
 
     def walk(cls, prefix: str) -> set[str]:
         out = set()
@@ -149,7 +150,7 @@ def _commands() -> list[tuple[str, str]]:
 
 
 def test_commands_name_real_targets_flags_and_keys():
-    from launch.cli import parser
+    from tidal.launch.cli import parser
 
     targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
     flags = set(parser()._option_string_actions)

@@ -5,14 +5,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from channels.channel import Channel
-from channels.kinds import Kind
-from controller.graph import Graph
-from controller.schedules import Periodic, Sync, get_schedule
-from controller.world import world_size_of
-from launch.dryrun import describe
-from recipes.base import ROOT
-from recipes.registry import RECIPES, recipe_for
+from tidal.channels.channel import Channel
+from tidal.channels.kinds import Kind
+from tidal.controller.graph import Graph
+from tidal.controller.schedules import Periodic, Sync, get_schedule
+from tidal.controller.world import world_size_of
+from tidal.launch.dryrun import describe
+from tidal.recipes.base import ROOT
+from tidal.recipes.registry import RECIPES, recipe_for
 from tests.fixtures import small_config
 from tests.toy import Item, Producer, Relay, Sink
 
@@ -53,7 +53,7 @@ def test_only_same_step_indexed_channels_can_be_scheduled():
 
 
 def test_every_algorithm_finds_a_registered_recipe():
-    from algorithms.registry import ALGORITHMS
+    from tidal.algorithms.registry import ALGORITHMS
 
     assert {recipe_for(name).name for name in ALGORITHMS.names()} <= set(RECIPES.names())
     with pytest.raises(ValueError, match="unknown algo 'nope'"):
@@ -79,7 +79,7 @@ def test_grpo_recipe_names_what_runs_where_and_in_which_order():
     text = describe(graph, cfg, recipe)
     lines = [line for line in text.splitlines() if line[:2] in {f"{i}." for i in range(1, 7)}]
     assert [line.split()[1] for line in lines] == [ph.name for ph in recipe.phases[:6]]  # evaluation is off
-    assert " 2-3 " in lines[3] and "executors/trainer/executor.py:Trainer.barrier" in lines[4]
+    assert " 2-3 " in lines[3] and "tidal/executors/trainer/executor.py:Trainer.barrier" in lines[4]
     for ph in recipe.phases:  # every phase points at real code
         path, qualname = ph.where.split(":")
         assert f"def {qualname.split('.')[-1]}(" in (ROOT / path).read_text()
@@ -109,7 +109,7 @@ def test_ppo_recipe_puts_a_critic_between_reward_and_trainer():
 def test_reward_model_section_adds_a_reward_model_and_a_combiner_on_their_own_ranks():
     """reward.model: the rollouts fan out to the reward and the reward model, both scores meet in the
     combiner, and the combined groups go on where the reward's went (the trainer, or PPO's critic)."""
-    from launch.cli import parser, resolve
+    from tidal.launch.cli import parser, resolve
 
     recipe = recipe_for("grpo")
     cfg = resolve(parser().parse_args(["--algo", "grpo", "--set", "reward.model.scale=2",

@@ -11,12 +11,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from channels.payloads import ParamSpec, chunk, hf_layers, hf_stage
-from channels.push import WeightPush
-from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
-from modeling.parallel import build_mesh, local, param_specs, parallelize
+from tidal.channels.payloads import ParamSpec, chunk, hf_layers, hf_stage
+from tidal.channels.push import WeightPush
+from tidal.channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
+from tidal.modeling.parallel import build_mesh, local, param_specs, parallelize
 from tests.names import FUSED, IDENTITY, targets
-from common.spawn import spawn
+from tidal.common.spawn import spawn
 
 
 def qwen3(*, heads: int = 4, kv: int = 2, hidden: int = 32, inter: int = 64, vocab: int = 96, seed: int = 0,

@@ -128,7 +128,7 @@ STALL = ["--set", "reward.functions=[tests.rewards:length_parity_then_stall]", "
 
 PLACED = {"torchrun": ([], 3), "python": (["--set", "placement=split"], 3),
           # one rank hosting all three: the trainer waits on the reward's outputs on its own rank (it hung until
-          # a dropped step closed this rank's outputs before draining its inputs: controller/loop.py stream)
+          # a dropped step closed this rank's outputs before draining its inputs: tidal/controller/loop.py stream)
           "colocated": (["--set", "placement=colocated", "--set", "schedule=sync"], 1)}
 
 

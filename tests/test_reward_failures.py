@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from controller.metrics import reward_warning
-from executors.reward.config import RewardConfig
-from executors.reward.executor import Reward
-from executors.reward.functions import RewardError
+from tidal.controller.metrics import reward_warning
+from tidal.executors.reward.config import RewardConfig
+from tidal.executors.reward.executor import Reward
+from tidal.executors.reward.functions import RewardError
 from tests.e2e import ROOT, launch, metrics
 
 FIRST = "reward 'he:score' failed on data row 17 (task_id HumanEval/16), sample 3: ZeroDivisionError: x"

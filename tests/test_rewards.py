@@ -3,7 +3,7 @@ failures are reported."""
 
 import pytest
 
-from executors.reward.functions import (
+from tidal.executors.reward.functions import (
     REWARDS, RewardError, extract_answer, math_simple, math_verify, resolve_reward, score_group,
 )
 
@@ -134,7 +134,7 @@ def test_errors_name_the_data_row_and_its_id_column():
 
 
 def test_data_rows_know_their_line(tmp_path):
-    from executors.data import load_prompts
+    from tidal.executors.data import load_prompts
 
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "a", "task_id": "T/0"}\n\n{"prompt": "b", "task_id": "T/1"}\n')

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from controller.samples import console_line, first_sample
+from tidal.controller.samples import console_line, first_sample
 
 
 def _row(step, index, sample, **kw):
@@ -52,7 +52,7 @@ def test_sample_lines_write_float32_values_short(tmp_path):
     import numpy as np
     import torch
 
-    from common.files import append_jsonl
+    from tidal.common.files import append_jsonl
 
     rewards = torch.tensor([0.1, -1.25, 2 / 3], dtype=torch.float32)
     rows = [{"reward": float(r), "rewards": {"fn": [1 / 3, float(r)]}, "length": 8} for r in rewards]

@@ -1,14 +1,14 @@
-"""The native engine's fixed slots (executors/generator/slots.py): a sample is the same in any number of slots,
+"""The native engine's fixed slots (tidal/executors/generator/slots.py): a sample is the same in any number of slots,
 nothing on the decode path is reallocated, and reading the samples' ends every k steps changes no sample."""
 import pytest
 import torch
 
-from executors.generator import native_engine
-from executors.generator.contract import PromptRequest, SamplingParams
-from executors.generator.native_engine import NativeEngine
-from executors.generator.slots import Slots
-from modeling.hf import load_model, load_tokenizer
-from modeling.tiny.task import embedded_prompts
+from tidal.executors.generator import native_engine
+from tidal.executors.generator.contract import PromptRequest, SamplingParams
+from tidal.executors.generator.native_engine import NativeEngine
+from tidal.executors.generator.slots import Slots
+from tidal.modeling.hf import load_model, load_tokenizer
+from tidal.modeling.tiny.task import embedded_prompts
 from tests.tolerances import LOGP_OF_FLOAT64
 
 torch.set_num_threads(1)
@@ -152,7 +152,7 @@ def test_with_graphs_the_next_call_decodes_in_the_same_slots(tok, requests):
 
 
 def test_buckets():
-    from executors.generator.graphs import bucket
+    from tidal.executors.generator.graphs import bucket
 
     assert [bucket(n) for n in (1, 2, 3, 5, 16, 17, 1000, 1025)] == [1, 2, 4, 8, 16, 32, 1024, 2048]
 
@@ -212,7 +212,7 @@ def test_a_kv_budget_bounds_the_slots_and_admission_waits_for_them(tok, requests
 
 
 def test_a_kv_budget_that_cannot_hold_a_group_is_refused_before_any_rank_starts():
-    from recipes.checks import check_engine
+    from tidal.recipes.checks import check_engine
     from tests.fixtures import small_config
 
     gen = {"samples_per_prompt": 4, "max_new_tokens": 16}

@@ -1,5 +1,5 @@
 """docs/status.md's refusals are the config's: every refusal the page lists is raised, before any rank starts, by
-the checks a launch runs (recipes/grpo.py's build), with a message naming the setting. A refusal lifted without
+the checks a launch runs (tidal/recipes/grpo.py's build), with a message naming the setting. A refusal lifted without
 the page changing, or a claim removed from the page while the refusal stays, fails here."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import transformers
 
-from modeling import numerics
-from modeling.tiny.moe import write_embedded_moe
-from recipes.checks import check_numerics
-from recipes.grpo import build
+from tidal.modeling import numerics
+from tidal.modeling.tiny.moe import write_embedded_moe
+from tidal.recipes.checks import check_numerics
+from tidal.recipes.grpo import build
 from tests.fixtures import small_config
 
 STATUS = re.sub(r"\s+", " ", (Path(__file__).resolve().parents[1] / "docs" / "status.md").read_text())

@@ -1,4 +1,4 @@
-"""A stop abandons the step in flight (common/stop.py): the ranks of a unit agree on when, and an
+"""A stop abandons the step in flight (tidal/common/stop.py): the ranks of a unit agree on when, and an
 abandoned receive is continued, not restarted."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.stop import ABORT
-from executors.base import ExecutorEnv, unit_aborted
-from common.spawn import spawn
+from tidal.common.stop import ABORT
+from tidal.executors.base import ExecutorEnv, unit_aborted
+from tidal.common.spawn import spawn
 
 
 def _agree(rank_with_abort: int) -> list[bool]:

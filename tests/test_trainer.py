@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from algorithms.grpo import GRPOConfig
-from algorithms.registry import get_algorithm
-from controller.schedules import Periodic, Sync
-from controller.timeline import Timeline
-from executors.base import ExecutorEnv, Endpoints, StepContext
-from modeling.hf import load_model
-from executors.trainer.executor import Trainer, TrainerConfig
-from executors.trainer.stats import TrainerMetrics
+from tidal.algorithms.grpo import GRPOConfig
+from tidal.algorithms.registry import get_algorithm
+from tidal.controller.schedules import Periodic, Sync
+from tidal.controller.timeline import Timeline
+from tidal.executors.base import ExecutorEnv, Endpoints, StepContext
+from tidal.modeling.hf import load_model
+from tidal.executors.trainer.executor import Trainer, TrainerConfig
+from tidal.executors.trainer.stats import TrainerMetrics
 from tests.fixtures import scored_groups
 
 torch.set_num_threads(1)
@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 
 class _Pushed:
     """Receives the trainer's weight push in-process (the multi-rank push is tested in test_weights)."""
-    bytes_per_push = 0  # what a WEIGHTS port reports (controller/world.py Outlet)
+    bytes_per_push = 0  # what a WEIGHTS port reports (tidal/controller/world.py Outlet)
 
     def __init__(self):
         self.named = None
@@ -153,7 +153,7 @@ def test_batch_scope_advantages_streamed_equal_known_statistics(groups, options)
     gradient as the same loss with the batch statistics known in advance."""
     from dataclasses import replace
 
-    from algorithms.reinforce_pp import ReinforcePPConfig
+    from tidal.algorithms.reinforce_pp import ReinforcePPConfig
 
     algo, cfg = get_algorithm("reinforce_pp"), ReinforcePPConfig(**options)
     scores = torch.cat([algo.advantages(g.rewards, cfg) for g in groups]).double()
@@ -176,7 +176,7 @@ def test_kl_in_reward_penalises_rewards_before_advantages():
     from dataclasses import replace
 
     groups = scored_groups(n=4, G=4, seed=1)
-    from algorithms.kl import kl_penalised_rewards
+    from tidal.algorithms.kl import kl_penalised_rewards
 
     cfg = GRPOConfig(beta=0.5, kl_in="reward")
     algo = get_algorithm("grpo")

@@ -14,14 +14,14 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from channels.payloads import RolloutGroup, ScoredGroup
-from controller.graph import Graph
-from executors.base import ExecutorEnv
-from executors.reward.combine import combine, pair_by_index
-from executors.reward.config import RewardModelConfig
-from executors.reward.model import RewardModel
+from tidal.channels.payloads import RolloutGroup, ScoredGroup
+from tidal.controller.graph import Graph
+from tidal.executors.base import ExecutorEnv
+from tidal.executors.reward.combine import combine, pair_by_index
+from tidal.executors.reward.config import RewardModelConfig
+from tidal.executors.reward.model import RewardModel
 from tests.e2e import launch, metrics
-from launch import jobs
+from tidal.launch import jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "two_rewards.py"

@@ -1,4 +1,4 @@
-"""The warm launcher (launch/warm.py) against torchrun: the same job gives the same rollouts and the same
+"""The warm launcher (tidal/launch/warm.py) against torchrun: the same job gives the same rollouts and the same
 final bytes; a job past its timeout is killed (a failing rank's error and exit code: tests/test_faults.py and the
 other jobs of the suite, which run warm)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from launch import jobs
+from tidal.launch import jobs
 from tests.e2e import SMALL, metrics
 
 ARGS = (*SMALL, "--set", "reward.functions=[tests.rewards:length_parity]")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeling.hf import load_model
-from recipes.registry import recipe_for
-from controller.control import Cadence
-from controller.job import run_job
-from channels.payloads import chunk
-from channels.weights import _check_same_model
+from tidal.modeling.hf import load_model
+from tidal.recipes.registry import recipe_for
+from tidal.controller.control import Cadence
+from tidal.controller.job import run_job
+from tidal.channels.payloads import chunk
+from tidal.channels.weights import _check_same_model
 from tests.fixtures import small_config
-from common.spawn import spawn
+from tidal.common.spawn import spawn
 
 
 def _run(tmp, trainer: dict, generator: dict):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.base import Executor, Input, Output, StepContext
+from tidal.executors.base import Executor, Input, Output, StepContext
 
 
 @dataclass

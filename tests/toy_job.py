@@ -5,10 +5,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from channels.channel import Channel  # noqa: E402
-from channels.kinds import Kind  # noqa: E402
-from controller.graph import Graph  # noqa: E402
-from controller.job import run_job  # noqa: E402
+from tidal.channels.channel import Channel  # noqa: E402
+from tidal.channels.kinds import Kind  # noqa: E402
+from tidal.controller.graph import Graph  # noqa: E402
+from tidal.controller.job import run_job  # noqa: E402
 from tests.toy import Item, Producer, Relay, Sink  # noqa: E402
 
 p = argparse.ArgumentParser()

@@ -16,12 +16,12 @@ import pytest
 import torch
 from tabulate import tabulate
 
-import common.spawn  # noqa: E402
+import tidal.common.spawn  # noqa: E402
 import tests.e2e  # noqa: E402
 
 # ranks that exit as processes do (spawned, torchrun), as this suite first ran on a GPU: no os._exit
 # from a fork server or the warm launcher around CUDA and NCCL teardown
-common.spawn.START_METHOD = "spawn"
+tidal.common.spawn.START_METHOD = "spawn"
 tests.e2e.WARM = False
 
 STEP_TIMES: list[list] = []  # [job, device, steps, median step s, tokens/s]

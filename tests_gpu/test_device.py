@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from channels import p2p
-from channels.push import WeightPush
-from channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
-from common.spawn import spawn
+from tidal.channels import p2p
+from tidal.channels.push import WeightPush
+from tidal.channels.push_plan import GeneratorLayout, TrainerLayout, build_plan
+from tidal.common.spawn import spawn
 from tests_gpu.conftest import needs_devices
 
 
@@ -24,7 +24,7 @@ def _model(seed: int, device):
 
 
 def _plan(model, t_ranks, g_ranks, *, g_tp: int = 1, zero_copy_min_bytes: int = 1 << 16):
-    from modeling.parallel import param_specs
+    from tidal.modeling.parallel import param_specs
 
     return build_plan(specs=param_specs(model), trainer=TrainerLayout(ranks=t_ranks, tp=1, fsdp=False),
                       generator=GeneratorLayout(ranks=g_ranks, tp=g_tp), bucket_bytes=1 << 16,
@@ -96,11 +96,11 @@ def test_colocated_push_hands_over_the_trainer_tensors_on_the_device(device):
 def test_flex_shared_prompt_mask_equals_dense(device, shared):
     """flex attention's BlockMask (CUDA: forward and backward) against the dense [L, L] mask."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    from modeling.packing import pack_group
+    from tidal.modeling.packing import pack_group
 
     model = _model(0, device)
     model.config._attn_implementation = "sdpa"
-    from modeling.packed_attention import install
+    from tidal.modeling.packed_attention import install
 
     install(model)
     g = torch.Generator().manual_seed(0)
@@ -132,11 +132,11 @@ def test_flex_shared_prompt_mask_equals_dense(device, shared):
 def test_exact_numerics_on_the_device(device, dtype):
     """model.numerics=exact on the device: the engine's log-probs against the trainer's packed forward, and
     a prompt alone against in a batch. On CUDA, cuBLAS picks kernels by shape; exact mode gives every call one
-    shape (modeling/numerics.py), which pins them by the same argument as the CPU's; this is where a device checks
+    shape (tidal/modeling/numerics.py), which pins them by the same argument as the CPU's; this is where a device checks
     it (not run on a GPU before)."""
-    from executors.generator.contract import PromptRequest, SamplingParams
-    from executors.generator.native_engine import NativeEngine
-    from modeling.packing import make_micro_batches
+    from tidal.executors.generator.contract import PromptRequest, SamplingParams
+    from tidal.executors.generator.native_engine import NativeEngine
+    from tidal.modeling.packing import make_micro_batches
 
     model = _model(0, device).to(dtype)
     engine = NativeEngine(model, eos_token_id=0, pad_token_id=0, max_batch_prompts=4, numerics="exact")
@@ -158,12 +158,12 @@ def test_exact_numerics_on_the_device(device, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_graph_replay_is_the_eager_step(device, dtype, monkeypatch):
-    """The native engine's decode in buckets (executors/generator/graphs.py): each bucket's captured CUDA graph
+    """The native engine's decode in buckets (tidal/executors/generator/graphs.py): each bucket's captured CUDA graph
     against the same bucketed step run eagerly: the same tokens and log-probs bit for bit (a replay launches the
     eager step's kernels on the same addresses). On the CPU stand-in both decode eagerly."""
-    from executors.generator import graphs as graphs_module
-    from executors.generator.contract import PromptRequest, SamplingParams
-    from executors.generator.native_engine import NativeEngine
+    from tidal.executors.generator import graphs as graphs_module
+    from tidal.executors.generator.contract import PromptRequest, SamplingParams
+    from tidal.executors.generator.native_engine import NativeEngine
 
     model = _model(0, device).to(dtype)
     g = torch.Generator().manual_seed(0)

@@ -42,7 +42,7 @@ def _half_billion(path, device) -> None:
     """A random Qwen2 of Qwen2.5-0.5B's shape (the CPU stand-in: a tiny one) with the embedded tokenizer."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from modeling.hf import load_tokenizer
+    from tidal.modeling.hf import load_tokenizer
 
     big = device.type != "cpu"
     config = Qwen2Config(vocab_size=151936 if big else 512, hidden_size=896 if big else 64,
@@ -56,7 +56,7 @@ def _half_billion(path, device) -> None:
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_bf16_with_fp32_masters_on_a_half_billion_model(device, tmp_path, precision):
-    """bf16, and fp16 with its loss scale (modeling/loss_scale.py), on fp32 masters."""
+    """bf16, and fp16 with its loss scale (tidal/modeling/loss_scale.py), on fp32 masters."""
     model = tmp_path / "model"
     _half_billion(model, device)
     out = tmp_path / "run"
@@ -88,7 +88,7 @@ def test_moe_with_routing_replay_on_one_device(device, tmp_path):
     """The tiny Qwen3-MoE co-located, replaying the engine's routing: on a device the engine's decode
     and the trainer's packed forward round differently, so some tokens may route otherwise
     (routing_mismatch_frac, recorded in the table's run); replay keeps the log-probs close."""
-    from modeling.tiny.moe import write_embedded_moe
+    from tidal.modeling.tiny.moe import write_embedded_moe
 
     model = write_embedded_moe(tmp_path / "moe", seed=0)
     rows = _job("tiny MoE, routing replay, co-located", tmp_path / "run", device, "--set", f"model.path={model}",
@@ -103,6 +103,6 @@ def test_lora_on_one_device(device, tmp_path):
                 "--set", "trainer.lr=1e-2", steps=3)
     assert all(r["trainer/logp_mismatch_max"] < 1e-4 for r in rows), [r["trainer/logp_mismatch_max"] for r in rows]
     assert len({r["trainer/rollout_digest"] for r in rows}) == 3 and (tmp_path / "final" / "adapter_model.safetensors").is_file()
-    from modeling.hf import load_model
+    from tidal.modeling.hf import load_model
 
     assert rows[0]["trainer/push_bytes"] < 0.2 * sum(t.numel() * 4 for t in load_model(None).parameters())

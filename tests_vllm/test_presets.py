@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from controller.world import placement, world_size_of
-from launch.cli import parser, resolve
-from launch.dryrun import describe
-from launch.memory import Shape, describe_memory, generator_parts, trainer_parts
-from recipes.registry import recipe_for
+from tidal.controller.world import placement, world_size_of
+from tidal.launch.cli import parser, resolve
+from tidal.launch.dryrun import describe
+from tidal.launch.memory import Shape, describe_memory, generator_parts, trainer_parts
+from tidal.recipes.registry import recipe_for
 from tests.e2e import ROOT
 
 QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from common.spawn import spawn
+from tidal.common.spawn import spawn
 
 TEMPERATURES = (1.0, 0.7)
 
@@ -37,12 +37,12 @@ def _checks(tp: int) -> dict:
 
     import torch.distributed as dist
 
-    from channels.payloads import chunk
-    from controller.devices import detect_device, init_distributed
-    from executors.generator.config import VllmConfig
-    from executors.generator.contract import PromptRequest, Resume, SamplingParams
-    from executors.generator.vllm_engine import VllmEngine, engine_model_dir, receive_buffers
-    from modeling.hf import load_model, load_tokenizer
+    from tidal.channels.payloads import chunk
+    from tidal.controller.devices import detect_device, init_distributed
+    from tidal.executors.generator.config import VllmConfig
+    from tidal.executors.generator.contract import PromptRequest, Resume, SamplingParams
+    from tidal.executors.generator.vllm_engine import VllmEngine, engine_model_dir, receive_buffers
+    from tidal.modeling.hf import load_model, load_tokenizer
 
     torch.set_num_threads(1)
     init_distributed(detect_device(), timeout=timedelta(seconds=300), index=int(os.environ.get("LOCAL_RANK", "0")))
@@ -79,7 +79,7 @@ def _checks(tp: int) -> dict:
         out["finished_has_eos"] = all(bool(r[-1] == tok.eos_token_id) == bool(f)
                                       for g in first.values() for r, f in zip(g.response_ids, g.finished_G))
 
-        from executors.generator.contract import AnsweredTurns
+        from tidal.executors.generator.contract import AnsweredTurns
 
         class Capped(AnsweredTurns):  # three turns capped at 1, 3 and 2 tokens, a two-token observation between them
             max_total_tokens = 40
@@ -201,11 +201,11 @@ def _streaming() -> dict:
 
     import torch.distributed as dist
 
-    from controller.devices import detect_device, init_distributed
-    from executors.generator.config import VllmConfig
-    from executors.generator.contract import PromptRequest, SamplingParams
-    from executors.generator.vllm_engine import VllmEngine, engine_model_dir
-    from modeling.hf import load_tokenizer
+    from tidal.controller.devices import detect_device, init_distributed
+    from tidal.executors.generator.config import VllmConfig
+    from tidal.executors.generator.contract import PromptRequest, SamplingParams
+    from tidal.executors.generator.vllm_engine import VllmEngine, engine_model_dir
+    from tidal.modeling.hf import load_tokenizer
 
     torch.set_num_threads(1)
     init_distributed(detect_device(), timeout=timedelta(seconds=300), index=int(os.environ.get("LOCAL_RANK", "0")))

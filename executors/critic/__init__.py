@@ -1,1 +1,0 @@
-"""The critic: PPO's learned value function, on its own ranks with its own layout (executors/critic/executor.py)."""

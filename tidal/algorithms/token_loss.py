@@ -1,0 +1,131 @@
+"""The PPO-style clipped surrogate, shared by every algorithm with a per-token ratio.
+
+Per token t of sequence i, with ratio_it = exp(logp_it - old_logp_it):
+    pg_it = -min(ratio_it * A_i, clip(ratio_it, 1 - clip_low, 1 + clip_high) * A_i)
+    l_it  = pg_it + beta * kl_it          (kl only when kl_in == "loss")
+The algorithms differ only in how tokens are summed (a mean per sequence, or a plain sum) and in
+what the batch denominator counts (`Normaliser`), so both are arguments here. Corrections for
+samples the trained weights did not draw (importance weights against the generator's log-probs,
+dual clip, a log-ratio clamp) are options of every such loss: tidal/algorithms/corrections.py.
+"""
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from tidal.algorithms.base import (AlgoConfig, LossInputs, LossOutput, LossStats, Normaliser, batch_denominator,
+                             check_loss_inputs, upcast)
+from tidal.algorithms.corrections import CorrectionConfig, aipo_weights, is_weights, log_ratio
+from tidal.algorithms.kl import KLConfig, check_kl_inputs, kl_in_loss, masked_kl_NT
+
+
+class ClipConfig(KLConfig):
+    clip_low: float = Field(
+        0.2, ge=0.0, lt=1.0, description="Lower clip: the ratio is clamped below at 1 - clip_low."
+    )
+    clip_high: float = Field(
+        0.2, ge=0.0,
+        description="Upper clip: the ratio is clamped above at 1 + clip_high (clip-higher when > clip_low).",
+    )
+    correction: CorrectionConfig = Field(
+        default_factory=CorrectionConfig,
+        description="importance weights against the generator's log-probs: none, tis, mis, icepop, aipo")
+    clip_ratio_c: float | None = Field(
+        None, gt=1.0, description="dual clip: a token with a negative advantage loses at most -c * A (None: off)")
+    log_ratio_clamp: float | None = Field(
+        None, gt=0.0, description="clamp every log-ratio to [-L, L] before exp (None: off)")
+
+    @property
+    def needs_behaviour(self) -> bool:
+        """The loss reads the generator's log-probs of the sampled tokens (LossInputs.behaviour_logp_NT)."""
+        return self.correction.needs_behaviour
+
+
+class ResponseBudget(AlgoConfig):
+    """For a loss normalised by the longest response the generator may produce (Dr. GRPO, DAPO)."""
+
+    max_response_tokens: int = Field(1024, ge=1, description="L; set it to the generator's max_new_tokens.")
+
+    def fit_generation(self, *, max_new_tokens: int) -> "ResponseBudget":
+        # unless the user set L, it is what the generator may produce: a smaller L is refused at the
+        # first longer response, a larger one only scales every step down
+        if "max_response_tokens" in self.model_fields_set:
+            return self
+        return self.model_copy(update={"max_response_tokens": max_new_tokens})
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, *, clip_low: float, clip_high: float):
+    """-min(ratio * A, clip(ratio) * A), and where the clamp is the active branch (no gradient)."""
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = -torch.minimum(ratio * adv, clipped * adv)
+    with torch.no_grad():
+        low = (ratio < 1.0 - clip_low) & (adv < 0)
+        high = (ratio > 1.0 + clip_high) & (adv > 0)
+    return pg, low, high
+
+
+def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normaliser, per_sequence_mean: bool,
+                     max_response_tokens: int | None = None) -> LossOutput:
+    """Sum over the micro-batch of l_it, weighted 1/|o_i| (per_sequence_mean) or 1 (token sum).
+
+    Stats are summed in the normaliser's units, so stat / denom is a mean: per-sequence means
+    for "sequences", token sums for "tokens" and "constant".
+    """
+    check_loss_inputs(inputs)
+    check_kl_inputs(inputs, cfg)
+    if cfg.needs_behaviour and inputs.behaviour_logp_NT is None:
+        raise ValueError(f"correction.kind={cfg.correction.kind!r} needs the generator's log-probs (behaviour_logp_NT)")
+    mask_NT = tokens_NT = inputs.mask_NT
+    logp_NT = upcast(inputs.logp_NT)
+    ratio_NT = torch.exp(log_ratio(logp_NT, upcast(inputs.old_logp_NT), mask_NT, limit=cfg.log_ratio_clamp))
+    adv_NT = inputs.token_advantages()  # [N, 1] for per-sample advantages
+    corr, weight_NT = cfg.correction, None
+    if corr.kind == "aipo":  # -min(pi/mu, rho) * A * grad log pi: exp(logp - logp) is 1 with logp's gradient
+        weight_NT = aipo_weights(logp_NT=logp_NT, behaviour_logp_NT=inputs.behaviour_logp_NT, mask_NT=mask_NT,
+                                 rho=corr.bounds[1], log_ratio_clamp=cfg.log_ratio_clamp)
+        tok_NT = -(weight_NT * adv_NT) * torch.exp(logp_NT - logp_NT.detach())
+        low_NT = high_NT = torch.zeros_like(mask_NT)
+    else:
+        tok_NT, low_NT, high_NT = clipped_surrogate(ratio_NT, adv_NT, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    if cfg.clip_ratio_c is not None:  # dual clip: a negative advantage's loss is capped at -c * A
+        cap_NT = -cfg.clip_ratio_c * adv_NT
+        with torch.no_grad():
+            low_NT = low_NT | ((adv_NT < 0) & (tok_NT > cap_NT))
+        tok_NT = torch.where(adv_NT < 0, torch.minimum(tok_NT, cap_NT), tok_NT)
+    if corr.kind in ("tis", "mis", "icepop"):  # a constant weight per token; mis/icepop drop tokens outside the band
+        weight_NT, mask_NT = is_weights(corr, old_logp_NT=upcast(inputs.old_logp_NT),
+                                        behaviour_logp_NT=inputs.behaviour_logp_NT, mask_NT=mask_NT,
+                                        log_ratio_clamp=cfg.log_ratio_clamp)
+        tok_NT = weight_NT * tok_NT
+
+    kl_NT = None
+    if inputs.ref_logp_NT is not None:
+        kl_NT = masked_kl_NT(logp_NT=logp_NT, ref_logp_NT=inputs.ref_logp_NT, mask_NT=mask_NT,
+                             estimator=cfg.kl_estimator)
+        if kl_in_loss(cfg):
+            tok_NT = tok_NT + cfg.beta * kl_NT
+
+    # 1/|o_i|; clamp so an empty sequence contributes 0 instead of 0/0.
+    inv_len_N1 = 1.0 / mask_NT.sum(dim=1, keepdim=True).clamp(min=1).to(logp_NT.dtype)
+
+    def weighted_sum(x_NT: torch.Tensor, per_seq: bool) -> torch.Tensor:
+        x_NT = torch.where(mask_NT, x_NT, 0.0)
+        return (x_NT * inv_len_N1).sum() if per_seq else x_NT.sum()
+
+    loss_sum = weighted_sum(tok_NT, per_sequence_mean)
+    with torch.no_grad():
+        per_seq = normaliser == "sequences"
+        stats = LossStats(
+            clip_low_sum=weighted_sum(low_NT.to(logp_NT.dtype), per_seq).item(),
+            clip_high_sum=weighted_sum(high_NT.to(logp_NT.dtype), per_seq).item(),
+            clip_sum=weighted_sum((low_NT | high_NT).to(logp_NT.dtype), per_seq).item(),
+            kl_sum=weighted_sum(kl_NT, per_seq).item() if kl_NT is not None else 0.0,
+            ratio_sum=weighted_sum(ratio_NT, per_seq).item(),
+            ratio_token_sum=torch.where(mask_NT, ratio_NT, 0.0).sum().item(),  # for a token mean
+            ratio_max=torch.where(mask_NT, ratio_NT, 0.0).max().item() if mask_NT.numel() else 0.0,
+            adv_sum=adv_NT.sum().item() if inputs.adv_NT is None else weighted_sum(adv_NT, True).item(),
+            is_weight_token_sum=torch.where(mask_NT, weight_NT, 0.0).sum().item() if weight_NT is not None else None,
+            dropped_tokens=float((tokens_NT & ~mask_NT).sum().item()),
+        )
+    denom = batch_denominator(normaliser, mask_NT, max_response_tokens=max_response_tokens)
+    return LossOutput(loss_sum=loss_sum, denom=denom, stats=stats)

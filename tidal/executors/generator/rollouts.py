@@ -1,0 +1,331 @@
+"""Rollouts (`rollout`): how the generator turns a step's prompts into responses with its engine.
+
+    single_turn   one completion per sample, up to generator.max_new_tokens: the engine's stream as is
+    multi_turn    the model writes a turn, an environment answers (tidal/executors/environments), the model
+                  writes again, until the environment says done or multi_turn's limits end it
+
+Token in, token out: a multi-turn response is one token sequence, the model's turns exactly as
+sampled and each observation rendered once and appended; nothing is decoded and encoded again, so
+the trainer sees the ids the engine sampled (re-tokenising a conversation each turn is how peers'
+multi-turn runs drifted). The engine keeps every sample's KV across its turns. `loss_masks` marks
+the model's tokens, the only ones trained; `episodes` carries each sample's turns, environment time,
+reward parts and error, for the reward and metrics.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+import torch
+
+from tidal.channels.payloads import RolloutGroup
+from tidal.common.registry import Registry
+from tidal.common.stop import StepAborted, aborted
+from tidal.common.timeout import CallTimeout
+from tidal.executors.data import PromptRow
+from tidal.modeling.tiny.task import hide_digit
+from tidal.executors.environments.base import EnvStep, ModelTurn, env_class
+from tidal.executors.environments.pool import EnvPool
+from tidal.executors.generator.config import MultiTurnConfig
+from tidal.executors.generator.contract import GroupCompletion, PromptRequest, SamplingParams, room_for_a_turn
+
+Prompts = list[tuple[int, PromptRow, list[int]]]  # (index in the step, data row, token ids)
+
+
+class Rollout(Protocol):
+    tools: list[dict] | None  # JSON schemas of the environment's tools, for the chat template's prompts
+    embedded_reward: str  # the reward of the embedded task as this rollout poses it
+    env_wait_s: float  # seconds the engine waited for an environment with nothing else to do, so far
+
+    @staticmethod
+    def response_tokens(config: MultiTurnConfig, max_new_tokens: int) -> int:
+        """The longest response this rollout writes (memory estimates, vLLM's context, Dr. GRPO)."""
+
+    def embedded(self, row: dict) -> dict:
+        """An embedded-task row as this rollout poses it (the multi-turn task hides its digit)."""
+
+    def run(self, engine, prompts: Prompts, params: SamplingParams, *, step: int,
+            stop: Callable[[], bool]) -> Iterator[RolloutGroup]:
+        """Each prompt's group, the moment its G samples are done (partial rollouts wrap the single-turn
+        one: tidal/executors/generator/partial.py)."""
+
+
+class EnvError(ValueError):
+    """An environment failed under multi_turn.on_error=fail."""
+
+
+class SingleTurn:
+    tools = None
+    embedded_reward = "embedded"
+    env_wait_s = 0.0
+
+    @staticmethod
+    def response_tokens(config: MultiTurnConfig, max_new_tokens: int) -> int:
+        return max_new_tokens
+
+    def __init__(self, *, tokenizer, config: MultiTurnConfig, max_new_tokens: int):
+        del tokenizer, config, max_new_tokens
+
+    def embedded(self, row: dict) -> dict:
+        return row
+
+    def run(self, engine, prompts, params, *, step, stop):
+        rows = {i: row for i, row, _ in prompts}
+        requests = [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in prompts]
+        for done in engine.generate(requests, params, step=step, stop=stop):
+            yield rollout_group(step, rows[done.index], done)
+
+
+def rollout_group(step: int, row: PromptRow, done: GroupCompletion, **multi_turn) -> RolloutGroup:
+    """The engine's finished group as the channel's payload, with its data row."""
+    return RolloutGroup(step=step, index=done.index, prompt=row.prompt, extras=row.extras, prompt_ids=done.prompt_ids_P,
+                        responses=done.response_ids, logprobs=done.logprobs, finished=done.finished_G,
+                        data_row=row.line, loss_masks=done.loss_masks, routing=done.routing, **multi_turn)
+
+
+@dataclass
+class _Episode:
+    env: object
+    where: str  # "step 3, prompt 5 (data row 17), sample 2": named by every error
+    max_new_tokens: int  # generator.max_new_tokens: every turn's cap
+    cap: int  # the current turn's cap: max_new_tokens, or lower where the environment asked
+    turns: int = 0
+    tokens: int = 0  # response tokens so far, model's and observations'
+    env_s: float = 0.0
+    reward_parts: dict = field(default_factory=dict)
+    error: str | None = None
+    ended: bool = False  # the turn with the environment ended with the model's end-of-turn token
+
+    def record(self) -> dict:
+        return {"turns": self.turns, "env_s": self.env_s, "reward_parts": self.reward_parts, "error": self.error}
+
+
+class MultiTurn:
+    embedded_reward = "embedded_lookup"
+
+    @staticmethod
+    def response_tokens(config: MultiTurnConfig, max_new_tokens: int) -> int:
+        return config.total_tokens(max_new_tokens)  # model turns and observations together
+
+    def __init__(self, *, tokenizer, config: MultiTurnConfig, max_new_tokens: int):
+        self.cfg, self.tokenizer, self.spec = config, tokenizer, config.env or "lookup"
+        self.env_cls = env_class(self.spec)
+        if config.require_deterministic and not getattr(self.env_cls, "deterministic", True):
+            raise ValueError(f"multi_turn.env={self.spec!r} says it is not deterministic (deterministic = False), "
+                             f"and multi_turn.require_deterministic is set: sync and periodic runs would differ")
+        self.max_total_tokens = self.response_tokens(config, max_new_tokens)
+        self.render = ObservationRenderer(tokenizer)
+        # every environment call (constructor, reset, step) runs here, off the engine's decode loop; those
+        # of an environment whose calls take microseconds (inline = True) on it
+        inline = getattr(self.env_cls, "inline", False)
+        self.pool = EnvPool(workers=0 if inline else config.env_workers, timeout_s=config.timeout_s)
+        # the tools a chat template describes in each prompt (data.chat_template=true)
+        self.tools = getattr(self.env_cls, "TOOLS", None) or None
+
+    def embedded(self, row: dict) -> dict:
+        return hide_digit(row)  # the embedded multi-turn task: its digit is behind a tool
+
+    def run(self, engine, prompts, params, *, step, stop):
+        requests, rows = [], {}
+        wheres = {index: f"step {step}, prompt {index}" + (f" (data row {row.line})" if row.line else "")
+                  for index, row, _ in prompts}
+        episodes = {(index, j): _Episode(env=None, where=f"{wheres[index]}, sample {j}",
+                                         max_new_tokens=params.max_new_tokens, cap=params.max_new_tokens)
+                    for index, _, _ in prompts for j in range(params.n)}
+        firsts = self._start({(index, j): row for index, row, _ in prompts for j in range(params.n)}, episodes)
+        for index, row, ids in prompts:
+            group = {tuple(firsts[(index, j)]) for j in range(params.n) if episodes[(index, j)].error is None} or {()}
+            if len(group) > 1:
+                raise ValueError(f"environment {self.spec!r}: reset() gave the samples of {wheres[index]} different "
+                                 f"first observations; it must depend on the data row only (it extends the shared "
+                                 f"prompt)")
+            rows[index] = row
+            requests.append(PromptRequest(index=index, prompt_ids=list(ids) + list(group.pop())))
+        turns = _Turns(self, episodes)
+        for done in engine.generate(requests, params, step=step, stop=stop, turns=turns):
+            yield rollout_group(step, rows[done.index], done,
+                                episodes=[episodes.pop((done.index, j)).record() for j in range(params.n)])
+
+    def _start(self, rows: dict, episodes: dict) -> dict:
+        """Every sample's environment made and reset, the calls side by side on the pool: its first
+        observation's token ids ([] for none, or where it failed)."""
+        made = self._gather({key: (self.env_cls, ({"prompt": row.prompt, **row.extras},))
+                             for key, row in rows.items()}, episodes, kwargs=self.cfg.env_args)
+        for key, env in made.items():
+            episodes[key].env = env
+        firsts = dict.fromkeys(rows, [])
+        for key, first in self._gather({key: (env.reset, ()) for key, env in made.items()}, episodes).items():
+            ep = episodes[key]
+            try:
+                if isinstance(first, EnvStep):
+                    if first.done or first.reward_parts:
+                        raise _Failed("reset() returned an EnvStep with done or reward_parts; before the first turn "
+                                      "only its observation and max_tokens apply")
+                    self._cap(ep, first.max_tokens, "reset()")
+                    first = first.observation
+                firsts[key] = [] if first is None else self._tokens(first, closed=True)
+            except _Failed as failed:
+                self._failed(ep, str(failed))
+        return firsts
+
+    def _gather(self, calls: dict, episodes: dict, *, kwargs: dict | None = None) -> dict:
+        """{key: (fn, args)} submitted together; the values of those that succeeded (the others' episodes
+        fail, named). A stop abandons them."""
+        for key, (fn, args) in calls.items():
+            self.pool.submit(key, functools.partial(fn, **kwargs) if kwargs else fn, *args)
+        out, left = {}, set(calls)
+        while left:
+            if aborted():
+                self.pool.abandon()
+                raise StepAborted()
+            for answer in self.pool.ready(wait_s=0.1):
+                left.discard(answer.key)
+                try:
+                    out[answer.key] = self._value(episodes[answer.key], calls[answer.key][0], answer)
+                except _Failed as failed:
+                    self._failed(episodes[answer.key], str(failed))
+        return out
+
+    @property
+    def env_wait_s(self) -> float:
+        return self.pool.blocked_s
+
+    def submit(self, key, ep: _Episode, turn_ids: torch.Tensor, ended: bool) -> bool:
+        """A model turn ended: its step() goes to the pool (True), or the episode is over without one."""
+        ep.turns += 1
+        ep.tokens += turn_ids.numel()
+        if ep.error is not None or ep.turns >= self.cfg.max_turns:
+            return False
+        text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
+        ep.ended = ended
+        self.pool.submit(key, ep.env.step, ModelTurn(index=ep.turns - 1, ids=turn_ids, text=text, ended=ended))
+        return True
+
+    def answer(self, ep: _Episode, answer) -> list[int] | None:
+        """The environment's answer to a model turn as token ids, or None: the episode is over."""
+        try:
+            result = self._value(ep, ep.env.step, answer)
+            if not isinstance(result, EnvStep):
+                raise _Failed(f"step() returned {type(result).__name__}, not an EnvStep")
+            self._cap(ep, result.max_tokens, "step()")
+            for name, value in result.reward_parts.items():
+                ep.reward_parts[name] = ep.reward_parts.get(name, 0.0) + float(value)
+            if result.done:
+                return None
+            ids = [] if result.observation is None else self._tokens(result.observation, closed=ep.ended)
+            if not room_for_a_turn(used=ep.tokens, observation=len(ids), total=self.max_total_tokens):
+                raise _Failed(f"its observation of {len(ids)} tokens leaves no room for a turn in "
+                              f"multi_turn.max_total_tokens={self.max_total_tokens} ({ep.tokens} used)")
+        except _Failed as failed:
+            self._failed(ep, str(failed))
+            return None
+        ep.tokens += len(ids)
+        return ids
+
+    @staticmethod
+    def _cap(ep: _Episode, max_tokens, call: str) -> None:
+        if max_tokens is None:
+            ep.cap = ep.max_new_tokens
+        elif isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1:
+            ep.cap = min(max_tokens, ep.max_new_tokens)
+        else:
+            raise _Failed(f"{call} asked for max_tokens={max_tokens!r}; a turn's token cap is an int >= 1")
+
+    def _value(self, ep: _Episode, fn, answer):
+        """A call's return value from its pool Answer, or _Failed naming what went wrong."""
+        ep.env_s += answer.seconds
+        name = "its constructor" if isinstance(fn, type) else f"{getattr(fn, '__name__', 'call')}()"
+        if answer.ok:
+            return answer.value
+        if isinstance(answer.value, CallTimeout):
+            raise _Failed(f"{name} timed out after {self.cfg.timeout_s:g} s")
+        exc = answer.value  # any failure of user code is reported the same way
+        raise _Failed(f"{name} raised {type(exc).__name__}: {' '.join(str(exc).split())}") from exc
+
+    def _tokens(self, observation, *, closed: bool) -> list[int]:
+        if isinstance(observation, str):
+            return self.render(observation, closed=closed)
+        if isinstance(observation, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                          for t in observation):
+            vocab = len(self.tokenizer)
+            bad = [t for t in observation if not 0 <= t < vocab]
+            if bad:
+                raise _Failed(f"observation token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            return list(observation)
+        raise _Failed(f"observation is a {type(observation).__name__}, not text or a list of token ids")
+
+    def _failed(self, ep: _Episode, message: str) -> None:
+        message = f"environment {self.spec!r} failed at {ep.where}: {message}"
+        if self.cfg.on_error == "fail":
+            raise EnvError(message)
+        ep.error = message
+
+
+class _Failed(Exception):
+    pass
+
+
+@dataclass
+class _Turns:
+    """The engine's side of a multi-turn rollout (tidal/executors/generator/contract.py Turns): turns go to
+    the environment on the rollout's pool, answers come back as the calls return."""
+
+    rollout: MultiTurn
+    episodes: dict
+    over: list = field(default_factory=list)  # turns that needed no call (max_turns, a failed episode)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.rollout.max_total_tokens
+
+    def max_tokens(self, *, index: int, sample: int) -> int:
+        return self.episodes[(index, sample)].cap
+
+    def submit(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> None:
+        if not self.rollout.submit((index, sample), self.episodes[(index, sample)], turn_ids, ended):
+            self.over.append((index, sample, None))
+
+    def ready(self, *, wait_s: float = 0.0) -> list[tuple[int, int, list[int] | None]]:
+        out, self.over = self.over, []
+        for answer in self.rollout.pool.ready(wait_s=0.0 if out else wait_s):
+            out.append((*answer.key, self.rollout.answer(self.episodes[answer.key], answer)))
+        return out
+
+    def abandon(self) -> None:
+        self.over = []
+        self.rollout.pool.abandon()
+
+
+class ObservationRenderer:
+    """Observation text -> token ids, once: wrapped as a tool message by the tokenizer's chat template
+    where it has one (Qwen3/Hermes: `<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>
+    \\n<|im_start|>assistant\\n`), else the text as it is. The wrap is read off the template once, as
+    the difference between a conversation with and without a tool message after the model's turn."""
+
+    _MARK = "\x00tidal-observation\x00"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.before, self.after, self.close = "", "", ""
+        if getattr(tokenizer, "chat_template", None):
+            chat = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+            base = tokenizer.apply_chat_template(chat, tokenize=False)
+            full = tokenizer.apply_chat_template(chat + [{"role": "tool", "content": self._MARK}], tokenize=False,
+                                                 add_generation_prompt=True)
+            eot = tokenizer.eos_token or ""
+            closes = bool(eot) and eot in base  # the model's EOS ends a message of its template
+            cut = base.rfind(eot) + len(eot) if closes else len(base)
+            if full.startswith(base[:cut]) and self._MARK in full:
+                self.before, _, self.after = full[cut:].partition(self._MARK)
+                # a turn cut at its cap did not write its end-of-turn token: the wrap does
+                self.close = eot if closes else ""
+
+    def __call__(self, text: str, *, closed: bool = True) -> list[int]:
+        wrapped = ("" if closed else self.close) + self.before + text + self.after
+        return self.tokenizer.encode(wrapped, add_special_tokens=False)
+
+
+ROLLOUTS: Registry[type] = Registry("rollout")
+ROLLOUTS.register("single_turn", SingleTurn)
+ROLLOUTS.register("multi_turn", MultiTurn)
