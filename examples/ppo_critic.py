@@ -14,19 +14,12 @@ import os
 import sys
 from pathlib import Path
 
-from tidal.algorithms.registry import get_algorithm
-from tidal.channels.channel import Channel
-from tidal.channels.kinds import Kind
-from tidal.channels.payloads import AdvantagedGroup, RolloutGroup, ScoredGroup, WeightsUpdate
-from tidal.controller.graph import Graph
-from tidal.controller.job import run_job
-from tidal.executors.critic.config import CriticConfig
-from tidal.executors.critic.executor import Critic
-from tidal.executors.generator.config import DataConfig, GeneratorConfig, ModelConfig
-from tidal.executors.generator.executor import Generator
-from tidal.executors.reward.config import RewardConfig
-from tidal.executors.reward.executor import Reward
-from tidal.executors.trainer.executor import Trainer, TrainerConfig
+from tidal import (  # the names a script needs (tidal/__init__.py)
+    AdvantagedGroup, Channel, Critic, CriticConfig, DataConfig, Generator, GeneratorConfig, get_algorithm,
+    Graph, Kind, ModelConfig, Reporting, Reward, RewardConfig, RolloutGroup, run_job, ScoredGroup, Trainer,
+    TrainerConfig, WeightsUpdate,
+)
+
 
 
 def build_graph(*, steps: int) -> Graph:
@@ -66,8 +59,8 @@ def main() -> int:
     try:
         graph = build_graph(steps=args.steps)
         run_job(graph, steps=args.steps, seed=args.seed, output_dir=args.output_dir,
-                console_keys=["step", "trainer/reward_mean", "trainer/loss", "critic/value_loss", "critic/explained_variance",
-                              "trainer/grad_norm"])
+                reporting=Reporting(console_keys=["step", "trainer/reward_mean", "trainer/loss", "critic/value_loss", "critic/explained_variance",
+                              "trainer/grad_norm"]))
     except ValueError as exc:  # a wiring or world-size mistake: one line, before any rank blocks
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)

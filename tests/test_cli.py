@@ -70,7 +70,7 @@ def test_dry_run_places_tensor_parallel_units():
     (["--set", "generator.engine=fast"], "generator.engine: unknown generator engine 'fast'; known: native, vllm"),
     (["--set", "trainer.backend=jax"], "trainer.backend: unknown trainer backend 'jax'; known: megatron, torch"),
     (["--set", "generator.engine=tests.nosuch:ENGINE"], "generator.engine: generator engine 'tests.nosuch:ENGINE': "
-                                                        "cannot import 'tests.nosuch'"),
+                                                        "cannot import module 'tests.nosuch'"),
     (["--set", "trainer.pp=2"], "trainer.pp=2: trainer.backend=torch has no pipeline parallel; use "
                                 "trainer.backend=megatron"),
 ])

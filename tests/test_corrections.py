@@ -81,6 +81,26 @@ def test_aipo_weighs_the_policy_gradient_by_the_ratio_to_mu_clipped_at_rho():
     torch.testing.assert_close(grad, torch.tensor([[-1.0, -3.0, -0.5], [8.0, 2.0, 0.0]]))
 
 
+def test_a_correction_of_ones_own_is_one_file_named_in_the_config():
+    """tests/correction_plugin.py: geometric-mean sequence TIS. k = [1, 3, 0.5] has the geometric mean
+    1.5 ** (1/3); [4, 1] has 2, at the cap."""
+    plugin = {"kind": "tests.correction_plugin:GEO_TIS"}
+    out, grad = _loss(correction=plugin)
+    g = 1.5 ** (1 / 3)
+    assert out.loss_sum.item() == pytest.approx(-(3 * g) + 2 * (2 * 2))
+    torch.testing.assert_close(grad, torch.tensor([[-g, -g, -g], [4.0, 4.0, 0.0]]))
+    assert out.stats.is_weight_token_sum == pytest.approx(3 * g + 4)
+    out, _ = _loss(correction={**plugin, "high": 1.1})
+    assert out.loss_sum.item() == pytest.approx(-(3 * 1.1) + 2 * (2 * 1.1))
+    with pytest.raises(ValidationError, match="correction.kind='tests.correction_plugin:GEO_TIS' has no lower bound"):
+        GRPOConfig(correction={**plugin, "low": 0.5})
+    with pytest.raises(ValidationError, match="module .tests.correction_plugin. has no attribute .NOPE."):
+        GRPOConfig(correction={"kind": "tests.correction_plugin:NOPE"})
+    with pytest.raises(ValidationError, match="tests.correction_plugin.geo_tis_weights is of type function, where an "
+                                              "object of type Correction is needed"):
+        GRPOConfig(correction={"kind": "tests.correction_plugin:geo_tis_weights"})
+
+
 def test_dual_clip_caps_the_loss_of_negative_advantages():
     # token 0 of sequence 1 (A = -2) has ratio 5: the surrogate's loss is -(5 * -2) = 10, capped at 3 * 2
     logp = OLD.clone()
@@ -120,11 +140,12 @@ def test_bad_configs_are_named():
 # ---- end to end: the generator's log-probs reach the loss under every layout ------------------------
 
 def test_corrections_end_to_end(tmp_path):
-    """TIS on one trainer rank and on two (dp=2; two epochs: the second reads mu again) trains
-    the same weights, its weights ~1 on-policy; a masked-IS band no token falls in trains nothing."""
+    """A correction (tests/correction_plugin.py's, a file of one's own: the path is every kind's) on one
+    trainer rank and on two (dp=2; two epochs: the second reads mu again) trains the same weights, its
+    weights ~1 on-policy; a masked-IS band no token falls in trains nothing."""
     from tests.e2e import launch, max_abs_diff, metrics, weights
 
-    tis = ["--set", "algorithm.correction.kind=tis", "--set", "trainer.epochs=2",
+    tis = ["--set", "algorithm.correction.kind=tests.correction_plugin:GEO_TIS", "--set", "trainer.epochs=2",
            "--set", "reward.functions=[tests.rewards:length_parity]"]  # dense: every pass has a signal
     for name, extra, nproc in (("one", [], 3), ("dp2", ["--set", "trainer.dp=2"], 4)):
         proc = launch(tmp_path / name, *tis, *extra, nproc=nproc, steps=2)

@@ -274,3 +274,45 @@ def test_an_engine_in_a_file_of_its_own_runs_a_job(tmp_path):
     with pytest.raises(ValueError, match=r"generator.engine: generator engine 'tests.engine_plugin:Replay': "
                                          r"tests.engine_plugin.Replay is of type type, where an object of type EngineKind is needed"):
         ENGINES.get("tests.engine_plugin:Replay")
+
+
+# ---- issue 57: one import name ---------------------------------------------------------------------
+
+def test_an_install_adds_one_name_and_import_tidal_offers_the_api():
+    """pyproject's packages are tidal.*, every package of the tree among them; `import tidal` loads no
+    torch, and each name of tidal.__all__ resolves."""
+    import tomllib
+
+    from setuptools import find_namespace_packages, find_packages
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    installed = set(find_packages(str(ROOT), include=include))
+    assert {name.split(".")[0] for name in installed} == {"tidal"}
+    every = {p for p in find_namespace_packages(str(ROOT / "tidal"), exclude=["*__pycache__*"])
+             if (ROOT / "tidal" / p.replace(".", "/") / "__init__.py").is_file()}
+    assert {f"tidal.{p}" for p in every} <= installed
+    probe = ("import sys, tidal; assert 'torch' not in sys.modules, 'import tidal loaded torch'; "
+             "print(sorted(n for n in tidal.__all__ if getattr(tidal, n) is None))")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT / "tests", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr[-2000:]
+
+
+# ---- issue 57: sizes a reader takes in at once -----------------------------------------------------
+MAX_FUNCTION_LINES, MAX_FILE_LINES = 50, 450
+
+
+def _too_long(path: Path) -> list[str]:
+    source = path.read_text()
+    lines = len(source.splitlines())
+    out = [f"{lines} lines (at most {MAX_FILE_LINES} a file)"] if lines > MAX_FILE_LINES else []
+    return out + [f"{node.name}: {node.end_lineno - node.lineno + 1} lines (at most {MAX_FUNCTION_LINES} a function)"
+                  for node in ast.walk(ast.parse(source)) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_product_function_or_file_is_too_long_to_read_whole(tmp_path):
+    bad = [f"{rel}: {what}" for package in PACKAGES for rel, path in _files(package) for what in _too_long(path)]
+    assert bad == []
+    long = tmp_path / "long.py"
+    long.write_text("def f():\n" + "    x = 1\n" * 50)
+    assert _too_long(long) == ["f: 51 lines (at most 50 a function)"]

@@ -101,4 +101,4 @@ def test_on_error_fail_stops_the_run_naming_environment_step_prompt_and_sample(t
 def test_bad_environment_name_fails_before_any_rank_starts(tmp_path):
     proc = launch(tmp_path, *MULTI_TURN, "--set", "multi_turn.env=tests.envs:Nope", timeout=120)
     assert proc.returncode != 0
-    assert "multi_turn.env='tests.envs:Nope': cannot load it" in proc.stderr
+    assert "multi_turn.env='tests.envs:Nope': module 'tests.envs' has no attribute 'Nope'" in proc.stderr

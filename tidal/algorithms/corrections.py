@@ -24,20 +24,46 @@ and pi_old/mu or pi/mu here) to [-L, L] before it is exponentiated, so a stale t
 """
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Callable, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# (low, high) of each kind when the config leaves them out; None: the kind has no such bound
-DEFAULT_BOUNDS: dict[str, tuple[float | None, float | None]] = {
-    "none": (None, None), "tis": (None, 2.0), "mis": (0.0, 2.0), "icepop": (0.5, 5.0), "aipo": (None, 2.0)}
+from tidal.common.registry import Registry
+
+
+@dataclass(frozen=True)
+class Correction:
+    """One `correction.kind`: its default bounds (None: it takes no such bound), the levels it takes, and
+    what it does to the clipped surrogate pg_t, held constant (no gradient) where it is a weight:
+    - `weights(cfg, *, old_logp_NT, behaviour_logp_NT, mask_NT, log_ratio_clamp)` -> (weight_NT, keep_NT):
+      pg_t is multiplied by weight_t; a token not in keep_NT leaves the loss (a dropped token);
+    - `surrogate(cfg, *, logp_NT, behaviour_logp_NT, adv_NT, mask_NT, log_ratio_clamp)` -> (tok_NT, weight_NT):
+      the token loss instead of pg_t, and the weight it reports (aipo).
+    A kind of one's own is a `Correction` in a file of one's own, named `module:attr` in the config."""
+
+    about: str
+    low: float | None = None
+    high: float | None = None
+    levels: tuple[str, ...] = ("token",)
+    weights: Callable | None = None
+    surrogate: Callable | None = None
+
+    @property
+    def needs_behaviour(self) -> bool:
+        """It reads the generator's log-probs of the sampled tokens."""
+        return self.weights is not None or self.surrogate is not None
+
+
+CORRECTIONS: Registry[Correction] = Registry("correction", key="correction.kind", plugin=Correction)
 
 
 class CorrectionConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["none", "tis", "mis", "icepop", "aipo"] = Field(
-        "none", description="none, tis, mis, icepop or aipo (tidal/algorithms/corrections.py has each formula)")
+    kind: str = Field(
+        "none", description="none, tis, mis, icepop, aipo, or module:attr naming a Correction of one's own "
+                            "(tidal/algorithms/corrections.py has each formula)")
     level: Literal["token", "sequence"] = Field(
         "token", description="tis and mis: the ratio of each token, or of the whole sequence (their product)")
     low: float | None = Field(None, ge=0.0, description="mis/icepop: the band's lower end (None: 0 / 0.5)")
@@ -46,28 +72,33 @@ class CorrectionConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "CorrectionConfig":
-        low, high = DEFAULT_BOUNDS[self.kind]
-        if self.kind in ("none", "icepop", "aipo") and self.level != "token":
-            raise ValueError(f"correction.kind={self.kind!r} is per token; correction.level=sequence applies to "
-                             f"tis and mis")
-        if self.low is not None and low is None:
+        entry = self.entry
+        if self.level not in entry.levels:
+            takes = " and ".join(CORRECTIONS.having(lambda c: self.level in c.levels))
+            raise ValueError(f"correction.kind={self.kind!r} is per {' and '.join(entry.levels)}; "
+                             f"correction.level={self.level} applies to {takes}")
+        if self.low is not None and entry.low is None:
             raise ValueError(f"correction.kind={self.kind!r} has no lower bound; drop correction.low")
-        if self.high is not None and high is None:
-            raise ValueError("correction.kind='none' takes no bounds; name a kind or drop correction.high")
+        if self.high is not None and entry.high is None:
+            raise ValueError(f"correction.kind={self.kind!r} has no upper bound; drop correction.high")
         lo, hi = self.bounds
         if lo is not None and hi is not None and not lo < hi:
             raise ValueError(f"correction.low ({lo:g}) must be below correction.high ({hi:g})")
         return self
 
     @property
+    def entry(self) -> Correction:
+        return CORRECTIONS.get(self.kind)
+
+    @property
     def bounds(self) -> tuple[float | None, float | None]:
-        low, high = DEFAULT_BOUNDS[self.kind]
-        return (self.low if self.low is not None else low), (self.high if self.high is not None else high)
+        entry = self.entry
+        return (self.low if self.low is not None else entry.low), (self.high if self.high is not None else entry.high)
 
     @property
     def needs_behaviour(self) -> bool:
         """The loss needs the generator's log-probs of the sampled tokens."""
-        return self.kind != "none"
+        return self.entry.needs_behaviour
 
 
 def clamp_log_ratio(log_ratio: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -81,30 +112,48 @@ def log_ratio(num_NT: torch.Tensor, den_NT: torch.Tensor, mask_NT: torch.Tensor,
     return clamp_log_ratio(torch.where(mask_NT, num_NT - den_NT, 0.0), limit)
 
 
-def is_weights(cfg: CorrectionConfig, *, old_logp_NT: torch.Tensor, behaviour_logp_NT: torch.Tensor,
-               mask_NT: torch.Tensor, log_ratio_clamp: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight_NT, keep_NT) of tis/mis/icepop: the constant weight of each token's loss, and the
-    tokens that stay in it (False on padding and on what the band dropped)."""
-    assert cfg.kind in ("tis", "mis", "icepop"), cfg.kind
-    low, high = cfg.bounds
+def train_infer_ratio(cfg: CorrectionConfig, *, old_logp_NT: torch.Tensor, behaviour_logp_NT: torch.Tensor,
+                      mask_NT: torch.Tensor, log_ratio_clamp: float | None = None) -> torch.Tensor:
+    """k_t = pi_old / mu of each token, or (correction.level=sequence) K_i, the product over the sequence's
+    tokens, on each of its tokens; no gradient."""
     with torch.no_grad():
         sequence = cfg.level == "sequence"
         delta_NT = log_ratio(old_logp_NT.detach(), behaviour_logp_NT.to(old_logp_NT), mask_NT,
                              limit=None if sequence else log_ratio_clamp)
-        if sequence:  # the sequence's ratio, the product over its tokens, on each token
+        if sequence:
             delta_NT = clamp_log_ratio(delta_NT.sum(dim=1, keepdim=True).expand_as(delta_NT), log_ratio_clamp)
-        k_NT = torch.exp(delta_NT)
-        if cfg.kind == "tis":
-            return k_NT.clamp(max=high), mask_NT
-        inside_NT = (k_NT >= low) & (k_NT <= high)
-        if cfg.level == "sequence":  # a sequence with no token is kept (it trains nothing anyway)
-            inside_NT = inside_NT | ~mask_NT.any(dim=1, keepdim=True)
-        return torch.where(inside_NT, k_NT, 0.0), mask_NT & inside_NT
+        return torch.exp(delta_NT)
 
 
-def aipo_weights(*, logp_NT: torch.Tensor, behaviour_logp_NT: torch.Tensor, mask_NT: torch.Tensor, rho: float,
-                 log_ratio_clamp: float | None = None) -> torch.Tensor:
-    """min(pi / mu, rho) per token, constant (the policy gradient it weights carries the gradient)."""
+def tis_weights(cfg: CorrectionConfig, *, mask_NT: torch.Tensor, **logps) -> tuple[torch.Tensor, torch.Tensor]:
+    """min(k, high), every token kept."""
+    return train_infer_ratio(cfg, mask_NT=mask_NT, **logps).clamp(max=cfg.bounds[1]), mask_NT
+
+
+def band_weights(cfg: CorrectionConfig, *, mask_NT: torch.Tensor, **logps) -> tuple[torch.Tensor, torch.Tensor]:
+    """k where low <= k <= high, else the token (sequence: the whole sequence) dropped."""
+    low, high = cfg.bounds
+    k_NT = train_infer_ratio(cfg, mask_NT=mask_NT, **logps)
+    inside_NT = (k_NT >= low) & (k_NT <= high)
+    if cfg.level == "sequence":  # a sequence with no token is kept (it trains nothing anyway)
+        inside_NT = inside_NT | ~mask_NT.any(dim=1, keepdim=True)
+    return torch.where(inside_NT, k_NT, 0.0), mask_NT & inside_NT
+
+
+def aipo_surrogate(cfg: CorrectionConfig, *, logp_NT: torch.Tensor, behaviour_logp_NT: torch.Tensor,
+                   adv_NT: torch.Tensor, mask_NT: torch.Tensor,
+                   log_ratio_clamp: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-min(pi / mu, rho) * A * grad log pi: the weight constant, exp(logp - logp) is 1 with logp's gradient."""
     with torch.no_grad():
         delta_NT = log_ratio(logp_NT.detach(), behaviour_logp_NT.to(logp_NT), mask_NT, limit=log_ratio_clamp)
-        return torch.exp(delta_NT).clamp(max=rho)
+        weight_NT = torch.exp(delta_NT).clamp(max=cfg.bounds[1])
+    return -(weight_NT * adv_NT) * torch.exp(logp_NT - logp_NT.detach()), weight_NT
+
+
+CORRECTIONS.register("none", Correction(about="the clipped surrogate as it is"))
+CORRECTIONS.register("tis", Correction(about="truncated IS", high=2.0, levels=("token", "sequence"), weights=tis_weights))
+CORRECTIONS.register("mis", Correction(about="masked IS", low=0.0, high=2.0, levels=("token", "sequence"),
+                                       weights=band_weights))
+CORRECTIONS.register("icepop", Correction(about="IcePop: masked IS per token", low=0.5, high=5.0, weights=band_weights))
+CORRECTIONS.register("aipo", Correction(about="AIPO: the policy gradient weighted by min(pi / mu, rho)", high=2.0,
+                                        surrogate=aipo_surrogate))

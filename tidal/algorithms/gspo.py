@@ -28,7 +28,7 @@ class GSPOConfig(ClipConfig):
     @model_validator(mode="after")
     def _token_options(self) -> "GSPOConfig":
         # its ratio and clip are per sequence: the token-level corrections have nothing to act on
-        for name, off in (("correction", self.correction.kind == "none"), ("clip_ratio_c", self.clip_ratio_c is None),
+        for name, off in (("correction", not self.correction.needs_behaviour), ("clip_ratio_c", self.clip_ratio_c is None),
                           ("log_ratio_clamp", self.log_ratio_clamp is None)):
             if not off:
                 raise ValueError(f"{name}: gspo's ratio is per sequence; the corrections apply to the "

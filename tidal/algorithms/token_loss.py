@@ -15,7 +15,7 @@ from pydantic import Field
 
 from tidal.algorithms.base import (AlgoConfig, LossInputs, LossOutput, LossStats, Normaliser, batch_denominator,
                              check_loss_inputs, upcast)
-from tidal.algorithms.corrections import CorrectionConfig, aipo_weights, is_weights, log_ratio
+from tidal.algorithms.corrections import CorrectionConfig, log_ratio
 from tidal.algorithms.kl import KLConfig, check_kl_inputs, kl_in_loss, masked_kl_NT
 
 
@@ -64,6 +64,33 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, *, clip_low: float
     return pg, low, high
 
 
+def _weighted_sum(x_NT: torch.Tensor, mask_NT: torch.Tensor, inv_len_N1: torch.Tensor | None) -> torch.Tensor:
+    """The masked sum of x, each sequence's tokens weighted 1/|o_i| where inv_len_N1 is given."""
+    x_NT = torch.where(mask_NT, x_NT, 0.0)
+    return (x_NT * inv_len_N1).sum() if inv_len_N1 is not None else x_NT.sum()
+
+
+def _stats(inputs: LossInputs, *, mask_NT, inv_len_N1, per_seq: bool, low_NT, high_NT, kl_NT, ratio_NT, adv_NT,
+           weight_NT) -> LossStats:
+    """The micro-batch's statistics, summed in the normaliser's units (per_seq: per-sequence means)."""
+    def total(x_NT: torch.Tensor, per: bool = per_seq) -> float:
+        return _weighted_sum(x_NT, mask_NT, inv_len_N1 if per else None).item()
+
+    as_float = inv_len_N1.dtype
+    return LossStats(
+        clip_low_sum=total(low_NT.to(as_float)),
+        clip_high_sum=total(high_NT.to(as_float)),
+        clip_sum=total((low_NT | high_NT).to(as_float)),
+        kl_sum=total(kl_NT) if kl_NT is not None else 0.0,
+        ratio_sum=total(ratio_NT),
+        ratio_token_sum=torch.where(mask_NT, ratio_NT, 0.0).sum().item(),  # for a token mean
+        ratio_max=torch.where(mask_NT, ratio_NT, 0.0).max().item() if mask_NT.numel() else 0.0,
+        adv_sum=adv_NT.sum().item() if inputs.adv_NT is None else total(adv_NT, per=True),
+        is_weight_token_sum=torch.where(mask_NT, weight_NT, 0.0).sum().item() if weight_NT is not None else None,
+        dropped_tokens=float((inputs.mask_NT & ~mask_NT).sum().item()),
+    )
+
+
 def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normaliser, per_sequence_mean: bool,
                      max_response_tokens: int | None = None) -> LossOutput:
     """Sum over the micro-batch of l_it, weighted 1/|o_i| (per_sequence_mean) or 1 (token sum).
@@ -75,15 +102,14 @@ def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normali
     check_kl_inputs(inputs, cfg)
     if cfg.needs_behaviour and inputs.behaviour_logp_NT is None:
         raise ValueError(f"correction.kind={cfg.correction.kind!r} needs the generator's log-probs (behaviour_logp_NT)")
-    mask_NT = tokens_NT = inputs.mask_NT
+    mask_NT = inputs.mask_NT
     logp_NT = upcast(inputs.logp_NT)
     ratio_NT = torch.exp(log_ratio(logp_NT, upcast(inputs.old_logp_NT), mask_NT, limit=cfg.log_ratio_clamp))
     adv_NT = inputs.token_advantages()  # [N, 1] for per-sample advantages
-    corr, weight_NT = cfg.correction, None
-    if corr.kind == "aipo":  # -min(pi/mu, rho) * A * grad log pi: exp(logp - logp) is 1 with logp's gradient
-        weight_NT = aipo_weights(logp_NT=logp_NT, behaviour_logp_NT=inputs.behaviour_logp_NT, mask_NT=mask_NT,
-                                 rho=corr.bounds[1], log_ratio_clamp=cfg.log_ratio_clamp)
-        tok_NT = -(weight_NT * adv_NT) * torch.exp(logp_NT - logp_NT.detach())
+    corr, weight_NT = cfg.correction.entry, None
+    if corr.surrogate is not None:  # in place of the clipped surrogate (aipo)
+        tok_NT, weight_NT = corr.surrogate(cfg.correction, logp_NT=logp_NT, behaviour_logp_NT=inputs.behaviour_logp_NT,
+                                           adv_NT=adv_NT, mask_NT=mask_NT, log_ratio_clamp=cfg.log_ratio_clamp)
         low_NT = high_NT = torch.zeros_like(mask_NT)
     else:
         tok_NT, low_NT, high_NT = clipped_surrogate(ratio_NT, adv_NT, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
@@ -92,10 +118,10 @@ def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normali
         with torch.no_grad():
             low_NT = low_NT | ((adv_NT < 0) & (tok_NT > cap_NT))
         tok_NT = torch.where(adv_NT < 0, torch.minimum(tok_NT, cap_NT), tok_NT)
-    if corr.kind in ("tis", "mis", "icepop"):  # a constant weight per token; mis/icepop drop tokens outside the band
-        weight_NT, mask_NT = is_weights(corr, old_logp_NT=upcast(inputs.old_logp_NT),
-                                        behaviour_logp_NT=inputs.behaviour_logp_NT, mask_NT=mask_NT,
-                                        log_ratio_clamp=cfg.log_ratio_clamp)
+    if corr.weights is not None:  # a constant weight per token; some drop tokens (mis/icepop: outside the band)
+        weight_NT, mask_NT = corr.weights(cfg.correction, old_logp_NT=upcast(inputs.old_logp_NT),
+                                          behaviour_logp_NT=inputs.behaviour_logp_NT, mask_NT=mask_NT,
+                                          log_ratio_clamp=cfg.log_ratio_clamp)
         tok_NT = weight_NT * tok_NT
 
     kl_NT = None
@@ -107,25 +133,9 @@ def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normali
 
     # 1/|o_i|; clamp so an empty sequence contributes 0 instead of 0/0.
     inv_len_N1 = 1.0 / mask_NT.sum(dim=1, keepdim=True).clamp(min=1).to(logp_NT.dtype)
-
-    def weighted_sum(x_NT: torch.Tensor, per_seq: bool) -> torch.Tensor:
-        x_NT = torch.where(mask_NT, x_NT, 0.0)
-        return (x_NT * inv_len_N1).sum() if per_seq else x_NT.sum()
-
-    loss_sum = weighted_sum(tok_NT, per_sequence_mean)
+    loss_sum = _weighted_sum(tok_NT, mask_NT, inv_len_N1 if per_sequence_mean else None)
     with torch.no_grad():
-        per_seq = normaliser == "sequences"
-        stats = LossStats(
-            clip_low_sum=weighted_sum(low_NT.to(logp_NT.dtype), per_seq).item(),
-            clip_high_sum=weighted_sum(high_NT.to(logp_NT.dtype), per_seq).item(),
-            clip_sum=weighted_sum((low_NT | high_NT).to(logp_NT.dtype), per_seq).item(),
-            kl_sum=weighted_sum(kl_NT, per_seq).item() if kl_NT is not None else 0.0,
-            ratio_sum=weighted_sum(ratio_NT, per_seq).item(),
-            ratio_token_sum=torch.where(mask_NT, ratio_NT, 0.0).sum().item(),  # for a token mean
-            ratio_max=torch.where(mask_NT, ratio_NT, 0.0).max().item() if mask_NT.numel() else 0.0,
-            adv_sum=adv_NT.sum().item() if inputs.adv_NT is None else weighted_sum(adv_NT, True).item(),
-            is_weight_token_sum=torch.where(mask_NT, weight_NT, 0.0).sum().item() if weight_NT is not None else None,
-            dropped_tokens=float((tokens_NT & ~mask_NT).sum().item()),
-        )
+        stats = _stats(inputs, mask_NT=mask_NT, inv_len_N1=inv_len_N1, per_seq=normaliser == "sequences", low_NT=low_NT,
+                       high_NT=high_NT, kl_NT=kl_NT, ratio_NT=ratio_NT, adv_NT=adv_NT, weight_NT=weight_NT)
     denom = batch_denominator(normaliser, mask_NT, max_response_tokens=max_response_tokens)
     return LossOutput(loss_sum=loss_sum, denom=denom, stats=stats)

@@ -207,21 +207,14 @@ def build_plan(*, specs: Mapping[str, ParamSpec], trainer: TrainerLayout, genera
     halves are contiguous on the generator side only.) Smaller pieces share buckets so they cost
     one message. None: bucket everything.
     """
-    # shared ranks (placement=colocated): a piece whose destination rank also holds it is taken there,
-    # a local copy (tidal/channels/p2p.py), not sent from another rank
-    shared = set(trainer.ranks) & set(generator.ranks)
     if bucket_bytes < 1024:
         raise ValueError(f"bucket_bytes={bucket_bytes} is too small (at least 1024)")
     fed = min(generator.replicas, trainer.copies) if relay else generator.replicas  # by the trainer
+    cutter = _Cutter(trainer, generator, bucket_bytes=bucket_bytes, zero_copy_min_bytes=zero_copy_min_bytes)
     layers = hf_layers(specs)
-    load = {r: 0 for r in trainer.ranks}
-    order = {r: i for i, r in enumerate(trainer.ranks)}
-    pieces: list[Piece] = []
     for name, spec in specs.items():
         if len(spec.shape) == 0:
             raise ValueError(f"{name!r}: 0-d parameters are not supported")
-        dtype = generator.dtype or spec.dtype
-        max_numel = max(1, bucket_bytes // dtype.itemsize)
         owners: dict[Box, list[int]] = defaultdict(list)  # identical trainer boxes: the dp replicas
         stage = hf_stage(name, layers=layers, pp=trainer.pp)
         for d in range(trainer.dp):
@@ -231,27 +224,44 @@ def build_plan(*, specs: Mapping[str, ParamSpec], trainer: TrainerLayout, genera
             for t in range(generator.tp):
                 gbox = generator.box(spec, t=t)
                 for tbox, ranks in owners.items():
-                    both = _intersect(tbox, gbox)
-                    if both is None:
-                        continue
-                    dst = generator.rank(k, t)
-                    local = dst in shared and dst in ranks
-                    # a piece a rank sends itself, contiguous on both sides and not cast, is handed over
-                    # whole (no bucket, no copy: tidal/channels/push.py): not cut to the buckets' size
-                    whole = (local and dtype == spec.dtype and _contiguous(_shift(both, tbox), tbox)
-                             and _contiguous(_shift(both, gbox), gbox))
-                    for sub in [both] if whole else _cut(both, max_numel):
-                        src = dst if local else min(ranks, key=lambda r: (load[r], order[r]))
-                        src_slice, dst_slice = _shift(sub, tbox), _shift(sub, gbox)
-                        big = (zero_copy_min_bytes is not None
-                               and math.prod(b - a for a, b in sub) * dtype.itemsize >= zero_copy_min_bytes)
-                        piece = Piece(name, src, dst, src_slice, dst_slice, dtype,
-                                      src_direct=big and dtype == spec.dtype and _contiguous(src_slice, tbox),
-                                      dst_direct=big and _contiguous(dst_slice, gbox))
-                        load[src] += piece.nbytes
-                        pieces.append(piece)
+                    if (both := _intersect(tbox, gbox)) is not None:
+                        cutter.add(name, spec, both, tbox=tbox, gbox=gbox, ranks=ranks, dst=generator.rank(k, t))
+    pieces = cutter.pieces
     streams = _streams(pieces, generator, fed=fed, bucket_bytes=bucket_bytes)
     return PushPlan(trainer, generator, dict(specs), tuple(pieces), streams, bucket_bytes)
+
+
+class _Cutter:
+    """build_plan's pieces: an overlap of a trainer box and a generator box, cut to the buckets' size,
+    each part sent by the least-loaded trainer rank that holds it (fewest bytes so far, then rank order)."""
+
+    def __init__(self, trainer: TrainerLayout, generator: GeneratorLayout, *, bucket_bytes: int,
+                 zero_copy_min_bytes: int | None):
+        self.generator, self.bucket_bytes, self.zero_copy_min_bytes = generator, bucket_bytes, zero_copy_min_bytes
+        # shared ranks (placement=colocated): a piece whose destination rank also holds it is taken there,
+        # a local copy (tidal/channels/p2p.py), not sent from another rank
+        self.shared = set(trainer.ranks) & set(generator.ranks)
+        self.load = {r: 0 for r in trainer.ranks}
+        self.order = {r: i for i, r in enumerate(trainer.ranks)}
+        self.pieces: list[Piece] = []
+
+    def add(self, name: str, spec: ParamSpec, both: Box, *, tbox: Box, gbox: Box, ranks: list[int], dst: int) -> None:
+        dtype = self.generator.dtype or spec.dtype
+        local = dst in self.shared and dst in ranks
+        # a piece a rank sends itself, contiguous on both sides and not cast, is handed over
+        # whole (no bucket, no copy: tidal/channels/push.py): not cut to the buckets' size
+        whole = (local and dtype == spec.dtype and _contiguous(_shift(both, tbox), tbox)
+                 and _contiguous(_shift(both, gbox), gbox))
+        for sub in [both] if whole else _cut(both, max(1, self.bucket_bytes // dtype.itemsize)):
+            src = dst if local else min(ranks, key=lambda r: (self.load[r], self.order[r]))
+            src_slice, dst_slice = _shift(sub, tbox), _shift(sub, gbox)
+            big = (self.zero_copy_min_bytes is not None
+                   and math.prod(b - a for a, b in sub) * dtype.itemsize >= self.zero_copy_min_bytes)
+            piece = Piece(name, src, dst, src_slice, dst_slice, dtype,
+                          src_direct=big and dtype == spec.dtype and _contiguous(src_slice, tbox),
+                          dst_direct=big and _contiguous(dst_slice, gbox))
+            self.load[src] += piece.nbytes
+            self.pieces.append(piece)
 
 
 def _contiguous(box: Box, within: Box) -> bool:

@@ -7,6 +7,24 @@ from typing import Callable, Generic, TypeVar
 T = TypeVar("T")
 
 
+def load_attr(spec: str, *, what: str) -> object:
+    """The object "package.module:attr" names, its module imported here: a user's own reward, environment,
+    engine, backend or correction. ValueError starting with `what` (e.g. "reward 'my:f'"); where the
+    module itself is missing (not one of its imports), the hint a path problem needs."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        missing = isinstance(e, ModuleNotFoundError) and e.name is not None and (
+            module_name == e.name or module_name.startswith(e.name + "."))
+        hint = " (is its directory on PYTHONPATH? e.g. PYTHONPATH=/path/to/dir python launch.py ...)" if missing else ""
+        raise ValueError(f"{what}: cannot import module {module_name!r}: {e}{hint}") from None
+    value = getattr(module, attr, None) if attr else None
+    if value is None:
+        raise ValueError(f"{what}: module {module_name!r} has no attribute {attr!r}")
+    return value
+
+
 class Registry(Generic[T]):
     """A flat name -> entry map that refuses silent overrides (two entries under one name)."""
 
@@ -34,16 +52,10 @@ class Registry(Generic[T]):
         return self._entries[name]
 
     def _imported(self, spec: str, *, where: str) -> T:
-        module_name, _, attr = spec.partition(":")
-        try:
-            entry = getattr(importlib.import_module(module_name), attr, None)
-        except ImportError as exc:
-            raise ValueError(f"{where}{self.kind} {spec!r}: cannot import {module_name!r} ({exc}; is its directory "
-                             f"on PYTHONPATH?)") from None
+        entry = load_attr(spec, what=f"{where}{self.kind} {spec!r}")
         if not isinstance(entry, self.plugin):
-            what = "missing" if entry is None else f"of type {type(entry).__name__}"
-            raise ValueError(f"{where}{self.kind} {spec!r}: {module_name}.{attr} is {what}, where an object of type "
-                             f"{self.plugin.__name__} is needed")
+            raise ValueError(f"{where}{self.kind} {spec!r}: {spec.replace(':', '.')} is of type {type(entry).__name__}, "
+                             f"where an object of type {self.plugin.__name__} is needed")
         return entry
 
     def names(self) -> list[str]:

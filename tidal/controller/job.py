@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -19,12 +19,11 @@ from tidal.controller.control import Cadence, StepControl, install_stop_signals
 from tidal.controller.failure import Watchdog
 from tidal.controller.graph import Graph
 from tidal.controller.loop import Controller
-from tidal.controller.metrics import MetricsWriter, Sink
-from tidal.controller.metrics_plot import plot_metrics
+from tidal.controller.report import Report, Reporting
 from tidal.controller.schedules import Schedule, get_schedule
-from tidal.controller.timeline import merge, plot, process_start_time
+from tidal.controller.timeline import process_start_time
 from tidal.controller.world import build_world, check_world_size, device_index, placement, store_client
-from tidal.controller.world import roles as rank_roles, titles
+from tidal.controller.world import roles as rank_roles
 from tidal.controller.devices import detect_device, init_distributed, pin_threads
 
 
@@ -49,78 +48,36 @@ class Outcome:
 
 def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[[], Path],
             start: Callable[[Path], Start] = lambda _: Start(), schedule: str | Schedule = "periodic",
-            cadence: Cadence = Cadence(), timeout_s: float = 1800.0, console_keys: Sequence[str] | None = None,
-            derive: Callable[[dict], dict] | None = None, on_ready: Callable | None = None,
-            sinks: Callable[[Path, int], list[Sink]] = lambda out, first_step: [], progress_every_s: float = 30.0,
-            plots: bool = True) -> Outcome:
+            cadence: Cadence = Cadence(), timeout_s: float = 1800.0, on_ready: Callable | None = None,
+            reporting: Reporting = Reporting()) -> Outcome:
     """Every rank calls this. Raises ValueError before any collective if the world size is wrong, or
     (on every rank alike) when `start` refuses the output dir. `start(output_dir)` runs on rank 0
-    only, which prepares the directory; every rank gets its answer. `sinks(output_dir, first_step)`: rank 0's
-    destinations of the metrics rows besides metrics.jsonl (TensorBoard, W&B), closed after the plots."""
+    only, which prepares the directory; every rank gets its answer."""
     entered = time.time()
     check_world_size(graph, int(os.environ.get("WORLD_SIZE", "1")))
     schedule = get_schedule(schedule) if isinstance(schedule, str) else schedule
-    graph = with_schedule(graph, schedule)
-    pin_threads()
-    map_large_blocks()  # before the models load: see tidal/common/host_memory.py
-    timeout = timedelta(seconds=timeout_s)
-    index = device_index(graph, rank=int(os.environ.get("RANK", "0")), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-    device = init_distributed(detect_device(), timeout=timeout, index=index)
-    rank = dist.get_rank()
-    # rank 0 decides (e.g. a timestamp) and every rank reads it, so all agree on one directory; the
-    # key outlives an elastic restart, so a restarted job continues in the same directory
-    output_dir = Path(shared_value("output_dir", lambda: str(output_dir() if callable(output_dir) else output_dir),
-                                   per_attempt=False))
+    graph, timeout = with_schedule(graph, schedule), timedelta(seconds=timeout_s)
+    rank, device = _connect(graph, timeout=timeout)
+    output_dir = _agreed_dir(output_dir)
     begin = _shared_start(lambda: output_dir.mkdir(parents=True, exist_ok=True) or start(output_dir), timeout=timeout)
     install_stop_signals(store_client(timeout))
     world = build_world(graph, device=device, seed=seed, output_dir=output_dir, timeout=timeout,
                         resume=Path(begin.checkpoint) if begin.checkpoint else None)
-    started = process_start_time()
-    startup = ((("imports", started, entered),) if started else ()) + (("connect", entered, time.time()),)
-    if rank == 0:
-        n = dist.get_world_size()
-        print(f"tidal: {n} rank{'s' if n != 1 else ''} connected in {time.time() - (started or entered):.1f} s; "
-              f"output in {output_dir}; loading the models", file=sys.stderr, flush=True)
-    roles = rank_roles(graph)
-    watchdog = Watchdog(rank=rank, roles=roles).start()
-    outcome = Outcome(output_dir=output_dir)
-    control = None
+    startup = _startup(entered, rank=rank, output_dir=output_dir)
+    watchdog = Watchdog(rank=rank, roles=rank_roles(graph)).start()
+    outcome, control = Outcome(output_dir=output_dir), None
     try:
         if on_ready:
             on_ready(world)
+        control = _step_control(graph, world, rank=rank, cadence=cadence, output_dir=output_dir, timeout=timeout)
         steps_run = range(begin.step, steps)
-        # the decider: the first rank of the last executor, whose streamed phase ends last
-        decider = placement(graph)[graph.placed[-1].name][0][0]
-        control = StepControl(store=store_client(timeout), watch_store=store_client(timeout), rank=rank, decider=decider,
-                              cadence=cadence, run_dir=output_dir, ahead=world.runs_ahead)
-        writer, row_sinks = None, []
-        if rank == 0:
-            row_sinks = sinks(output_dir, begin.step)
-            writer = MetricsWriter(executors=[e.name for e in graph.executors], steps=steps_run,
-                                   path=output_dir / "metrics.jsonl", console_keys=console_keys,
-                                   timeout=timeout, derive=derive, sinks=row_sinks, every_s=progress_every_s,
-                                   progress=titles(graph)).start()
-            watchdog.before_exit(writer.drain)
-        stopped = Controller(world=world, steps=steps_run, schedule=schedule, control=control,
-                             startup=startup).run()
-        if stopped is not None:
-            if stopped.saved_here:
-                # nobody exits before the checkpoint is sealed: torchrun ends the whole group when one exits non-zero
-                world.store.wait([f"ckpt/{stopped.after}/done"])
-            outcome = Outcome(stopped_after=stopped.after, signum=stopped.signum, output_dir=output_dir)
-        if writer:
-            writer.join()
+        report = Report.open(graph, reporting, rank=rank, output_dir=output_dir, steps=steps_run, timeout=timeout,
+                             watchdog=watchdog)
+        stopped = Controller(world=world, steps=steps_run, schedule=schedule, control=control, startup=startup).run()
+        outcome = _outcome(stopped, world=world, output_dir=output_dir)
+        report.wait()
         dist.barrier(group=world.control_group)  # every rank has saved its timeline
-        if rank == 0:
-            events = merge(output_dir)
-            metrics = output_dir / "metrics.jsonl"
-            if plots:
-                plot(events, output_dir / "timeline.png")
-            if plots and metrics.is_file():  # all the run's steps, a resumed run's earlier ones too
-                plot_metrics([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()],
-                             output_dir / "metrics.png")
-            for sink in row_sinks:
-                sink.close()
+        report.close()
     except BaseException as exc:
         watchdog.fail(exc)
     if control is not None:
@@ -128,6 +85,51 @@ def run_job(graph: Graph, *, steps: int, seed: int, output_dir: Path | Callable[
     watchdog.stop()
     dist.destroy_process_group()
     return outcome
+
+
+def _connect(graph: Graph, *, timeout: timedelta) -> tuple[int, object]:
+    """This rank's threads pinned, its device taken and the process group joined: (rank, device)."""
+    pin_threads()
+    map_large_blocks()  # before the models load: see tidal/common/host_memory.py
+    index = device_index(graph, rank=int(os.environ.get("RANK", "0")), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    device = init_distributed(detect_device(), timeout=timeout, index=index)
+    return dist.get_rank(), device
+
+
+def _agreed_dir(output_dir: Path | Callable[[], Path]) -> Path:
+    """Rank 0 decides (e.g. a timestamp) and every rank reads it, so all agree on one directory; the
+    key outlives an elastic restart, so a restarted job continues in the same directory."""
+    return Path(shared_value("output_dir", lambda: str(output_dir() if callable(output_dir) else output_dir),
+                             per_attempt=False))
+
+
+def _startup(entered: float, *, rank: int, output_dir: Path) -> tuple:
+    """The start-up's spans for the timeline (the imports where the process's start is known, the
+    connection); rank 0 says the ranks are connected."""
+    started = process_start_time()
+    if rank == 0:
+        n = dist.get_world_size()
+        print(f"tidal: {n} rank{'s' if n != 1 else ''} connected in {time.time() - (started or entered):.1f} s; "
+              f"output in {output_dir}; loading the models", file=sys.stderr, flush=True)
+    return ((("imports", started, entered),) if started else ()) + (("connect", entered, time.time()),)
+
+
+def _step_control(graph: Graph, world, *, rank: int, cadence: Cadence, output_dir: Path,
+                  timeout: timedelta) -> StepControl:
+    # the decider: the first rank of the last executor, whose streamed phase ends last
+    decider = placement(graph)[graph.placed[-1].name][0][0]
+    return StepControl(store=store_client(timeout), watch_store=store_client(timeout), rank=rank, decider=decider,
+                       cadence=cadence, run_dir=output_dir, ahead=world.runs_ahead)
+
+
+def _outcome(stopped, *, world, output_dir: Path) -> Outcome:
+    """A finished run's, or a stopped one's once its checkpoint is sealed: nobody exits before, as
+    torchrun ends the whole group when one rank exits non-zero."""
+    if stopped is None:
+        return Outcome(output_dir=output_dir)
+    if stopped.saved_here:
+        world.store.wait([f"ckpt/{stopped.after}/done"])
+    return Outcome(stopped_after=stopped.after, signum=stopped.signum, output_dir=output_dir)
 
 
 def with_schedule(graph: Graph, schedule: Schedule) -> Graph:

@@ -37,7 +37,7 @@ from tidal.controller.schedules import Periodic, Schedule
 from tidal.controller.timeline import Timeline
 from tidal.common.stop import StepAborted, aborted
 from tidal.controller.world import World
-from tidal.executors.base import Endpoints, StepContext
+from tidal.executors.base import Endpoints, Executor, StepContext
 
 
 @dataclass(frozen=True)
@@ -62,50 +62,13 @@ class Controller:
                                     progress=Progress(self.world.store, env.name) if env.is_leader else None)
         for kind, t0, t1 in self.startup:  # step -1: before the first step
             timeline.add(kind, t0, t1)
-        with timeline.span("init"):
-            for executor in executors:
-                t0 = time.perf_counter()
-                executor.init(self.world.envs[executor.name])
-                trim_host_memory()  # the model load's transient copies, before the next executor's
-                if self.world.envs[executor.name].is_leader:
-                    print(f"tidal: {executor.name} ready in {time.perf_counter() - t0:.1f} s "
-                          f"(rank {env.rank})", file=sys.stderr, flush=True)
-        take_peak_gb(env.device)  # each step's row gives its own peak, not the model loads
+        self.init(executors, timeline)
         saved = set()  # steps checkpointed by this attempt
-        ahead = self.world.runs_ahead  # offpolicy: this rank settles each step one step later
         for step in self.steps:
-            timeline.step = step
-            if step == self.steps.start and env.rank == 0:
-                print(f"tidal: step {step} started", file=sys.stderr, flush=True)
-            self.control.begin(step)
-            contexts = [self.open(step, executor, timeline) for executor in executors]
-            t0 = time.perf_counter()
-            with timeline.span("step"):
-                states = self.stream(executors, contexts)
-                decided, decision = self.decide(step - 1 if ahead else step)
-                if ahead and not decision.stop and aborted():  # the trainer dropped the step it shares with this rank
-                    decided, decision = self.decide(step)
-                assert states is not None or decision.stop, "StepAborted without a stop"
-                dropped = decision.abort or (ahead and decision.stop)  # ahead: this step is past the run's end
-                outlets = [out for ctx in contexts for out in ctx.outbound.values()]
-                if decision.stop:
-                    for out in outlets:
-                        out.cut_lagged()
-                if not dropped:
-                    records = [ex.barrier(ctx, state) for ex, ctx, state in zip(executors, contexts, states)]
-                for out in outlets:
-                    out.flush()
-            peak_gb = take_peak_gb(env.device)  # this rank's step, whichever executors ran on it
-            trim_host_memory()
-            if not dropped and env.is_leader:
-                memory = {} if peak_gb is None else {"device_peak_gb": peak_gb}
-                for executor, record in zip(executors, records):
-                    post_metrics(self.world.store, step=step, executor=executor.name,
-                                 wall_s=time.perf_counter() - t0, record={**_fields(executor, record), **memory})
-            stopped = self.settle(decided, decision, saved, timeline, step=step)
+            stopped = self.step(step, executors, timeline, saved)
             if stopped:
                 return stopped
-        if ahead:  # the last step's decision, read one step late like every other here
+        if self.world.runs_ahead:  # the last step's decision, read one step late like every other here
             stopped = self.settle(*self.decide(self.steps.stop - 1), saved, timeline, step=self.steps.stop)
             if stopped:
                 return stopped
@@ -114,6 +77,51 @@ class Controller:
             executor.finalize(env.output_dir)
         timeline.save(self.timeline_path)
         return None
+
+    def init(self, executors: list[Executor], timeline: Timeline) -> None:
+        """Each executor of this rank loads its models, one after the other (host memory trimmed between)."""
+        with timeline.span("init"):
+            for executor in executors:
+                t0 = time.perf_counter()
+                executor.init(self.world.envs[executor.name])
+                trim_host_memory()  # the model load's transient copies, before the next executor's
+                if self.world.envs[executor.name].is_leader:
+                    print(f"tidal: {executor.name} ready in {time.perf_counter() - t0:.1f} s "
+                          f"(rank {self.world.env.rank})", file=sys.stderr, flush=True)
+        take_peak_gb(self.world.env.device)  # each step's row gives its own peak, not the model loads
+
+    def step(self, step: int, executors: list[Executor], timeline: Timeline, saved: set) -> Stopped | None:
+        """One step on this rank: stream, decide, the barriers, the metrics, then settle the decision."""
+        env, ahead = self.world.env, self.world.runs_ahead  # offpolicy: this rank settles each step one step later
+        timeline.step = step
+        if step == self.steps.start and env.rank == 0:
+            print(f"tidal: step {step} started", file=sys.stderr, flush=True)
+        self.control.begin(step)
+        contexts = [self.open(step, executor, timeline) for executor in executors]
+        t0 = time.perf_counter()
+        with timeline.span("step"):
+            states = self.stream(executors, contexts)
+            decided, decision = self.decide(step - 1 if ahead else step)
+            if ahead and not decision.stop and aborted():  # the trainer dropped the step it shares with this rank
+                decided, decision = self.decide(step)
+            assert states is not None or decision.stop, "StepAborted without a stop"
+            dropped = decision.abort or (ahead and decision.stop)  # ahead: this step is past the run's end
+            outlets = [out for ctx in contexts for out in ctx.outbound.values()]
+            if decision.stop:
+                for out in outlets:
+                    out.cut_lagged()
+            if not dropped:
+                records = [ex.barrier(ctx, state) for ex, ctx, state in zip(executors, contexts, states)]
+            for out in outlets:
+                out.flush()
+        peak_gb = take_peak_gb(env.device)  # this rank's step, whichever executors ran on it
+        trim_host_memory()
+        if not dropped and env.is_leader:
+            memory = {} if peak_gb is None else {"device_peak_gb": peak_gb}
+            for executor, record in zip(executors, records):
+                post_metrics(self.world.store, step=step, executor=executor.name,
+                             wall_s=time.perf_counter() - t0, record={**_fields(executor, record), **memory})
+        return self.settle(decided, decision, saved, timeline, step=step)
 
     def decide(self, step: int) -> tuple[int, Decision]:
         """`step`'s decision (the run's last is always checkpointed); before this attempt's first: go on."""

@@ -303,6 +303,21 @@ def check_world(cfg: RunConfig, recipe, graph, *, world_size: int) -> None:
     raise ValueError(f"world size is {world_size}, but {'; '.join(options)}")
 
 
+def _refused(exc: ValueError) -> int:
+    """A bad input: one line, exit 2."""
+    rank = os.environ.get("RANK", "0")
+    if rank != "0":
+        # Every rank checks the same config and finds the same error; rank 0 says it. Exiting at once
+        # here could end the job (the launcher stops the other ranks when one fails) before rank 0 has
+        # printed: measured under load, the message was then missing. So wait for that stop; an error of
+        # this rank alone (a file only it cannot read) is said after the wait.
+        time.sleep(RANK_ERROR_WAIT_S)
+        print(f"error (rank {rank}): {exc}", file=sys.stderr)
+        return 2
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
@@ -333,17 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             check_world(cfg, recipe, graph, world_size=int(os.environ.get("WORLD_SIZE", "1")))
             return run(cfg, recipe, graph, resume=args.resume, overwrite=args.overwrite)
     except ValueError as exc:
-        rank = os.environ.get("RANK", "0")
-        if rank != "0":
-            # Every rank checks the same config and finds the same error; rank 0 says it. Exiting at once
-            # here could end the job (the launcher stops the other ranks when one fails) before rank 0 has
-            # printed: measured under load, the message was then missing. So wait for that stop; an error of
-            # this rank alone (a file only it cannot read) is said after the wait.
-            time.sleep(RANK_ERROR_WAIT_S)
-            print(f"error (rank {rank}): {exc}", file=sys.stderr)
-            return 2
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _refused(exc)
     except RunComplete as exc:  # --resume of a finished run: said, and nothing changed
         if os.environ.get("RANK", "0") == "0":
             print(f"tidal: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tidal.controller.checkpoint import complete_checkpoints, config_changes, latest, open_checkpoint, step_dir
 from tidal.controller.control import Cadence
 from tidal.controller.job import Outcome, Start, run_job
+from tidal.controller.report import Reporting
 from tidal.controller.devices import attempt
 from tidal.controller.world import world_size_of
 from tidal.executors.trainer.backends import BACKENDS
@@ -51,11 +52,11 @@ def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = No
     derive = watched(derive, cfg)
     cadence = Cadence(every=cfg.checkpoint_every, minutes=cfg.checkpoint_minutes, keep=cfg.checkpoint_keep,
                       config=cfg.resolved())
+    reporting = Reporting(console_keys=recipe.console, derive=derive, sinks=partial(row_sinks, cfg),
+                          progress_every_s=cfg.logging.progress_every_s, plots=cfg.logging.plots)
     outcome = run_job(graph, steps=cfg.steps, seed=cfg.seed, output_dir=output_dir, schedule=cfg.schedule.build(),
                       start=partial(start, cfg=cfg, resume=resume), cadence=cadence, timeout_s=cfg.timeout_s,
-                      console_keys=recipe.console, on_ready=write_config, derive=derive,
-                      sinks=partial(row_sinks, cfg), progress_every_s=cfg.logging.progress_every_s,
-                      plots=cfg.logging.plots)
+                      on_ready=write_config, reporting=reporting)
     if os.environ.get("RANK", "0") == "0":
         print(end_line(outcome, steps=cfg.steps, wall_s=time.time() - began, resume=resume_command(outcome.output_dir)),
               file=sys.stderr, flush=True)

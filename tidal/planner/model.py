@@ -231,66 +231,88 @@ def simulate_offpolicy(shapes: list[StepShape], rates: Rates, *, max_lag: int) -
     s's groups (as they arrive, as periodic does) after barrier s-1. -> the time
     from one barrier's end to the next, per step (the first: from the start). max_lag=0 is a run of
     periodic steps."""
-    n, B = len(shapes), len(shapes[0].lengths)
-    gens = [_Server(counts=True) for _ in range(shapes[0].replicas)]
-    for s, shape in enumerate(shapes):
-        for r, server in enumerate(gens):
-            server.queue.extend(((s, index), rates.gen.cost(work))
-                                for index, work in shape.replay(range(r, B, shape.replicas)))
-    reward = _Server(counts=False)
-    units = [_Server(counts=True) for _ in range(shapes[0].dp)]
-    barrier_end: dict[int, float] = {}  # step -> when its optimizer step and push are done
-    trained, taken = collections.Counter(), collections.Counter()  # step -> groups trained, and started
-    all_taken: dict[int, float] = {}  # step -> when the trainer had started every group of it
-    in_flight: list[tuple[float, tuple[int, int]]] = []
-    t, servers = 0.0, gens + [reward] + units
+    sim = _Offpolicy(shapes, rates, max_lag=max_lag)
+    while sim.advance():
+        pass
+    assert len(sim.barrier_end) == len(shapes), "every step reaches its barrier"
+    ends = [sim.barrier_end[s] for s in range(len(shapes))]
+    return [ends[0]] + [b - a for a, b in zip(ends, ends[1:])]
 
-    def open_at(server: _Server) -> float | None:
+
+class _Offpolicy:
+    """simulate_offpolicy's servers (the generator replicas, the reward, the trainer's units), the
+    gates between steps, and the clock; advance() runs to the next event."""
+
+    def __init__(self, shapes: list[StepShape], rates: Rates, *, max_lag: int):
+        self.shapes, self.rates, self.max_lag, self.B = shapes, rates, max_lag, len(shapes[0].lengths)
+        self.gens = [_Server(counts=True) for _ in range(shapes[0].replicas)]
+        for s, shape in enumerate(shapes):
+            for r, server in enumerate(self.gens):
+                server.queue.extend(((s, index), rates.gen.cost(work))
+                                    for index, work in shape.replay(range(r, self.B, shape.replicas)))
+        self.reward = _Server(counts=False)
+        self.units = [_Server(counts=True) for _ in range(shapes[0].dp)]
+        self.barrier_end: dict[int, float] = {}  # step -> when its optimizer step and push are done
+        self.trained, self.taken = collections.Counter(), collections.Counter()  # step -> groups trained, and started
+        self.all_taken: dict[int, float] = {}  # step -> when the trainer had started every group of it
+        self.in_flight: list[tuple[float, tuple[int, int]]] = []
+        self.t, self.servers = 0.0, self.gens + [self.reward] + self.units
+
+    def open_at(self, server: _Server) -> float | None:
         """When the head item of `server` may start: None while its gate's barrier is not yet timed."""
         if not server.queue:
             return None
         step = server.queue[0][0][0]
-        if server is reward:
+        if server is self.reward:
             return 0.0
-        if server not in gens:
-            return 0.0 if step < 1 else barrier_end.get(step - 1)
-        gates = [g for g in (barrier_end.get(step - 1 - max_lag, 0.0 if step - 1 - max_lag < 0 else None),
-                             all_taken.get(step - 2, 0.0 if step < 2 else None))]
+        if server not in self.gens:
+            return 0.0 if step < 1 else self.barrier_end.get(step - 1)
+        held = step - 1 - self.max_lag  # the barrier whose push the generator holds
+        gates = [self.barrier_end.get(held, 0.0 if held < 0 else None),
+                 self.all_taken.get(step - 2, 0.0 if step < 2 else None)]
         return None if None in gates else max(gates)
 
-    while True:
-        for s in servers:
-            if s.current is None and (at := open_at(s)) is not None and at <= t + 1e-12:
+    def advance(self) -> bool:
+        """Start what may start, then run to the next event (an item done, a hand-off arriving, a gate
+        opening); False once nothing is left."""
+        t = self.t
+        for s in self.servers:
+            if s.current is None and (at := self.open_at(s)) is not None and at <= t + 1e-12:
                 s.start()
-                if s in units:
-                    taken[s.current[0][0]] += 1
-                    if taken[s.current[0][0]] == B:
-                        all_taken[s.current[0][0]] = t
-        busy = [s for s in servers if s.current is not None]
-        gates = [at for s in servers if s.current is None and (at := open_at(s)) is not None and at > t + 1e-12]
-        if not busy and not in_flight and not gates:
-            break
+                if s in self.units:
+                    self.taken[s.current[0][0]] += 1
+                    if self.taken[s.current[0][0]] == self.B:
+                        self.all_taken[s.current[0][0]] = t
+        busy = [s for s in self.servers if s.current is not None]
+        gates = [at for s in self.servers if s.current is None and (at := self.open_at(s)) is not None and at > t + 1e-12]
+        if not busy and not self.in_flight and not gates:
+            return False
         crowded = sum(s.counts for s in busy) > 1
-        speed = {id(s): rates.concurrency if crowded and s.counts else 1.0 for s in busy}
-        dt = min([s.left / speed[id(s)] for s in busy] + [due - t for due, _ in in_flight] + [at - t for at in gates])
-        t += dt
-        for due, key in [f for f in in_flight if f[0] <= t + 1e-12]:
-            step, index = key
-            units[index % shapes[step].dp].queue.append(
-                (key, rates.train.cost(shapes[step].group_tokens(index), len(shapes[step].lengths[index]))))
-        in_flight = [f for f in in_flight if f[0] > t + 1e-12]
-        for s, key in _advance(busy, dt=dt, speed=speed, t=t):
-            if s is reward:
-                in_flight.append((t + rates.handoff_s, key))
-            elif s in gens:
-                reward.queue.append((key, rates.reward_group_s))
-            else:
-                trained[key[0]] += 1
-                if trained[key[0]] == B:
-                    barrier_end[key[0]] = t + rates.train.barrier_s + rates.train.push_s
+        speed = {id(s): self.rates.concurrency if crowded and s.counts else 1.0 for s in busy}
+        dt = min([s.left / speed[id(s)] for s in busy] + [due - t for due, _ in self.in_flight] + [at - t for at in gates])
+        self.t = t + dt
+        self._arrive()
+        for s, key in _advance(busy, dt=dt, speed=speed, t=self.t):
+            self._done(s, key)
         # a unit's queue keeps arrival order, but a step's groups wait for the barrier before it
-        for u in units:
+        for u in self.units:
             u.queue = collections.deque(sorted(u.queue, key=lambda item: item[0][0]))
-    assert len(barrier_end) == n, "every step reaches its barrier"
-    ends = [barrier_end[s] for s in range(n)]
-    return [ends[0]] + [b - a for a, b in zip(ends, ends[1:])]
+        return True
+
+    def _arrive(self) -> None:
+        """The scored groups whose hand-off is over join their trainer unit's queue."""
+        for _, (step, index) in [f for f in self.in_flight if f[0] <= self.t + 1e-12]:
+            shape = self.shapes[step]
+            self.units[index % shape.dp].queue.append(
+                ((step, index), self.rates.train.cost(shape.group_tokens(index), len(shape.lengths[index]))))
+        self.in_flight = [f for f in self.in_flight if f[0] > self.t + 1e-12]
+
+    def _done(self, server: _Server, key: tuple[int, int]) -> None:
+        if server is self.reward:
+            self.in_flight.append((self.t + self.rates.handoff_s, key))
+        elif server in self.gens:
+            self.reward.queue.append((key, self.rates.reward_group_s))
+        else:
+            self.trained[key[0]] += 1
+            if self.trained[key[0]] == self.B:
+                self.barrier_end[key[0]] = self.t + self.rates.train.barrier_s + self.rates.train.push_s

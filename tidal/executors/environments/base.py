@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from tidal.common.registry import Registry
+from tidal.common.registry import Registry, load_attr
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,7 @@ def env_class(spec: str) -> type:
     if ":" not in spec:
         _load_builtins()
         return ENVS.get(spec)
-    module_name, _, attr = spec.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"multi_turn.env={spec!r}: cannot load it ({type(exc).__name__}: {exc})") from None
+    cls = load_attr(spec, what=f"multi_turn.env={spec!r}")
     if not (callable(getattr(cls, "reset", None)) and callable(getattr(cls, "step", None))):
         raise ValueError(f"multi_turn.env={spec!r}: an environment needs reset() and step(turn) methods")
     return cls

@@ -197,7 +197,7 @@ class VllmEngine:
 
     def _stream(self, owner, prompts, params, step, stop, turns, budget, done: dict[int, dict[int, "_Sample"]],
                 live: dict[tuple[int, int], "_Sample"]) -> Iterator[GroupCompletion]:
-        engine, G = self.llm.llm_engine, params.n
+        engine = self.llm.llm_engine
         away: dict[tuple[int, int], bool] = {}  # samples whose turn the environment has: whether it ended with EOS
         while engine.has_unfinished_requests() or away:
             if stop():
@@ -205,24 +205,7 @@ class VllmEngine:
                 if turns is not None:
                     turns.abandon()
                 return
-            settled = []  # (key, ended) of samples that are over
-            for out in engine.step() if engine.has_unfinished_requests() else ():
-                if not out.finished:
-                    continue
-                key = index, j = owner.pop(out.request_id)
-                c = out.outputs[0]
-                toks = torch.tensor(list(c.token_ids), dtype=torch.long)
-                # logprobs=0: each position's dict holds the sampled token's entry only
-                logp = torch.tensor([pos[int(t)].logprob for pos, t in zip(c.logprobs, toks)], dtype=torch.float32)
-                sample = live[key]
-                sample.add(toks, logp, sampled=True)
-                ended = c.finish_reason == "stop"
-                # a sample that filled its budget is cut there (finished stays False), as the native engine does
-                if turns is not None and sample.length < turns.max_total_tokens:
-                    turns.submit(index=index, sample=j, turn_ids=toks, ended=ended)  # answered off this loop
-                    away[key] = ended
-                    continue
-                settled.append((key, ended if turns is None else False))
+            settled = self._finished(owner, live, turns, away)  # (key, ended) of samples that are over
             # the environment's answers: a sample's next turn is a new request, submitted as its answer arrives
             for index, j, obs in turns.ready(wait_s=0.0 if engine.has_unfinished_requests() else 0.05) if away else ():
                 key = (index, j)
@@ -238,21 +221,30 @@ class VllmEngine:
                               max_tokens=min(turns.max_tokens(index=index, sample=j), room))
                 else:  # the environment ended the episode (finished), or no room is left for it (cut)
                     settled.append((key, obs is None))
-            for (index, j), finished in settled:
-                sample = live[(index, j)]
-                # single-turn: finished at EOS; multi-turn: the environment ended the episode (not cut)
-                sample.finished = finished
-                # the call's budget ran out first: the group comes back cut, to be resumed
-                sample.cut = budget is not None and not finished and sample.length < params.max_new_tokens
-                done[index][j] = live.pop((index, j))
-                if len(done[index]) == G:
-                    rows = [done[index].pop(k) for k in range(G)]
-                    del done[index]
-                    yield GroupCompletion(index=index, prompt_ids_P=torch.tensor(prompts[index], dtype=torch.long),
-                                          response_ids=[r.ids() for r in rows], logprobs=[r.logp() for r in rows],
-                                          finished_G=torch.tensor([r.finished for r in rows]),
-                                          loss_masks=None if turns is None else [r.mask() for r in rows],
-                                          cut=any(r.cut for r in rows))
+            yield from _settle(settled, live=live, done=done, prompts=prompts, params=params, turns=turns, budget=budget)
+
+    def _finished(self, owner, live, turns, away: dict[tuple[int, int], bool]) -> list[tuple[tuple[int, int], bool]]:
+        """One engine step: the samples it finished, as (key, ended); a multi-turn sample with room left
+        goes to its environment instead (`away`, answered off this loop)."""
+        engine, settled = self.llm.llm_engine, []
+        for out in engine.step() if engine.has_unfinished_requests() else ():
+            if not out.finished:
+                continue
+            key = index, j = owner.pop(out.request_id)
+            c = out.outputs[0]
+            toks = torch.tensor(list(c.token_ids), dtype=torch.long)
+            # logprobs=0: each position's dict holds the sampled token's entry only
+            logp = torch.tensor([pos[int(t)].logprob for pos, t in zip(c.logprobs, toks)], dtype=torch.float32)
+            sample = live[key]
+            sample.add(toks, logp, sampled=True)
+            ended = c.finish_reason == "stop"
+            # a sample that filled its budget is cut there (finished stays False), as the native engine does
+            if turns is not None and sample.length < turns.max_total_tokens:
+                turns.submit(index=index, sample=j, turn_ids=toks, ended=ended)
+                away[key] = ended
+                continue
+            settled.append((key, ended if turns is None else False))
+        return settled
 
     # -- weights ----------------------------------------------------------------------------------
 
@@ -313,6 +305,27 @@ class VllmEngine:
             start, stop = chunk(spec.shape[spec.tp_dim], self.tp, self.tp_rank)
             full.narrow(spec.tp_dim, start, stop - start).copy_(local)
             yield name, full
+
+
+def _settle(settled, *, live, done, prompts, params, turns, budget) -> Iterator[GroupCompletion]:
+    """The samples that are over leave `live` for their group in `done`; a group whose G samples are
+    all over is handed back, in the engine's contract."""
+    G = params.n
+    for (index, j), finished in settled:
+        sample = live[(index, j)]
+        # single-turn: finished at EOS; multi-turn: the environment ended the episode (not cut)
+        sample.finished = finished
+        # the call's budget ran out first: the group comes back cut, to be resumed
+        sample.cut = budget is not None and not finished and sample.length < params.max_new_tokens
+        done[index][j] = live.pop((index, j))
+        if len(done[index]) == G:
+            rows = [done[index].pop(k) for k in range(G)]
+            del done[index]
+            yield GroupCompletion(index=index, prompt_ids_P=torch.tensor(prompts[index], dtype=torch.long),
+                                  response_ids=[r.ids() for r in rows], logprobs=[r.logp() for r in rows],
+                                  finished_G=torch.tensor([r.finished for r in rows]),
+                                  loss_masks=None if turns is None else [r.mask() for r in rows],
+                                  cut=any(r.cut for r in rows))
 
 
 class _Sample:

@@ -5,7 +5,6 @@ registered name or by "module:function", so users add rewards without touching t
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import numbers
@@ -13,7 +12,7 @@ import re
 from fractions import Fraction
 from typing import Callable, Literal
 
-from tidal.common.registry import Registry
+from tidal.common.registry import Registry, load_attr
 from tidal.common.timeout import CallTimeout, call_with_timeout
 from tidal.modeling.tiny.task import embedded_reward, lookup_reward
 
@@ -192,21 +191,9 @@ def resolve_reward(spec: str) -> RewardFn:
     that cannot take (prompt, response, sample) is refused here, at launch, not at its first call."""
     if ":" not in spec:
         return REWARDS.get(spec)
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        # the module itself (or its package) is missing, not something it imports: a path problem
-        missing = isinstance(e, ModuleNotFoundError) and e.name is not None and (
-            module_name == e.name or module_name.startswith(e.name + "."))
-        hint = (" (is its directory on PYTHONPATH? e.g. PYTHONPATH=/path/to/dir python launch.py ...)"
-                if missing else "")
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {e}{hint}") from e
-    fn = getattr(module, attr, None) if attr else None
-    if fn is None:
-        raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    fn = load_attr(spec, what=f"reward {spec!r}")
     if not callable(fn):
-        raise ValueError(f"reward {spec!r}: {attr!r} is a {type(fn).__name__}, not callable")
+        raise ValueError(f"reward {spec!r}: {spec.partition(':')[2]!r} is a {type(fn).__name__}, not callable")
     check_signature(fn, spec=spec)
     return fn
 

@@ -59,7 +59,6 @@ class MegatronTriModel(TriModel):
               numerics: str = "default") -> "MegatronTriModel":
         assert numerics == "default", "model.numerics=exact is refused for the megatron backend (tidal/recipes/checks.py)"
         from tidal.modeling.megatron import model as meg, shims
-        from tidal.modeling.megatron.groups import process_groups
 
         if not dist.is_initialized():
             raise ValueError("trainer.backend=megatron runs under torch.distributed (launch.py / torchrun)")
@@ -67,16 +66,7 @@ class MegatronTriModel(TriModel):
             shims.apply()
         _adapt_for_ascend(env.device)
         pp = cfg.pp
-        if pp > 1:
-            from tidal.modeling.parallel.mesh import build_pipeline_mesh
-
-            mesh = build_pipeline_mesh(ranks=env.ranks, tp=cfg.tp, pp=pp, device_type=env.device.type, parent=env.group)
-        else:
-            mesh = learner_mesh(env, cfg)
-        me = dist.new_group([env.rank], use_local_synchronization=True)  # context parallel: size 1
-        stage = mesh.get_local_rank("pp") if pp > 1 else 0
-        groups = process_groups(tp=mesh.get_group("tp"), dp=mesh.get_group("dp"), single=me,
-                                pp=mesh.get_group("pp") if pp > 1 else None)
+        mesh, stage, groups = _mesh(env, cfg)
         tp_rank = mesh.get_local_rank("tp")
         shims.seed_tracker(env.seed)
         hf = load_model(str(policy_path) if policy_path else model_path, dtype=dtype, seed=env.seed)
@@ -104,14 +94,7 @@ class MegatronTriModel(TriModel):
                                                                               seed=env.seed).state_dict()
         ref = built(initial, train=False, to=compute) if reference else None
         old = built(weights, train=False, to=compute) if snapshot else None
-        pipeline = None
-        if pp > 1:
-            from tidal.modeling.megatron.pipeline import Pipeline
-
-            pipeline = Pipeline(group=mesh.get_group("pp"), stage=stage, stages=pp,
-                                drain_every_group=cfg.pp_drain == "group")
-            for name, p in master.named_parameters():  # the norm counts a tied embedding's two copies once
-                p.stage_copies = 2 if tied_group is not None and name in _TIED else 1
+        pipeline = _pipeline(master, mesh=mesh, stage=stage, cfg=cfg, tied=tied_group is not None) if pp > 1 else None
         return cls(policy, old, ref, mesh, load_tokenizer(model_path), cfg, temperature, env.device, master,
                    config, param_specs(hf), pipeline=pipeline, tied_group=tied_group)
 
@@ -241,6 +224,32 @@ class MegatronTriModel(TriModel):
 
 
 _TIED = ("embedding.word_embeddings.weight", "output_layer.weight")  # with pp > 1 and tied embeddings
+
+
+def _mesh(env: ExecutorEnv, cfg: LearnerConfig) -> tuple:
+    """The trainer's mesh (a pp dimension with trainer.pp > 1), this rank's stage and megatron's process
+    groups; made in the same order on every rank."""
+    from tidal.modeling.megatron.groups import process_groups
+
+    if cfg.pp > 1:
+        from tidal.modeling.parallel.mesh import build_pipeline_mesh
+
+        mesh = build_pipeline_mesh(ranks=env.ranks, tp=cfg.tp, pp=cfg.pp, device_type=env.device.type, parent=env.group)
+    else:
+        mesh = learner_mesh(env, cfg)
+    me = dist.new_group([env.rank], use_local_synchronization=True)  # context parallel: size 1
+    stage = mesh.get_local_rank("pp") if cfg.pp > 1 else 0
+    groups = process_groups(tp=mesh.get_group("tp"), dp=mesh.get_group("dp"), single=me,
+                            pp=mesh.get_group("pp") if cfg.pp > 1 else None)
+    return mesh, stage, groups
+
+
+def _pipeline(master: nn.Module, *, mesh, stage: int, cfg: LearnerConfig, tied: bool):
+    from tidal.modeling.megatron.pipeline import Pipeline
+
+    for name, p in master.named_parameters():  # the norm counts a tied embedding's two copies once
+        p.stage_copies = 2 if tied and name in _TIED else 1
+    return Pipeline(group=mesh.get_group("pp"), stage=stage, stages=cfg.pp, drain_every_group=cfg.pp_drain == "group")
 
 
 def _adapt_for_ascend(device: torch.device) -> None:
