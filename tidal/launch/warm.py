@@ -37,7 +37,6 @@ from typing import Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch.py"
-PACKAGES = tuple(f"tidal.{name}" for name in ("algorithms", "common", "controller", "executors", "launch", "modeling", "recipes"))
 # what a job's ranks import on the way (the HF model classes are found by name at load time)
 LIBRARIES = ("transformers", "transformers.models.qwen3.modeling_qwen3", "transformers.models.auto.modeling_auto",
              "torch.distributed.tensor", "torch.distributed.fsdp", "safetensors.torch", "peft")
@@ -109,15 +108,15 @@ def shared() -> WarmLauncher:
 def _preload() -> None:
     """Import what the ranks will: every Tidal module that imports here (an optional engine or backend
     whose library is not installed is skipped, as a job would not import it either) and the libraries."""
-    for package in PACKAGES:
-        importlib.import_module(package)
-        for info in pkgutil.walk_packages([str(ROOT.joinpath(*package.split(".")))], prefix=f"{package}."):
-            if info.name == __name__:
-                continue
-            try:
-                importlib.import_module(info.name)
-            except ImportError:
-                pass
+    import tidal
+
+    for info in pkgutil.walk_packages(tidal.__path__, prefix="tidal."):
+        if info.name == __name__:
+            continue
+        try:
+            importlib.import_module(info.name)
+        except ImportError:
+            pass
     for name in LIBRARIES:
         try:
             importlib.import_module(name)
