@@ -74,7 +74,7 @@ def test_grpo_defaults_unchanged_and_kl_options():
     logp, x = _two_sequences()
     out, grad = _loss_and_grad(GRPO, x, GRPOConfig(beta=0.1, kl_in="reward"))
     assert out.loss_sum.item() == pytest.approx(-0.9 + 2.3, abs=1e-12)  # pg only, as in test_grpo
-    assert out.stats.kl_sum == pytest.approx(K3_SEQ0 / 3 + K3_SEQ1 / 2)
+    assert out.stats["kl"].total == pytest.approx(K3_SEQ0 / 3 + K3_SEQ1 / 2)
     GRPO.loss(LossInputs(logp_NT=x.logp_NT, old_logp_NT=x.old_logp_NT, ref_logp_NT=None, adv_N=x.adv_N,
                          mask_NT=x.mask_NT), GRPOConfig(beta=0.1, kl_in="reward"))
     # k1 in the loss: per-token k1 = logp - ref = [0, -ln2, ln2] / [-ln2, 0], gradient 1 per real token.
@@ -95,7 +95,7 @@ def test_dr_grpo_by_hand():
     # Token pg, A=+1: -1, -1.2 (high clip), -0.5; A=-2: 1.6 (low clip), 3.  Plain token sum = 1.9.
     assert out.loss_sum.item() == pytest.approx(1.9 + 0.1 * (K3_SEQ0 + K3_SEQ1), abs=1e-12)
     assert out.denom == 2 * 4  # N * max_response_tokens, whatever the lengths
-    assert out.stats.clip_sum == 2.0  # token counts under a constant normaliser
+    assert out.stats["clip_frac"].total == 2.0  # token counts under a constant normaliser
     # No 1/|o_i|: pg grad -ratio*A (0 where clamped) + 0.1 * (1 - e^d).
     expected = torch.tensor([[-1.0, -0.1, -0.5 + 0.05], [-0.1, 3.0, 0.0]], dtype=F64)
     assert torch.allclose(grad, expected, atol=1e-12)
@@ -114,7 +114,7 @@ def test_dapo_by_hand():
     # A=+1: -1, -min(1.5, 1.28) = -1.28, -0.5; A=-2: 2 * max(0.5, 0.8) = 1.6, 2 * max(1.5, 1.28) = 3.
     assert out.loss_sum.item() == pytest.approx(1.82, abs=1e-12)
     assert out.denom == 5.0  # real tokens: the batch mean is over tokens, not sequences
-    assert (out.stats.clip_high_sum, out.stats.clip_low_sum) == (1.0, 1.0)
+    assert (out.stats["clip_high_frac"].total, out.stats["clip_low_frac"].total) == (1.0, 1.0)
     assert torch.allclose(grad, torch.tensor([[-1.0, 0.0, -0.5], [0.0, 3.0, 0.0]], dtype=F64), atol=1e-12)
 
 
@@ -172,7 +172,8 @@ def test_rloo_by_hand():
     out, grad = _loss_and_grad(RLOO, x, cfg)
     assert out.loss_sum.item() == pytest.approx(1.9, abs=1e-12)  # token SUM per sequence (log pi(o))
     assert out.denom == 2.0
-    assert out.stats.clip_high_sum == pytest.approx(1 / 3) and out.stats.clip_low_sum == pytest.approx(1 / 2)
+    assert out.stats["clip_high_frac"].total == pytest.approx(1 / 3)
+    assert out.stats["clip_low_frac"].total == pytest.approx(1 / 2)
     assert torch.allclose(grad, torch.tensor([[-1.0, 0.0, -0.5], [0.0, 3.0, 0.0]], dtype=F64), atol=1e-12)
 
 
@@ -237,7 +238,7 @@ def test_gspo_by_hand():
     # Seq 1, A=-2: 2 * max(s1, 0.9997) = 1.9994, clipped low -> no gradient for any of its tokens.
     # KL: beta times the per-sequence MEAN of k3.
     assert out.loss_sum.item() == pytest.approx(-s0 + 1.9994 + 0.1 * (K3_SEQ0 / 3 + K3_SEQ1 / 2), abs=1e-12)
-    assert out.denom == 2.0 and (out.stats.clip_low_sum, out.stats.clip_high_sum) == (1.0, 0.0)
+    assert out.denom == 2.0 and (out.stats["clip_low_frac"].total, out.stats["clip_high_frac"].total) == (1.0, 0.0)
     # d s_i / d logp_it = s_i / |o_i| for each token; KL grads 0.1 * (1 - e^d) / |o_i|.
     expected = torch.tensor([[-s0 / 3, -s0 / 3 - 0.1 / 3, -s0 / 3 + 0.05 / 3], [-0.1 / 2, 0.0, 0.0]], dtype=F64)
     assert torch.allclose(grad, expected, atol=1e-12)
@@ -246,7 +247,7 @@ def test_gspo_by_hand():
     logp, x = _two_sequences(invert_ratio=True)
     out, grad = _loss_and_grad(GSPO, x, GSPOConfig())
     assert out.loss_sum.item() == pytest.approx(-1.0004 + 2 / s1, abs=1e-12)
-    assert (out.stats.clip_low_sum, out.stats.clip_high_sum) == (0.0, 1.0)
+    assert (out.stats["clip_low_frac"].total, out.stats["clip_high_frac"].total) == (0.0, 1.0)
     assert torch.allclose(grad, torch.tensor([[0.0, 0.0, 0.0], [1 / s1, 1 / s1, 0.0]], dtype=F64), atol=1e-12)
 
 

@@ -35,7 +35,7 @@ def _loss(*, logp=None, old=OLD, behaviour=OLD - DELTA, **cfg):
 def test_no_correction_is_the_plain_surrogate():
     out, grad = _loss()
     assert out.loss_sum.item() == pytest.approx(-(1 * 3) + 2 * 2)  # -A per token at ratio 1
-    assert out.stats.is_weight_token_sum is None and out.stats.dropped_tokens == 0
+    assert out.stats["is_weight_mean"].value() == 1 and out.stats["is_dropped_frac"].total == 0
     torch.testing.assert_close(grad, torch.tensor([[-1.0, -1.0, -1.0], [2.0, 2.0, 0.0]]))
 
 
@@ -43,7 +43,7 @@ def test_truncated_is_per_token_and_per_sequence():
     out, grad = _loss(correction={"kind": "tis"})  # cap 2: weights [1, 2, 0.5] and [2, 1]
     assert out.loss_sum.item() == pytest.approx(-(1 + 2 + 0.5) + 2 * (2 + 1))
     torch.testing.assert_close(grad, torch.tensor([[-1.0, -2.0, -0.5], [4.0, 2.0, 0.0]]))
-    assert out.stats.is_weight_token_sum == pytest.approx(6.5) and out.denom == 5
+    assert out.stats["is_weight_mean"].total == pytest.approx(6.5) and out.denom == 5
     # per sequence: K = 1 * 3 * 0.5 = 1.5 and 4 * 1 = 4, capped at 2
     out, _ = _loss(correction={"kind": "tis", "level": "sequence"})
     assert out.loss_sum.item() == pytest.approx(-(3 * 1.5) + 2 * (2 * 2))
@@ -54,20 +54,20 @@ def test_truncated_is_per_token_and_per_sequence():
 def test_masked_is_drops_tokens_and_sequences_outside_the_band():
     out, grad = _loss(correction={"kind": "mis", "low": 0.6, "high": 2.0})  # keeps k = 1 of each sequence
     assert out.loss_sum.item() == pytest.approx(-1 + 2)
-    assert out.stats.dropped_tokens == 3 and out.denom == 2  # dropped tokens leave the token count too
+    assert out.stats["is_dropped_frac"].total == 3 and out.denom == 2  # dropped tokens leave the token count too
     torch.testing.assert_close(grad, torch.tensor([[-1.0, 0.0, 0.0], [0.0, 2.0, 0.0]]))
     # per sequence (band [0, 2]): K = 1.5 keeps sequence 0, weighted 1.5; K = 4 drops sequence 1
     out, grad = _loss(correction={"kind": "mis", "level": "sequence"})
     assert out.loss_sum.item() == pytest.approx(-(3 * 1.5))
-    assert out.stats.dropped_tokens == 2 and out.denom == 3
+    assert out.stats["is_dropped_frac"].total == 2 and out.denom == 3
     torch.testing.assert_close(grad, torch.tensor([[-1.5, -1.5, -1.5], [0.0, 0.0, 0.0]]))
 
 
 def test_icepop_keeps_its_band_inclusive():
     out, _ = _loss(correction={"kind": "icepop"})  # [0.5, 5]: every ratio here is inside, 0.5 included
-    assert out.loss_sum.item() == pytest.approx(-(1 + 3 + 0.5) + 2 * (4 + 1)) and out.stats.dropped_tokens == 0
+    assert out.loss_sum.item() == pytest.approx(-(1 + 3 + 0.5) + 2 * (4 + 1)) and out.stats["is_dropped_frac"].total == 0
     out, _ = _loss(correction={"kind": "icepop", "high": 3.5})  # the 4 is out
-    assert out.loss_sum.item() == pytest.approx(-(1 + 3 + 0.5) + 2 * 1) and out.stats.dropped_tokens == 1
+    assert out.loss_sum.item() == pytest.approx(-(1 + 3 + 0.5) + 2 * 1) and out.stats["is_dropped_frac"].total == 1
 
 
 def test_aipo_weighs_the_policy_gradient_by_the_ratio_to_mu_clipped_at_rho():
@@ -89,7 +89,7 @@ def test_a_correction_of_ones_own_is_one_file_named_in_the_config():
     g = 1.5 ** (1 / 3)
     assert out.loss_sum.item() == pytest.approx(-(3 * g) + 2 * (2 * 2))
     torch.testing.assert_close(grad, torch.tensor([[-g, -g, -g], [4.0, 4.0, 0.0]]))
-    assert out.stats.is_weight_token_sum == pytest.approx(3 * g + 4)
+    assert out.stats["is_weight_mean"].total == pytest.approx(3 * g + 4)
     out, _ = _loss(correction={**plugin, "high": 1.1})
     assert out.loss_sum.item() == pytest.approx(-(3 * 1.1) + 2 * (2 * 1.1))
     with pytest.raises(ValidationError, match="correction.kind='tests.correction_plugin:GEO_TIS' has no lower bound"):
@@ -107,7 +107,7 @@ def test_dual_clip_caps_the_loss_of_negative_advantages():
     logp[1, 0] += LN(5)
     out, grad = _loss(logp=logp, clip_ratio_c=3.0)
     assert out.loss_sum.item() == pytest.approx(-3 + 6 + 2)
-    assert grad[1, 0] == 0 and out.stats.clip_low_sum == 1  # the cap is a constant; counted as clipped
+    assert grad[1, 0] == 0 and out.stats["clip_low_frac"].total == 1  # the cap is a constant; counted as clipped
     plain, _ = _loss(logp=logp)
     assert plain.loss_sum.item() == pytest.approx(-3 + 10 + 2)
 

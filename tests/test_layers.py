@@ -222,6 +222,54 @@ def test_the_port_and_choice_checkers_see_a_violation(tmp_path):
     assert _choice_comparisons(bad, choices={"other"}) == [4]  # a third engine's name is caught the same way
 
 
+TRAINER = ("tidal/executors/trainer/executor.py", "tidal/executors/trainer/barrier.py",
+           "tidal/executors/learner/learner.py")
+PARALLELISM = ("pipeline", "stage", "tied", "tp_", "ep_mesh", "edp", "mesh", "fsdp")
+
+
+def _members_reached(path: Path) -> dict[str, int]:
+    """`self.models.<name>` in a file: name -> first line."""
+    out = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "models" \
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "self":
+            out.setdefault(node.attr, node.lineno)
+    return out
+
+
+def _declared() -> set[str]:
+    from tidal.executors.trainer.interface import TrainerModels
+
+    return {n for n in vars(TrainerModels) if not n.startswith("_")} | set(TrainerModels.__annotations__)
+
+
+def test_the_trainer_reaches_its_backend_through_the_declared_interface_only():
+    """The trainer, its barrier and the learner base call no member of their models that
+    tidal/executors/trainer/interface.py does not declare, the interface names no parallelism, and both
+    backends' model classes have every member it declares; the optimizer takes (what, group) reductions."""
+    import inspect
+
+    from tidal.executors.trainer.megatron_models import MegatronTriModel
+    from tidal.executors.trainer.models import TriModel
+    from tidal.modeling.optim import Optimizer
+
+    declared = _declared()
+    reached = {f"{rel}:{line} {name}" for rel in TRAINER for name, line in _members_reached(ROOT / rel).items()
+               if name not in declared}
+    assert reached == set()
+    assert [n for n in declared if any(word in n for word in PARALLELISM)] == []
+    for cls in (TriModel, MegatronTriModel):
+        assert [n for n in declared if not hasattr(cls, n) and n not in cls.__dataclass_fields__] == [], cls
+    assert set(inspect.signature(Optimizer).parameters) == {"model", "cfg", "total_steps", "passes", "layout",
+                                                            "compute", "scaler"}
+
+
+def test_the_interface_checker_sees_a_member_reached_around_it(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def step(self):\n    self.models.run(1)\n    if self.models.pipeline is None:\n        pass\n")
+    assert {n: line for n, line in _members_reached(bad).items() if n not in _declared()} == {"pipeline": 3}
+
+
 def test_a_refusal_asks_for_a_capability_and_offers_every_entry_that_has_it(monkeypatch):
     """A third backend with fp16 and exact layers, and a third engine with exact decoding, registered
     beside the others: the checks take them (no "use torch" / "use native" written in), and a refusal

@@ -91,7 +91,7 @@ def _run(env: ExecutorEnv, groups, *, schedule=Periodic(), **layout) -> dict:
                       timeline=Timeline(executor="trainer", rank=env.rank))
     metrics = trainer.barrier(ctx, trainer.step(ctx))
     checkpointed = trainer.cfg.backend == "megatron" and has_ac(None, layers=trainer.models.policy.decoder.layers)
-    named = _stages(trainer, pushed.named) if trainer.models.pipeline is not None else pushed.named
+    named = _stages(trainer, pushed.named) if getattr(trainer.models, "pipeline", None) is not None else pushed.named
     return {"checkpointed": checkpointed, "logp": logp, "entropy": ent, "grads": _full_grads(trainer, seen), "pushed": named, "specs": trainer.models.specs,
             "grad_norm": metrics.grad_norm, "bubble": metrics.pipeline_bubble, "loss": metrics.loss,
             "mismatch": metrics.logp_mismatch_max}

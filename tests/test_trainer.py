@@ -240,3 +240,41 @@ def test_several_optimizer_steps_use_the_old_policy_snapshot(groups):
         worst = max((grads[n] - p.grad).abs().max().item() for n, p in policy.named_parameters())
         assert worst < 1e-6, (k, worst)
     assert clipped_somewhere  # later steps really ran off-policy enough for clipping to matter
+
+
+def _loss_sums_of_two_ranks():
+    """Rank 0 trained two micro-batches with a statistic of a new name; rank 1 trained none (no figures)."""
+    import torch.distributed as dist
+
+    from tidal.algorithms.base import LossOutput
+    from tidal.algorithms.figures import Largest, Mean
+    from tidal.executors.trainer.accumulate import LossSums, Pass
+
+    dist.init_process_group("gloo")
+    sums = LossSums()
+    if dist.get_rank() == 0:
+        for k in (1.0, 2.0):
+            sums.add_loss(Pass.SCORE, LossOutput(loss_sum=torch.tensor(k), denom=2.0,
+                                                 stats={"kl": Mean(k, 2.0), "peak": Largest(k), "my_new": Mean(3 * k, k)}))
+    out = sums.all_reduce(group=dist.group.WORLD)
+    dist.destroy_process_group()
+    return out.figures, out.denom
+
+
+def test_a_loss_statistic_is_one_line_in_the_loss_and_reaches_the_metrics_by_its_name():
+    """A loss's statistics are summed by name over micro-batches and dp ranks (a rank that trained nothing
+    has none: the names are agreed first) and posted as trainer/<name>; a step that trained nothing posts none."""
+    from tidal.algorithms.figures import Largest, Mean
+    from tidal.common.spawn import spawn
+    from tidal.executors.trainer.accumulate import GroupRecord, LossSums
+    from tidal.executors.trainer.barrier import OptimizerStep
+
+    for figures, denom in spawn(_loss_sums_of_two_ranks, 2, timeout_s=120):
+        assert figures == {"kl": Mean(3.0, 4.0), "my_new": Mean(9.0, 3.0), "peak": Largest(2.0)} and denom == 4.0
+    step = OptimizerStep(LossSums(denom=4.0, figures=figures), loss=1.0, grad_norm=0.5, lr=1e-3)
+    record = GroupRecord(reward_sum=1.0, reward_sq_sum=1.0, samples=2.0, len_sum=4.0, groups=1.0, tokens=6.0)
+    timing = dict(train_s=1.0, push_s=0.1, push_bytes=0, first_train_t=None, push_end_t=2.0)
+    row = TrainerMetrics.of(record, [step], {0: "d"}, errors={}, staleness=(0.0, 0), **timing).as_metrics()
+    assert (row["kl"], row["my_new"], row["peak"], row["loss"]) == (0.75, 3.0, 2.0, 0.25)
+    empty = TrainerMetrics.of(GroupRecord(), [], {}, errors={}, staleness=(0.0, 0), **timing).as_metrics()
+    assert "kl" not in empty and empty["groups"] == 0 and empty["loss"] != empty["loss"]  # NaN

@@ -24,6 +24,8 @@ from typing import Callable, Literal, get_args
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from tidal.algorithms.figures import Figure
+
 # What the summed `denom` of a batch counts:
 #   sequences: N per micro-batch -> 1/(B*G) over the batch (GRPO's mean over samples)
 #   tokens:    real response tokens -> one token-level mean over the whole batch (DAPO)
@@ -95,28 +97,11 @@ class LossInputs:
 
 
 @dataclass(frozen=True)
-class LossStats:
-    """What a loss reports of a micro-batch, besides its value: sums in the units of the algorithm's
-    normaliser (stat / summed denom is a mean), except the token-level ratio figures. A loss without
-    a figure leaves it at 0."""
-
-    clip_low_sum: float = 0.0  # clipped below (ratio < 1 - clip_low, or over the dual clip: negative advantage)
-    clip_high_sum: float = 0.0  # clipped above (ratio > 1 + clip_high, positive advantage)
-    clip_sum: float = 0.0  # clipped either way
-    kl_sum: float = 0.0  # the KL to the reference (0 without one)
-    ratio_sum: float = 0.0  # policy / old policy
-    ratio_token_sum: float = 0.0  # the ratio summed over the real tokens (for a token mean)
-    ratio_max: float = 0.0  # the largest ratio of a real token
-    adv_sum: float = 0.0  # the advantages
-    is_weight_token_sum: float | None = None  # a correction's weight summed over the tokens kept (None: no correction)
-    dropped_tokens: float = 0.0  # tokens a correction dropped from the loss (mis, icepop)
-
-
-@dataclass(frozen=True)
 class LossOutput:
     loss_sum: torch.Tensor  # scalar; summed over the micro-batch, NOT divided by the batch denominator
     denom: float  # this micro-batch's share of the batch denominator, in the units of Algorithm.normaliser
-    stats: LossStats = field(default_factory=LossStats)
+    # its statistics by metric name (tidal/algorithms/figures.py): one line in the loss is a new trainer/<name>
+    stats: dict[str, Figure] = field(default_factory=dict)
 
 
 AdvantageFn = Callable[[torch.Tensor, AlgoConfig], torch.Tensor]  # rewards_G -> adv_G

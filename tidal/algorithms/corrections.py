@@ -30,6 +30,7 @@ from typing import Callable, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tidal.algorithms.figures import Mean
 from tidal.common.registry import Registry
 
 
@@ -99,6 +100,14 @@ class CorrectionConfig(BaseModel):
     def needs_behaviour(self) -> bool:
         """The loss needs the generator's log-probs of the sampled tokens."""
         return self.entry.needs_behaviour
+
+
+def correction_figures(*, tokens: float, kept_NT: torch.Tensor, weight_NT: torch.Tensor | None = None) -> dict:
+    """A micro-batch's correction statistics (tidal/algorithms/figures.py): the mean weight over the tokens kept
+    (`kept_NT`; 1 without a correction: weight_NT None) and the share of its `tokens` the correction dropped."""
+    kept = float(kept_NT.sum().item())
+    weights = torch.where(kept_NT, weight_NT, 0.0).sum().item() if weight_NT is not None else kept
+    return {"is_weight_mean": Mean(weights, kept), "is_dropped_frac": Mean(tokens - kept, tokens)}
 
 
 def clamp_log_ratio(log_ratio: torch.Tensor, limit: float | None) -> torch.Tensor:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 from pydantic import Field, model_validator
 
-from tidal.algorithms.base import Algorithm, LossInputs, LossOutput, LossStats, check_loss_inputs, upcast
-from tidal.algorithms.corrections import log_ratio
+from tidal.algorithms.base import Algorithm, LossInputs, LossOutput, check_loss_inputs, upcast
+from tidal.algorithms.corrections import correction_figures, log_ratio
+from tidal.algorithms.figures import Largest, Mean
 from tidal.algorithms.grpo import group_normalised
 from tidal.algorithms.kl import check_kl_inputs, kl_in_loss, masked_kl_NT
 from tidal.algorithms.token_loss import ClipConfig, clipped_surrogate
@@ -66,17 +67,17 @@ def gspo_loss(inputs: LossInputs, cfg: GSPOConfig) -> LossOutput:
 
     with torch.no_grad():
         low_N, high_N = low_N & has_tokens_N, high_N & has_tokens_N
-        stats = LossStats(
-            clip_low_sum=float(low_N.sum().item()),
-            clip_high_sum=float(high_N.sum().item()),
-            clip_sum=float((low_N | high_N).sum().item()),
-            kl_sum=kl_N.sum().item() if kl_N is not None else 0.0,
-            ratio_sum=torch.where(has_tokens_N, s_N, 0.0).sum().item(),
-            ratio_token_sum=(s_N * mask_NT.sum(dim=1)).sum().item(),  # each token weighs its sequence's ratio
-            ratio_max=torch.where(has_tokens_N, s_N, 0.0).max().item() if s_N.numel() else 0.0,
-            adv_sum=adv_N.sum().item(),
-        )
-    return LossOutput(loss_sum=seq_N.sum(), denom=float(mask_NT.shape[0]), stats=stats)
+        n, tokens_N = float(mask_NT.shape[0]), mask_NT.sum(dim=1)
+        stats = {  # fractions and the KL per sequence (the denominator), the ratio per token
+            "kl": Mean(kl_N.sum().item() if kl_N is not None else 0.0, n),
+            "clip_frac": Mean(float((low_N | high_N).sum().item()), n),
+            "clip_low_frac": Mean(float(low_N.sum().item()), n),
+            "clip_high_frac": Mean(float(high_N.sum().item()), n),
+            "ratio_mean": Mean((s_N * tokens_N).sum().item(), float(tokens_N.sum().item())),  # a token weighs its s_i
+            "ratio_max": Largest(torch.where(has_tokens_N, s_N, 0.0).max().item() if s_N.numel() else 0.0),
+            **correction_figures(tokens=float(tokens_N.sum().item()), kept_NT=mask_NT),  # none: weights 1, none dropped
+        }
+    return LossOutput(loss_sum=seq_N.sum(), denom=n, stats=stats)
 
 
 GSPO = Algorithm(name="gspo", config_cls=GSPOConfig, advantages=gspo_advantages, loss=gspo_loss)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from tidal.algorithms.base import (AlgoConfig, LossInputs, LossOutput, LossStats, Normaliser, batch_denominator,
-                             check_loss_inputs, upcast)
-from tidal.algorithms.corrections import CorrectionConfig, log_ratio
+from tidal.algorithms.base import (AlgoConfig, LossInputs, LossOutput, Normaliser, batch_denominator, check_loss_inputs,
+                                   upcast)
+from tidal.algorithms.corrections import CorrectionConfig, correction_figures, log_ratio
+from tidal.algorithms.figures import Figure, Largest, Mean
 from tidal.algorithms.kl import KLConfig, check_kl_inputs, kl_in_loss, masked_kl_NT
 
 
@@ -70,25 +71,25 @@ def _weighted_sum(x_NT: torch.Tensor, mask_NT: torch.Tensor, inv_len_N1: torch.T
     return (x_NT * inv_len_N1).sum() if inv_len_N1 is not None else x_NT.sum()
 
 
-def _stats(inputs: LossInputs, *, mask_NT, inv_len_N1, per_seq: bool, low_NT, high_NT, kl_NT, ratio_NT, adv_NT,
-           weight_NT) -> LossStats:
-    """The micro-batch's statistics, summed in the normaliser's units (per_seq: per-sequence means)."""
-    def total(x_NT: torch.Tensor, per: bool = per_seq) -> float:
-        return _weighted_sum(x_NT, mask_NT, inv_len_N1 if per else None).item()
+def _stats(inputs: LossInputs, *, mask_NT, inv_len_N1, per_seq: bool, denom: float, low_NT, high_NT, kl_NT, ratio_NT,
+           weight_NT) -> dict[str, Figure]:
+    """The micro-batch's statistics by metric name: fractions and the KL as sums in the normaliser's units
+    over its denominator (per_seq: per-sequence means), the ratio and the correction per token."""
+    def per_denom(x_NT: torch.Tensor) -> Mean:
+        return Mean(_weighted_sum(x_NT, mask_NT, inv_len_N1 if per_seq else None).item(), denom)
 
     as_float = inv_len_N1.dtype
-    return LossStats(
-        clip_low_sum=total(low_NT.to(as_float)),
-        clip_high_sum=total(high_NT.to(as_float)),
-        clip_sum=total((low_NT | high_NT).to(as_float)),
-        kl_sum=total(kl_NT) if kl_NT is not None else 0.0,
-        ratio_sum=total(ratio_NT),
-        ratio_token_sum=torch.where(mask_NT, ratio_NT, 0.0).sum().item(),  # for a token mean
-        ratio_max=torch.where(mask_NT, ratio_NT, 0.0).max().item() if mask_NT.numel() else 0.0,
-        adv_sum=adv_NT.sum().item() if inputs.adv_NT is None else total(adv_NT, per=True),
-        is_weight_token_sum=torch.where(mask_NT, weight_NT, 0.0).sum().item() if weight_NT is not None else None,
-        dropped_tokens=float((inputs.mask_NT & ~mask_NT).sum().item()),
-    )
+    ratio_NT = torch.where(mask_NT, ratio_NT, 0.0)  # mask_NT: the tokens a correction kept
+    return {
+        "kl": per_denom(kl_NT) if kl_NT is not None else Mean(0.0, denom),  # to the reference
+        "clip_frac": per_denom((low_NT | high_NT).to(as_float)),  # the clamp active, either way
+        "clip_low_frac": per_denom(low_NT.to(as_float)),  # below 1 - clip_low (or the dual clip), A < 0
+        "clip_high_frac": per_denom(high_NT.to(as_float)),  # above 1 + clip_high, A > 0
+        # policy / old policy: 1 on a step's first pass
+        "ratio_mean": Mean(ratio_NT.sum().item(), float(inputs.mask_NT.sum().item())),
+        "ratio_max": Largest(ratio_NT.max().item() if mask_NT.numel() else 0.0),
+        **correction_figures(tokens=float(inputs.mask_NT.sum().item()), kept_NT=mask_NT, weight_NT=weight_NT),
+    }
 
 
 def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normaliser, per_sequence_mean: bool,
@@ -134,8 +135,8 @@ def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normali
     # 1/|o_i|; clamp so an empty sequence contributes 0 instead of 0/0.
     inv_len_N1 = 1.0 / mask_NT.sum(dim=1, keepdim=True).clamp(min=1).to(logp_NT.dtype)
     loss_sum = _weighted_sum(tok_NT, mask_NT, inv_len_N1 if per_sequence_mean else None)
-    with torch.no_grad():
-        stats = _stats(inputs, mask_NT=mask_NT, inv_len_N1=inv_len_N1, per_seq=normaliser == "sequences", low_NT=low_NT,
-                       high_NT=high_NT, kl_NT=kl_NT, ratio_NT=ratio_NT, adv_NT=adv_NT, weight_NT=weight_NT)
     denom = batch_denominator(normaliser, mask_NT, max_response_tokens=max_response_tokens)
+    with torch.no_grad():
+        stats = _stats(inputs, mask_NT=mask_NT, inv_len_N1=inv_len_N1, per_seq=normaliser == "sequences", denom=denom,
+                       low_NT=low_NT, high_NT=high_NT, kl_NT=kl_NT, ratio_NT=ratio_NT, weight_NT=weight_NT)
     return LossOutput(loss_sum=loss_sum, denom=denom, stats=stats)

@@ -119,15 +119,22 @@ def hf_layers(names) -> int:
     return 1 + max((int(m.group(1)) for m in map(_HF_LAYER.match, names) if m), default=-1)
 
 
+def stage_of(*, layer: int | None, embedding: bool = False, layers: int, pp: int) -> int:
+    """The rule of the trainer's pipeline stages (trainer.pp), by a parameter's place, for every side that
+    asks (the stages' own cut, tidal/modeling/megatron/stages.py; the push plan, `hf_stage`): decoder layer
+    `layer` on stage layer // (layers / pp), the embedding on the first, the final norm and LM head
+    (layer None, not the embedding) on the last."""
+    if layer is not None:
+        return layer // (layers // pp)
+    return 0 if embedding else pp - 1
+
+
 def hf_stage(name: str, *, layers: int, pp: int) -> int:
-    """The trainer's pipeline stage (trainer.pp, tidal/modeling/megatron/stages.py) that holds and pushes HF
-    parameter `name`: both ends of the WEIGHTS channel plan with it, so it is a function of the name."""
-    if pp == 1:
-        return 0
+    """The stage (`stage_of`) that holds and pushes HF parameter `name`: both ends of the WEIGHTS channel
+    plan with it, so it is a function of the name."""
     m = _HF_LAYER.match(name)
-    if m is not None:
-        return int(m.group(1)) // (layers // pp)
-    return 0 if name.startswith("model.embed_tokens.") else pp - 1  # model.norm, lm_head: the last stage
+    return stage_of(layer=int(m.group(1)) if m else None, embedding=name.startswith("model.embed_tokens."),
+                    layers=layers, pp=pp)
 
 
 def chunk(n: int, parts: int, i: int) -> tuple[int, int]:

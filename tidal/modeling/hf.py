@@ -5,6 +5,7 @@ tokenizer), so every test and the CPU quick-start run without any download.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -148,7 +149,18 @@ def load_model(path: str | None, *, dtype: torch.dtype = torch.float32, seed: in
 
 
 def load_config(path: str | None) -> transformers.PretrainedConfig:
-    """The model's config alone (no weights): what placement checks need."""
+    """The model's config alone (no weights): the facts the checks before any rank starts ask, from every
+    section's check (tidal/recipes/checks.py, the engines' and backends' own), so it is loaded once per
+    version of config.json. Shared: read it, never change it."""
+    try:
+        stamp = Path(path, "config.json").stat().st_mtime_ns if path else None
+    except OSError:  # tidal/launch/preflight.py names a missing config.json; _check_dir says it here otherwise
+        stamp = None
+    return _load_config(path, stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_config(path: str | None, stamp: int | None) -> transformers.PretrainedConfig:
     if path is not None:
         return transformers.AutoConfig.from_pretrained(_check_dir(path), local_files_only=True)
     tok = load_tokenizer(None)

@@ -10,11 +10,13 @@ the critic steps on one.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Hashable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tidal.modeling.loss_scale import LossScaler
@@ -129,40 +131,50 @@ def fused_adamw(params: list[torch.Tensor]) -> bool | None:
     return True if len(kinds) == 1 and all(local(p).device.type in ("cpu", "cuda") for p in params) else None
 
 
+@dataclass(frozen=True)
+class Reduction:
+    """Gradients summed over `group` at the step: every accumulator, or those `which` marks (one flag per
+    trainable parameter, in parameters() order)."""
+
+    group: dist.ProcessGroup
+    which: list[bool] | None = None
+
+
+@dataclass(frozen=True)
+class GradLayout:
+    """Where a model's trainable parameters live, as much as its optimizer needs to know; its backend
+    says (tidal/executors/learner/models.py, tidal/executors/trainer/megatron_models.py), so the optimizer
+    names no parallelism."""
+
+    reductions: tuple[Reduction, ...] = ()  # at each step, in this order, before the norm
+    mesh: DeviceMesh | None = None  # the ranks the gradient norm's squares are summed over (clip_grad_norm_)
+    held_by: list[int] | None = None  # per parameter: the ranks of `mesh` holding each element of a plain tensor
+    zero_group: dist.ProcessGroup | None = None  # AdamW's state sharded over it (ZeRO-1); None: whole on each rank
+    # per-rank checkpoints (state a dcp reshard cannot place) and the layout a resume must keep; None: dcp's
+    saved_layout: dict | None = None
+
+
 class Optimizer:
     """AdamW with warm-up / cosine schedule and shard-aware clipping over a model's parameters."""
 
-    def __init__(self, model: torch.nn.Module, *, cfg: OptimConfig, total_steps: int, mesh, dp_group,
-                 passes: tuple[Hashable, ...], replicated_dp: bool, compute: torch.nn.Module | None = None,
-                 tp_partial: list[bool] | None = None, zero: bool = False, experts: list[bool] | None = None,
-                 edp_group: dist.ProcessGroup | None = None, scaler: LossScaler | None = None,
-                 tied: list[bool] | None = None, tied_group: dist.ProcessGroup | None = None):
+    def __init__(self, model: torch.nn.Module, *, cfg: OptimConfig, total_steps: int, passes: tuple[Hashable, ...],
+                 layout: GradLayout, compute: torch.nn.Module | None = None, scaler: LossScaler | None = None):
         """model: the weights the optimizer steps. compute: their lower-precision copy that the
         forwards and backwards run on (its gradients are accumulated; it is refreshed after each
-        step); None: the model itself. tp_partial: per trainable parameter, whether its gradient is a
-        partial sum over mesh["tp"] (megatron's q/k norms). zero: shard AdamW's state over dp (ZeRO-1:
-        each dp rank steps a share of the parameters and broadcasts them); its checkpoint is per rank.
-        experts: per trainable parameter, whether it is split over expert-parallel ranks; its replicas
-        are `edp_group`, over which alone its gradient sums (tidal/modeling/parallel/ep.py). scaler: fp16's
-        dynamic loss scale (tidal/modeling/loss_scale.py): losses go through `scaled` before their backward,
-        and a step whose gradient norm is not finite is skipped. tied: per trainable parameter, whether it
-        is one of a tied embedding's two copies on the first and last pipeline stages, whose gradients are
-        summed over `tied_group` so both copies take the same step (tidal/modeling/megatron/stages.py)."""
+        step); None: the model itself. layout: the gradients' sums at the step, the norm's grid and
+        the optimizer state's sharding (GradLayout). scaler: fp16's dynamic loss scale
+        (tidal/modeling/loss_scale.py): losses go through `scaled` before their backward, and a step
+        whose gradient norm is not finite is skipped."""
         self.model, self.compute = model, compute if compute is not model else None
-        self.scaler = scaler
+        self.scaler, self.layout = scaler, layout
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.cfg, self.mesh, self.dp_group = cfg, mesh, dp_group
-        self.replicated_dp = replicated_dp  # dp replicas hold full copies: their gradients need a sum
-        self.tp_partial = tp_partial or [False] * len(self.params)
-        self.experts, self.edp_group = experts, edp_group
-        self.tied, self.tied_group = tied, tied_group
+        self.cfg = cfg
         kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused_adamw(self.params))
-        self.per_rank = zero
-        if zero and dp_group is not None and dist.get_world_size(dp_group) > 1:
+        if layout.zero_group is not None and dist.get_world_size(layout.zero_group) > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             self.opt = ZeroRedundancyOptimizer(self.params, optimizer_class=torch.optim.AdamW,
-                                               process_group=dp_group, **kwargs)
+                                               process_group=layout.zero_group, **kwargs)
         else:
             self.opt = torch.optim.AdamW(self.params, **kwargs)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(
@@ -175,19 +187,10 @@ class Optimizer:
                                    dtype=torch.float64 if cfg.fp64_accumulation else torch.float32)
 
     def reduce_(self, passes) -> None:
-        """Sum the accumulators of `passes` over dp replicas (FSDP reduce-scattered each micro-step's already)."""
-        if self.replicated_dp and self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            dense = None if self.experts is None else [not e for e in self.experts]
-            self.grads.all_reduce_(passes, group=self.dp_group, which=dense)
-            if self.experts is not None and dist.get_world_size(self.edp_group) > 1:
-                self.grads.all_reduce_(passes, group=self.edp_group, which=self.experts)
-        if self.tied_group is not None and any(self.tied):
-            self.grads.all_reduce_(passes, group=self.tied_group, which=self.tied)
-        if any(self.tp_partial) and self.mesh["tp"].size() > 1:
-            for name in passes:
-                for acc, partial in zip(self.grads.by_pass[name], self.tp_partial):
-                    if partial:
-                        dist.all_reduce(acc, group=self.mesh.get_group("tp"))
+        """Sum the accumulators of `passes` as the layout says (FSDP reduce-scattered each micro-step's already)."""
+        for r in self.layout.reductions:
+            if dist.get_world_size(r.group) > 1:
+                self.grads.all_reduce_(passes, group=r.group, which=r.which)
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to backpropagate: times the loss scale under fp16 (its gradients land S x too large,
@@ -210,7 +213,7 @@ class Optimizer:
             for g, p in zip(normalised, self.params):
                 p.grad = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                                             run_check=False) if isinstance(p, DTensor) else g
-        grad_norm = clip_grad_norm_(self.params, self.cfg.grad_clip, mesh=self.mesh)
+        grad_norm = clip_grad_norm_(self.params, self.cfg.grad_clip, mesh=self.layout.mesh, held_by=self.layout.held_by)
         lr = self.opt.param_groups[0]["lr"]
         if self.scaler is not None and not self.scaler.update(grad_norm):
             self.opt.zero_grad(set_to_none=True)  # the weights, their compute copy and AdamW's moments unchanged
@@ -236,7 +239,7 @@ class Optimizer:
     # records each shard's place in the full tensor, so a run saved under one layout (dp, tp, FSDP)
     # loads under another; the schedule is a few numbers, written by the leader as JSON.
     def save(self, path: Path, *, group, leader: bool) -> None:
-        if self.per_rank:
+        if self.layout.saved_layout is not None:
             return self._save_per_rank(path, group=group, leader=leader)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -252,7 +255,7 @@ class Optimizer:
             self._save_schedule(path)
 
     def load(self, path: Path, *, group) -> None:
-        if self.per_rank:
+        if self.layout.saved_layout is not None:
             return self._load_per_rank(path, group=group)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -275,16 +278,8 @@ class Optimizer:
         if self.scaler is not None and (path / "loss_scale.json").is_file():  # else saved in fp32/bf16: a fresh scale
             self.scaler.load_state_dict(json.loads((path / "loss_scale.json").read_text()))
 
-    # ---- per-rank checkpoints (zero=True: megatron's plain tp-sharded tensors and ZeRO's share of the
-    # state carry no global layout dcp could reshard): each rank its own file; a resume keeps the layout
-    def _layout(self, group) -> dict:
-        names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
-        tp = self.mesh["tp"].size() if "tp" in names else 1
-        layout = {"ranks": dist.get_world_size(group), "dp": dist.get_world_size(group) // tp, "tp": tp}
-        if "pp" in names:  # a layout saved before pipeline stages existed reads as pp 1 (no key)
-            layout |= {"dp": layout["dp"] // self.mesh["pp"].size(), "pp": self.mesh["pp"].size()}
-        return layout
-
+    # ---- per-rank checkpoints (GradLayout.saved_layout: megatron's plain tp-sharded tensors and ZeRO's share
+    # of the state carry no global layout dcp could reshard): each rank its own file; a resume keeps the layout
     def _local(self) -> torch.optim.Optimizer:
         return getattr(self.opt, "optim", self.opt)  # ZeRO's own share, or the whole AdamW
 
@@ -293,11 +288,11 @@ class Optimizer:
         torch.save(self._local().state_dict(), path / f"optimizer.rank{dist.get_rank(group)}.pt")
         if leader:
             self._save_schedule(path)
-            (path / "layout.json").write_text(json.dumps(self._layout(group)))
+            (path / "layout.json").write_text(json.dumps(self.layout.saved_layout))
 
     def _load_per_rank(self, path: Path, *, group) -> None:
         saved = json.loads((path / "layout.json").read_text())
         # tidal/launch/run.py refuses another layout before any rank starts
-        assert saved == self._layout(group), (path, saved, self._layout(group))
+        assert saved == self.layout.saved_layout, (path, saved, self.layout.saved_layout)
         self._local().load_state_dict(torch.load(path / f"optimizer.rank{dist.get_rank(group)}.pt"))
         self._load_schedule(path)

@@ -282,10 +282,8 @@ def install(model) -> None:
     Persistent rather than per call: activation checkpointing replays layer forwards during backward,
     after any per-call switch would have been undone.
     """
-    from tidal.modeling.numerics import ATTN_NAME as EXACT  # exact attention takes packed rows itself
-
     impl = model.config._attn_implementation
-    if impl in (ATTN_NAME, EXACT):
+    if impl == ATTN_NAME:
         return
     if impl != "sdpa":
         raise ValueError(f"shared-prompt / varlen packing needs a model loaded with attn_implementation='sdpa', "

@@ -20,7 +20,8 @@ from tidal.modeling import moe
 from tidal.modeling.batching import MicroBatch, ResponseLogprobs, Routes, check_loss_masks, split_group
 from tidal.modeling.head import chunked_head
 from tidal.modeling.pack_rule import auto_shared_prompt
-from tidal.modeling.packed_attention import BACKENDS, Backend, PackMask, install, packed_forward
+from tidal.modeling.attention import for_packed_rows
+from tidal.modeling.packed_attention import BACKENDS, Backend, PackMask, packed_forward
 
 Mode = Literal["on", "off", "auto", "padded"]
 MODES = ("on", "off", "auto", "padded")
@@ -50,7 +51,7 @@ class PackedMicroBatch:
     def forward(self, model, *, temperature: float, chunk: int = 0, entropy: bool = False) -> ResponseLogprobs:
         """Log-probs (and entropy) of the response tokens, [N, T] float32, 0 where masked; the LM head
         runs on `chunk` tokens at a time (tidal/modeling/head.py)."""
-        install(model)
+        for_packed_rows(model)
         out = []
         head = chunked_head(model, select=lambda h_1KH: h_1KH[0], targets_K=self.targets_NT[self.mask_NT],
                             temperature=temperature, chunk=chunk, entropy=entropy, out=out)
@@ -64,7 +65,7 @@ class PackedMicroBatch:
     def values(self, model) -> torch.Tensor:
         """A one-output head's value (the critic's) at each position that predicts a response token,
         [N, T] float32, 0 where masked (MicroBatch.values of the unpacked rows)."""
-        install(model)
+        for_packed_rows(model)
         with packed_forward(self.pack):
             out_1L1 = model(input_ids=self.input_ids_1L, position_ids=self.position_ids_1L, use_cache=False).logits
         v_K = out_1L1[0, self.rows_K, 0].float()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 
 from tidal.executors.generator.engines import ENGINES
@@ -79,7 +78,7 @@ def check_moe(cfg: RunConfig, *, critic: bool) -> None:
 
     if not asked and _model_type(cfg.model.path) not in FAMILIES:
         return  # a dense model (the embedded one too): nothing to check, no config class to load
-    config = _model_config(cfg.model.path)
+    config = load_config(cfg.model.path)
     shape = moe_shape(config)
     if shape is not None and getattr(config, "output_router_logits", False):
         raise ValueError(f"{cfg.model.path}/config.json asks for the load-balancing auxiliary loss "
@@ -129,24 +128,15 @@ def check_lora(cfg: RunConfig) -> None:
                          f"base; use model.dtype=bfloat16 for a bf16 base (the adapters train in its dtype)")
     from tidal.modeling.lora import check_targets
 
-    check_targets(_model_config(cfg.model.path), lora)
+    check_targets(load_config(cfg.model.path), lora)
 
 
-def _model_config(path: str | None):
-    """config.json as transformers reads it (no model code), loaded once per version of the file: the checks of
-    one launch all ask the same facts."""
-    try:
-        stamp = Path(path, "config.json").stat().st_mtime_ns if path else None
-    except OSError:  # tidal/launch/preflight.py names a missing config.json; load_config says it here otherwise
-        stamp = None
-    return _load_config(path, stamp)
+def load_config(path: str | None):
+    """config.json as transformers reads it, loaded once for every check (tidal/modeling/hf.py `load_config`);
+    imported here, when a check asks, so the CLI's import stays light."""
+    from tidal.modeling.hf import load_config as load
 
-
-@lru_cache(maxsize=4)
-def _load_config(path: str | None, stamp: int | None):
-    from tidal.modeling.hf import load_config
-
-    return load_config(path)
+    return load(path)
 
 
 def _model_type(path: str | None) -> str | None:
@@ -178,7 +168,7 @@ def check_tp(cfg: RunConfig, *, critic: bool = False) -> None:
         return
     from tidal.modeling.parallel.tp import check_tp as fits
 
-    config = _model_config(cfg.model.path)
+    config = load_config(cfg.model.path)
     for field, tp in sizes.items():
         try:
             fits(config, tp=tp)
@@ -249,7 +239,7 @@ def check_numerics(cfg: RunConfig) -> None:
                              f"the single device's; exact mode runs tp=1 and ep=1 (dp and FSDP are fine)")
     from tidal.modeling.numerics import check_model
 
-    check_model(_model_config(cfg.model.path))
+    check_model(load_config(cfg.model.path))
 
 
 def check_groups(cfg: RunConfig) -> None:

@@ -164,8 +164,9 @@ def evaluation(cfg: RunConfig, *, generator: Generator, reward: Reward) -> tuple
 
 def _own(cls, record: dict):
     """An executor's metrics dataclass from its posted record, which also carries its rank's figures
-    (device_peak_gb on an accelerator: tidal/controller/loop.py adds it to every executor's record)."""
-    return cls(**{f.name: record[f.name] for f in dataclasses.fields(cls)})
+    (device_peak_gb on an accelerator: tidal/controller/loop.py adds it to every executor's record), or
+    posted under names of their own (TrainerMetrics.stats: left out here)."""
+    return cls(**{f.name: record[f.name] for f in dataclasses.fields(cls) if f.name in record})
 
 
 def step_figures(records: dict, world_size: int, run: dict | None = None) -> dict:

@@ -127,8 +127,7 @@ class Critic(Learner):
                                         dtype=self.dtype, env=env, cfg=self.cfg, temperature=self.temperature,
                                         reference=self.algo_cfg.critic_reference)
         self.optim = Optimizer(self.models.master, compute=self.models.value, cfg=self.cfg.optim, total_steps=self.total_steps,
-                               mesh=self.models.mesh, dp_group=self.models.dp_group, passes=(VALUE,),
-                               replicated_dp=not self.shards_over_units)
+                               passes=(VALUE,), layout=self.models.grad_layout())
         self._order_sums()
         if env.resume is not None:
             self.optim.load(env.resume / "critic" / "optimizer", group=env.group)

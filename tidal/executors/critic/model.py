@@ -23,7 +23,7 @@ from tidal.modeling.hf import ATTN_IMPL, check_weights, in_own_memory, load_mode
 from tidal.executors.learner.config import LearnerConfig
 from tidal.executors.learner.models import (PRECISIONS, LearnerModels, frozen_logprobs, lay_out, learner_mesh, save_full,
                                        trainable_copy)
-from tidal.modeling.packed_attention import install as install_packed_attention
+from tidal.modeling.attention import install as install_attention
 
 
 def load_value_model(path: str | None, *, dtype: torch.dtype, seed: int) -> transformers.PreTrainedModel:
@@ -86,8 +86,8 @@ class ValueModels(LearnerModels):
             ref = load_model(model_path, dtype=dtype, seed=env.seed).to(env.device).eval().requires_grad_(False)
             ref = ref if cfg.fsdp else ref.to(PRECISIONS[cfg.precision] or dtype)
         for model in (value, ref):
-            if model is not None and cfg.shared_prompt != "padded":  # packed rows need the block-mask attention
-                install_packed_attention(model)
+            if model is not None:  # the critic runs default numerics
+                install_attention(model, numerics="default", packed=cfg.shared_prompt != "padded")
         lay_out([(value, False), (ref, True)] + ([(master, True)] if master is not value else []), mesh=mesh, cfg=cfg)
         return cls(value, master, ref, mesh, load_tokenizer(model_path), cfg, temperature, env.device)
 

@@ -59,14 +59,13 @@ class NativeEngine:
         self.model = model.eval()
         # a bf16 model's logits in float32 (tidal/modeling/head.py), as the trainer computes them; its attention is the
         # slots' while it decodes (tidal/modeling/slot_attention.py: in float32 on a CPU, as the trainer's)
+        from tidal.modeling.attention import install as install_attention
         from tidal.modeling.head import Fp32Head  # DTensor: loaded on the generator's ranks only
 
         self._fp32_head = Fp32Head.install(model)
         self.exact = numerics == "exact"
-        if self.exact:
-            from tidal.modeling.numerics import install as install_exact
-
-            install_exact(model)  # its linear layers; its attention is the slots' (exact items) while it decodes
+        # exact: its linear layers; its attention is the slots' (exact items) while it decodes
+        install_attention(model, numerics=numerics, packed=False)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         # an MoE model records the experts each token was routed to, for the trainer to replay

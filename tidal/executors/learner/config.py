@@ -68,6 +68,11 @@ class LearnerConfig(BaseModel):
         return self.dp > 1 and (self.fsdp or self.ep > 1)
 
     @property
+    def shards_over_units(self) -> bool:
+        """The dp units hold shards of one copy (FSDP), not replicas: no gradient sum over dp at the step."""
+        return self.fsdp and self.dp > 1
+
+    @property
     def stages(self) -> int:
         """Pipeline stages per dp unit (the trainer's trainer.pp; 1 here)."""
         return 1

@@ -24,7 +24,7 @@ class Learner(Executor):
         self.stages = config.stages  # pipeline stages per unit (the trainer's megatron backend)
         self.cfg = config
         # FSDP over several dp units: they hold shards of one copy and train in lockstep rounds (order.py)
-        self.shards_over_units = config.fsdp and config.dp > 1
+        self.shards_over_units = config.shards_over_units
         self.lockstep = config.lockstep
         self.expert_shards = config.ep
         self.ordered = config.index_ordered

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tidal.modeling import moe
 from tidal.executors.base import ExecutorEnv
 from tidal.modeling.hf import cast_parameters, save_hf
+from tidal.modeling.optim import GradLayout, Reduction
 from tidal.modeling.parallel import apply_ac, build_mesh, full_state_dict, parallelize
 from tidal.modeling.batching import Routes
 from tidal.executors.learner.config import LearnerConfig
@@ -93,6 +94,17 @@ class LearnerModels:
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.mesh.get_group("dp") if self.mesh is not None else None
+
+    def grad_layout(self) -> GradLayout:
+        """The optimizer's view of this layout: dp replicas sum their gradients (FSDP's shards did at each
+        micro-step), an expert's over its replicas alone; the norm over the mesh; AdamW whole on each rank
+        (DTensor parameters: dcp reshards its state across layouts)."""
+        experts, reductions = self.expert_params(), []
+        if self.dp_group is not None and not self.cfg.shards_over_units:
+            reductions.append(Reduction(self.dp_group, which=None if experts is None else [not e for e in experts]))
+            if experts is not None:
+                reductions.append(Reduction(self.ep_mesh.get_group("edp"), which=experts))
+        return GradLayout(reductions=tuple(reductions), mesh=self.mesh)
 
     def micro_batches(self, group) -> list:
         routes = None

@@ -2,7 +2,7 @@
 
 - `Pass` (tidal/algorithms/objective.py): the advantages a loss pass is evaluated at; each pass has its own
   gradient buffers.
-- `LossSums`: the loss passes' sums and the batch denominator of one optimizer step.
+- `LossSums`: the loss passes' sums, the batch denominator and the loss's statistics of one optimizer step.
 - `Mismatch`: the trainer's log-prob of each sampled token minus the sampler's (the on-policy check).
 - `GroupRecord`: what was sampled and scored, summed over the groups of a step.
 Both are additive over micro-batches, groups and dp ranks, so a streamed step sums them as groups
@@ -15,7 +15,9 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.distributed as dist
 
+from tidal.algorithms import figures
 from tidal.algorithms.base import LossOutput
+from tidal.algorithms.figures import Figure, Largest, Mean
 from tidal.algorithms.objective import Pass
 from tidal.channels.payloads import ScoredGroup
 from tidal.executors.learner.sums import Sums
@@ -77,66 +79,62 @@ class Mismatch:
                 "logp_mismatch_fresh_max": fresh_max}
 
 
-def _largest() -> float:
-    """A LossSums figure that combines by max (over micro-batches and dp ranks), not by sum."""
-    return field(default=0.0, metadata={"combine": "max"})
-
-
 @dataclass
 class LossSums:
-    """Sums of one optimizer step's micro-batches (NOT divided by the batch denominator). Each figure is
-    declared here once: adding micro-batches, the all-reduce over dp and the barrier's report read these
-    fields, so a new loss statistic is one line here and its line in `add_loss`."""
+    """Sums of one optimizer step's micro-batches (NOT divided by the batch denominator): the loss passes',
+    the trainer's own figures, and the loss's statistics by name (tidal/algorithms/figures.py), which
+    nothing here lists: adding micro-batches, the all-reduce over dp and the report take whatever names
+    the loss gave."""
 
     loss: dict[Pass, float] = field(default_factory=lambda: dict.fromkeys(Pass, 0.0))
     denom: float = 0.0  # the algorithm's batch denominator (Algorithm.normaliser)
-    kl_sum: float = 0.0
-    clip_sum: float = 0.0
     entropy_sum: float = 0.0  # the policy's token entropy, summed over the response tokens trained on
     entropy_tokens: float = 0.0
-    ratio_sum: float = 0.0  # the policy / old-policy ratio summed over tokens (/ entropy_tokens: a mean)
-    ratio_max: float = _largest()  # its largest token (sequence, for GSPO) value
-    is_weight_sum: float = 0.0  # a correction's weights over the tokens kept (tidal/algorithms/corrections.py)
-    dropped_tokens: float = 0.0  # tokens a correction dropped
     routed_tokens: float = 0.0  # MoE: tokens trained with the generator's recorded routing at hand
     routing_differs: float = 0.0  # of them, those whose trainer top-k differed in some layer (tidal/modeling/moe.py)
+    figures: dict[str, Figure] = field(default_factory=dict)  # the score pass's statistics, LossOutput.stats
     mismatch: Mismatch = field(default_factory=Mismatch)  # values, not a sum: gathered over dp
 
-    def add_loss(self, name: Pass, out: LossOutput, *, tokens: int) -> None:
-        """A loss pass of one micro-batch of `tokens` trained tokens; the score pass's statistics too."""
+    def add_loss(self, name: Pass, out: LossOutput) -> None:
+        """A loss pass of one micro-batch; the score pass's statistics too."""
         self.loss[name] += out.loss_sum.item()
-        if name is not Pass.SCORE:
-            return
-        weights = out.stats.is_weight_token_sum  # None: no correction, every token weighs 1
-        self += LossSums(denom=out.denom, kl_sum=out.stats.kl_sum, clip_sum=out.stats.clip_sum,
-                         ratio_sum=out.stats.ratio_token_sum, ratio_max=out.stats.ratio_max,
-                         is_weight_sum=tokens if weights is None else weights,
-                         dropped_tokens=out.stats.dropped_tokens)
+        if name is Pass.SCORE:
+            self.denom += out.denom
+            self.figures = figures.add(self.figures, out.stats)
 
-    def _figures(self) -> list:
-        return [f for f in fields(self) if f.name not in ("loss", "mismatch")]
+    def _own(self) -> list[str]:
+        return [f.name for f in fields(self) if f.name not in ("loss", "figures", "mismatch")]
 
     def __iadd__(self, other: "LossSums") -> "LossSums":
         for name in Pass:
             self.loss[name] += other.loss[name]
-        for f in self._figures():
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            setattr(self, f.name, max(mine, theirs) if f.metadata.get("combine") == "max" else mine + theirs)
+        for name in self._own():
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.figures = figures.add(self.figures, other.figures)
         self.mismatch += other.mismatch
         return self
 
     def all_reduce(self, *, group: dist.ProcessGroup | None) -> "LossSums":
         if group is None or dist.get_world_size(group) == 1:
             return self
-        added = [f.name for f in self._figures() if f.metadata.get("combine") != "max"]
-        largest = [f.name for f in self._figures() if f.metadata.get("combine") == "max"]
-        sums = torch.tensor([*(self.loss[n] for n in Pass), *(getattr(self, n) for n in added)], dtype=torch.float64)
-        maxima = torch.tensor([getattr(self, n) for n in largest], dtype=torch.float64)
+        # a rank that trained no micro-batch has no figures: the names are agreed first, a missing one is a zero
+        names = [None] * dist.get_world_size(group)
+        dist.all_gather_object(names, {name: type(fig) for name, fig in self.figures.items()}, group=group)
+        kinds = dict(sorted({name: kind for theirs in names for name, kind in theirs.items()}.items()))
+        mine = figures.add({name: figures.zero(kind) for name, kind in kinds.items()}, self.figures)
+        means = [name for name, kind in kinds.items() if kind is Mean]
+        largest = [name for name, kind in kinds.items() if kind is Largest]
+        sums = torch.tensor([*(self.loss[n] for n in Pass), *(getattr(self, n) for n in self._own()),
+                             *(x for n in means for x in (mine[n].total, mine[n].over))], dtype=torch.float64)
+        maxima = torch.tensor([mine[n].largest for n in largest], dtype=torch.float64)
         dist.all_reduce(sums, group=group)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         values = sums.tolist()
+        own, rest = values[len(Pass):len(Pass) + len(self._own())], values[len(Pass) + len(self._own()):]
         return LossSums(loss=dict(zip(Pass, values[:len(Pass)])), mismatch=self.mismatch.all_gather(group=group),
-                        **dict(zip(added, values[len(Pass):])), **dict(zip(largest, maxima.tolist())))
+                        **dict(zip(self._own(), own)),
+                        figures={**{n: Mean(rest[2 * k], rest[2 * k + 1]) for k, n in enumerate(means)},
+                                 **{n: Largest(v) for n, v in zip(largest, maxima.tolist())}})
 
 
 @dataclass

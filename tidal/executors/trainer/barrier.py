@@ -1,4 +1,4 @@
-"""The trainer's barrier: reduce over dp, normalise once by the batch denominator, clip, step.
+"""The trainer's barrier: reduce over the backend's groups, normalise once by the batch denominator, clip, step.
 
 Batch-level denominators (1/(B·G), DAPO's 1/total-tokens) are applied here, once, to the
 accumulated gradient: gradients are linear in the loss, so dividing the sum at the end equals
@@ -34,18 +34,16 @@ class OptimizerStep:
 class Barrier(Optimizer):
     """The policy's optimizer, stepping on the combination of its loss passes."""
 
-    def __init__(self, model, *, stage_group=None, **kwargs):
-        """stage_group: a unit's pipeline stages (trainer.pp), whose sums are joined first: the loss and its
-        statistics are computed on the last stage alone (tidal/modeling/megatron/pipeline.py)."""
+    def __init__(self, model, *, sums_over: tuple, **kwargs):
+        """sums_over: the groups the loss sums are added over, in order (TrainerModels.sums_over)."""
         super().__init__(model, **kwargs)
-        self.stage_group = stage_group
+        self.sums_over = sums_over
 
     def step(self, sums: LossSums, *, passes: tuple[Pass, ...], combine: Callable | None = None) -> OptimizerStep:
         """One optimizer step from the accumulated `passes`; `combine` ({pass: value} -> value, for
         gradients and loss sums alike): how the objective combines them, None: the score pass alone."""
-        if self.stage_group is not None:
-            sums = sums.all_reduce(group=self.stage_group)
-        sums = sums.all_reduce(group=self.dp_group)
+        for group in self.sums_over:
+            sums = sums.all_reduce(group=group)
         self.reduce_(passes)
         by_pass, loss = self.grads.by_pass, sums.loss[Pass.SCORE]
         grads = by_pass[Pass.SCORE]

@@ -77,13 +77,9 @@ class Trainer(Learner):
                                      temperature=self.temperature, reference=self.objective.needs_reference,
                                      snapshot=self.passes > 1, policy_path=env.weights_from, numerics=self.numerics)
         self.optim = Barrier(self.models.master, compute=self.models.policy, cfg=self.cfg.optim, total_steps=self.total_steps,
-                             mesh=self.models.mesh, dp_group=self.models.dp_group, passes=self.objective.first_passes,
-                             replicated_dp=not self.shards_over_units, tp_partial=self.models.tp_partial(),
-                             zero=self.models.per_rank_optimizer, experts=self.models.expert_params(),
-                             edp_group=self.models.ep_mesh.get_group("edp") if self.models.ep_mesh else None,
-                             scaler=LossScaler(self.cfg.loss_scale) if self.cfg.precision == "fp16" else None,
-                             tied=self.models.tied(), tied_group=self.models.tied_group,
-                             stage_group=self.models.pipeline.group if self.models.pipeline is not None else None)
+                             passes=self.objective.first_passes, layout=self.models.grad_layout(),
+                             sums_over=self.models.sums_over,
+                             scaler=LossScaler(self.cfg.loss_scale) if self.cfg.precision == "fp16" else None)
         self._order_sums()
         if env.resume is not None:  # the policy came from the checkpoint; the optimizer and schedule too
             self.optim.load(env.resume / "trainer", group=env.group)
@@ -93,12 +89,9 @@ class Trainer(Learner):
         """Mini-batch 0 trains as its groups arrive (ratio 1: the policy still holds the generation
         weights); later mini-batches and epochs wait for the barrier."""
         self.onload(ctx)
-        # the step's starting weights: the sampler's on-policy, the proximal policy under offpolicy
-        self.models.snapshot_()
+        # the step's starting weights (the old policy): the sampler's on-policy, the proximal policy under offpolicy
+        self.models.begin_step(ctx.timeline)
         state = StepState(step=ctx.step)
-        if self.models.pipeline is not None:  # its waits go into this step's timeline and bubble
-            self.models.pipeline.timeline = ctx.timeline
-            self.models.pipeline.reset_clock()
         for work in self._work(self._in_order(ctx.inbound[self.scored])):  # as the schedule hands them over
             # a stop drops the step: its groups need not be trained (not in lockstep, where every dp
             # rank would have to agree at the same round)
@@ -110,7 +103,7 @@ class Trainer(Learner):
                 self.models.end_of_group()
             state.train_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.models.drain()  # pipeline stages: the backwards still in flight
+        self.models.drain()  # the backwards still in flight
         state.train_s += time.perf_counter() - t0
         return state
 
@@ -155,8 +148,7 @@ class Trainer(Learner):
         `work.steps`); gradients go to the accumulators, sums come back."""
         group, mbs, sums = work.group, work.micro_batches, LossSums()
         linear = self.objective.linear(first_pass=first_pass)
-        pipe = self.models.pipeline  # pipeline stages: the loss runs on the last
-        if group is not None and (pipe is None or pipe.last):  # later passes: the batch's statistics are known by now
+        if group is not None and self.models.computes_loss:  # later passes: the batch's statistics are known by now
             score_G = self.objective.advantages(self._scores(state, group, mbs, refs), mu_scale)
         for k in range(work.steps):
             if k >= len(mbs):  # lockstep padding: weight 0, same forwards and backwards
@@ -171,14 +163,11 @@ class Trainer(Learner):
                 return self._micro_step(mb, refs[k], score_G[idx], first_pass=first_pass, linear=linear,
                                         sums=sums, behaviour=behaviour)
 
-            if pipe is None:
-                logp_NT, mu_NT = micro_step()
-            else:  # an earlier stage gets None: its backward runs when the next stage's gradient comes
-                out = self.models.pipelined(mb, last=micro_step, after_backward=lambda: self._accumulate(Pass.SCORE),
-                                            old=not first_pass)
-                if out is None:
-                    continue
-                logp_NT, mu_NT = out
+            # a rank without the loss (an earlier stage) gets None: its backward runs when the gradient comes
+            out = self.models.run(mb, micro_step, after_backward=lambda: self._accumulate(Pass.SCORE), old=not first_pass)
+            if out is None:
+                continue
+            logp_NT, mu_NT = out
             if first_pass:  # on-policy check: the trainer recomputes what the generator sampled
                 sampled_NT = mu_NT if mu_NT is not None else sampled_logprobs(group, idx, like=logp_NT)
                 sums.mismatch.add(logp_NT=logp_NT, sampled_NT=sampled_NT, mask_NT=mb.mask_NT,
@@ -214,7 +203,7 @@ class Trainer(Learner):
                                                      mask_NT=mb.mask_NT, behaviour_logp_NT=mu_NT,
                                                      **_advantages(adv, like=logp_NT)))
                 loss = out.loss_sum
-                sums.add_loss(name, out, tokens=mb.mask_NT.sum().item())
+                sums.add_loss(name, out)
             self.optim.scaled(loss).backward(retain_graph=not recompute and k < len(passes) - 1)
             self._accumulate(name)
         return logp_NT, mu_NT
@@ -232,8 +221,6 @@ class Trainer(Learner):
                                          combine=self.objective.combine(mu_scale))]
                 steps += self._later_passes(state, mu_scale)
             self.optim.end_of_batch()  # the lr schedule follows the run's steps
-            # pipeline stages: the share of the step's pipeline work (later passes included) spent waiting
-            bubble = self.models.pipeline.bubble() if self.models.pipeline is not None else None
         if state.logged:
             self._log_samples(state, mu_scale)
         train_s = state.train_s + time.perf_counter() - t0
@@ -245,7 +232,7 @@ class Trainer(Learner):
         self.offload(ctx)
         return TrainerMetrics.of(record, steps, digests, errors=errors, staleness=_staleness(versions),
                                  train_s=train_s, push_s=push_s, push_bytes=ctx.outbound[self.weights].bytes_per_push,
-                                 pipeline_bubble=bubble,
+                                 **self.models.step_figures(),
                                  first_train_t=state.first_train_t, push_end_t=time.time())
 
     def _log_samples(self, state: StepState, mu_scale) -> None:
@@ -281,7 +268,7 @@ class Trainer(Learner):
                     refs = self.models.ref_logprobs(work.micro_batches, pad_to=work.steps)
                     sums += self._train(work, refs, state, first_pass=False, mu_scale=mu_scale)
                     self.models.end_of_group()
-                self.models.drain()  # pipeline stages: every backward in before the step
+                self.models.drain()  # every backward in before the step
                 steps.append(self.optim.step(sums, passes=(Pass.SCORE,)))
         return steps
 

@@ -15,7 +15,7 @@ GPTModels in one tensor-parallel layout, with the torch backend's interface (tid
 - Save: the tp parts are gathered one tensor at a time and written as an HF directory.
 - Pipeline stages (trainer.pp): the mesh is ("dp", "pp", "tp"); each stage's GPTModels hold its layers
   (tidal/modeling/megatron/stages.py), micro-batches go through the stages by tidal/modeling/megatron/pipeline.py's
-  schedule (`pipelined`, and the reference's forward in `ref_logprobs`), each stage pushes and saves
+  schedule (`run`, and the reference's forward in `ref_logprobs`), each stage pushes and saves
   its own layers.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ from tidal.modeling.hf import load_model, load_tokenizer, save_hf
 from tidal.modeling.megatron.convert import TP_PARTIAL_GRADS, Layout, to_hf, unshard
 from tidal.modeling.megatron.forward import hidden_shape, install_packed_attention, response_logprobs, stage_hidden
 from tidal.modeling.megatron.stages import global_names
+from tidal.modeling.optim import GradLayout, Reduction
 from tidal.modeling.parallel import apply_ac, param_specs
 from tidal.executors.trainer.models import TriModel
 from tidal.executors.learner.config import LearnerConfig
@@ -94,7 +95,7 @@ class MegatronTriModel(TriModel):
                                                                               seed=env.seed).state_dict()
         ref = built(initial, train=False, to=compute) if reference else None
         old = built(weights, train=False, to=compute) if snapshot else None
-        pipeline = _pipeline(master, mesh=mesh, stage=stage, cfg=cfg, tied=tied_group is not None) if pp > 1 else None
+        pipeline = _pipeline(mesh=mesh, stage=stage, cfg=cfg) if pp > 1 else None
         return cls(policy, old, ref, mesh, load_tokenizer(model_path), cfg, temperature, env.device, master,
                    config, param_specs(hf), pipeline=pipeline, tied_group=tied_group)
 
@@ -107,18 +108,25 @@ class MegatronTriModel(TriModel):
     def tp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("tp")
 
-    # plain tp-sharded tensors carry no global layout for dcp: AdamW's state is kept per rank (ZeRO-1 over dp)
-    per_rank_optimizer = True
-
-    def tp_partial(self) -> list[bool]:
-        """Per trainable parameter of the policy, in parameters() order: is its gradient a partial sum over tp?"""
-        return [n.endswith(TP_PARTIAL_GRADS) for n, p in self.policy.named_parameters() if p.requires_grad]
-
-    def tied(self) -> list[bool] | None:
-        """Per trainable parameter: one of a tied embedding's copies on the first and last stages."""
-        if self.tied_group is None:
-            return None
-        return [n in _TIED for n, p in self.master.named_parameters() if p.requires_grad]
+    def grad_layout(self) -> GradLayout:
+        """The gradients' sums: over dp; a tied embedding's two copies over the first and last stages, so
+        both take the same step; q/k norms' partial sums over tp (convert.TP_PARTIAL_GRADS). The norm counts
+        a plain tensor once per holder: the ranks of its stage, fewer if tp cuts it, twice for tied copies.
+        AdamW sharded over dp (ZeRO-1), kept per rank: plain tp-cut tensors carry no global layout for dcp."""
+        trainable = [(n, p) for n, p in self.master.named_parameters() if p.requires_grad]
+        tied = [self.tied_group is not None and n in _TIED for n, _ in trainable]
+        tp, dp = self.mesh["tp"].size(), self.mesh["dp"].size()
+        reductions = [Reduction(self.dp_group)]
+        if any(tied):
+            reductions.append(Reduction(self.tied_group, which=tied))
+        partial = [n.endswith(TP_PARTIAL_GRADS) for n, _ in trainable]
+        if any(partial):
+            reductions.append(Reduction(self.tp_group, which=partial))
+        held_by = [dp * tp * (2 if t else 1) // (tp if getattr(p, "tensor_model_parallel", False) else 1)
+                   for (_, p), t in zip(trainable, tied)]
+        layout = {"ranks": self.mesh.size(), "dp": dp, "tp": tp} | ({"pp": self.cfg.pp} if self.pipeline else {})
+        return GradLayout(reductions=tuple(reductions), mesh=self.mesh, held_by=held_by, zero_group=self.dp_group,
+                          saved_layout=layout)
 
     @property
     def stage(self) -> int:
@@ -139,12 +147,33 @@ class MegatronTriModel(TriModel):
         return self.pipeline.receive(hidden_shape(mb, self.hf_config.hidden_size), dtype=self.push_dtype,
                                      device=self.device, grad=grad)
 
-    def pipelined(self, mb, *, last, after_backward, old: bool = False):
-        """One training micro-batch through this stage: on the last stage `last()` (the trainer's
-        micro-step: log-probs, loss, backward) and its result; before it, the stage's forward, whose
-        backward runs when the next stage sends its gradient (then `after_backward()`): None.
+    def begin_step(self, timeline) -> None:
+        super().begin_step(timeline)
+        if self.pipeline is not None:  # its waits go into this step's timeline and bubble
+            self.pipeline.timeline = timeline
+            self.pipeline.reset_clock()
+
+    @property
+    def computes_loss(self) -> bool:
+        return self.pipeline is None or self.pipeline.last
+
+    def step_figures(self) -> dict:
+        """pipeline_bubble: the share of the step's pipeline work (later passes included) spent waiting."""
+        return {"pipeline_bubble": self.pipeline.bubble()} if self.pipeline is not None else {}
+
+    @property
+    def sums_over(self) -> tuple:
+        """A unit's stages first (the loss and its statistics are the last stage's alone), then dp."""
+        return ((self.pipeline.group,) if self.pipeline is not None else ()) + (self.dp_group,)
+
+    def run(self, mb, micro_step, *, after_backward, old: bool = False):
+        """One training micro-batch through this stage: on the last stage `micro_step()` (log-probs, loss,
+        backward) and its result; before it, the stage's forward, whose backward runs when the next stage
+        sends its gradient (then `after_backward()`): None.
         old: the old policy's forward goes along (later mini-batches and epochs: its log-probs are the
         ratio's denominator), its hidden states after the policy's on each link."""
+        if self.pipeline is None:
+            return micro_step()
         pipe, old = self.pipeline, old and self.old is not None
         with pipe.timed():
             x = self._received(mb, grad=True)
@@ -152,7 +181,7 @@ class MegatronTriModel(TriModel):
             if old:
                 self.old.set_input_tensor(self._received(mb, grad=False))
             if pipe.last:
-                out = last()
+                out = micro_step()
                 pipe.backward_done(x)
                 return out
             y = stage_hidden(self.policy, mb)
@@ -244,11 +273,9 @@ def _mesh(env: ExecutorEnv, cfg: LearnerConfig) -> tuple:
     return mesh, stage, groups
 
 
-def _pipeline(master: nn.Module, *, mesh, stage: int, cfg: LearnerConfig, tied: bool):
+def _pipeline(*, mesh, stage: int, cfg: LearnerConfig):
     from tidal.modeling.megatron.pipeline import Pipeline
 
-    for name, p in master.named_parameters():  # the norm counts a tied embedding's two copies once
-        p.stage_copies = 2 if tied and name in _TIED else 1
     return Pipeline(group=mesh.get_group("pp"), stage=stage, stages=cfg.pp, drain_every_group=cfg.pp_drain == "group")
 
 

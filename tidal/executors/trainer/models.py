@@ -35,8 +35,7 @@ from tidal.modeling.parallel import copy_params_, local_shards, param_specs
 from tidal.executors.trainer.config import TrainerConfig
 from tidal.executors.learner.models import (PRECISIONS, LearnerModels, frozen_logprobs, lay_out, learner_mesh, save_full,
                                        shares_prompt, trainable_copy)
-from tidal.modeling.numerics import install as install_exact
-from tidal.modeling.packed_attention import install as install_packed_attention
+from tidal.modeling.attention import install as install_attention
 
 
 @dataclass
@@ -79,10 +78,7 @@ class TriModel(LearnerModels):
             initial = load_model(model_path, dtype=dtype, seed=env.seed).to(env.device)
             initial = initial if cfg.fsdp or compute is None else cast_parameters(initial, compute)
         for model in {id(policy): policy, id(initial): initial}.values():
-            if numerics == "exact":  # batch-invariant products and attention, packed rows included (copies inherit it)
-                install_exact(model)
-            elif cfg.shared_prompt != "padded":  # packed rows need the block-mask attention (copies inherit it)
-                install_packed_attention(model)
+            install_attention(model, numerics=numerics, packed=cfg.shared_prompt != "padded")
         ref = copy.deepcopy(initial).eval().requires_grad_(False) if reference and not lora.on else None
         old = copy.deepcopy(policy).eval().requires_grad_(False) if snapshot else None
         ep_mesh = None
@@ -101,18 +97,29 @@ class TriModel(LearnerModels):
                 out.moe_shape = routing.shape
         return out
 
-    # pipeline stages: the megatron backend's alone (megatron_models.py); here one stage, nothing tied
-    pipeline = None
-    tied_group = None
+    # ---- a step, as the trainer runs it (tidal/executors/trainer/interface.py) ------------------------
+    def begin_step(self, timeline) -> None:
+        self.snapshot_()
 
-    def tied(self) -> list[bool] | None:
-        return None
+    computes_loss = True  # every rank holds the whole model: each runs the loss
+
+    def run(self, mb, micro_step, *, after_backward, old: bool = False):
+        """Each micro-step runs whole, its backward included: nothing is deferred, so nothing is in
+        flight at a group's end or before the optimizer step."""
+        return micro_step()
 
     def end_of_group(self) -> None:
         pass
 
     def drain(self) -> None:
         pass
+
+    def step_figures(self) -> dict:
+        return {}
+
+    @property
+    def sums_over(self) -> tuple:
+        return (self.dp_group,)
 
     @property
     def push_dtype(self) -> torch.dtype:
@@ -154,14 +161,6 @@ class TriModel(LearnerModels):
         """old <- policy: the weights that generate this step's samples (shard by shard)."""
         if self.old is not None:
             copy_params_(self.old, self.policy)
-
-    # what the optimizer needs to know of this backend's layout (tidal/modeling/optim.py)
-    per_rank_optimizer = False  # DTensor parameters: dcp reshards the optimizer state across layouts
-
-    def tp_partial(self) -> list[bool] | None:
-        """Per trainable parameter, whether its gradient is a partial sum over tp; None: none is
-        (DTensor's gradient hooks already sum the q/k norms', parallel/tp.py)."""
-        return None
 
     def shares_prompt(self, group: ScoredGroup) -> bool:
         return shares_prompt(self.cfg, group.prompt_ids, group.responses)

@@ -40,14 +40,9 @@ class TrainerMetrics:
     reward_std: float
     response_len_mean: float
     loss: float
-    kl: float
-    clip_frac: float
-    ratio_mean: float  # policy / old policy over the step's loss passes: 1 on a step's first pass
-    ratio_max: float
-    # algorithm.correction (tidal/algorithms/corrections.py): its mean weight over the tokens it kept (1 without
-    # one), and the fraction of the tokens trained on that it dropped (mis, icepop)
-    is_weight_mean: float
-    is_dropped_frac: float
+    # the loss's statistics by name, e.g. kl, clip_frac, ratio_mean, is_weight_mean (the loss's own lines:
+    # tidal/algorithms/token_loss.py); posted as trainer/<name> beside the fields (`as_metrics`)
+    stats: dict[str, float] = field(default_factory=dict, kw_only=True)
     # how many policy versions behind the trained weights the step's tokens were sampled (RolloutGroup
     # .policy_version): the mean over the model's tokens, and the largest; 0 in on-policy schedules
     staleness_mean: float
@@ -79,36 +74,36 @@ class TrainerMetrics:
     push_s: float
     # pipeline stages (trainer.pp > 1): of the stages' time in the pipeline's work, the share spent waiting
     # on a neighbour stage (tidal/modeling/megatron/pipeline.py); None with one stage
-    pipeline_bubble: float | None
+    pipeline_bubble: float | None = field(default=None, kw_only=True)
     push_bytes: int  # what the weight push carries from the trainer's ranks (all parameters, or LoRA's adapters)
     rollout_digest: str  # hash of every sampled token, in prompt/sample order
     first_train_t: float | None
     push_end_t: float
+
+    def as_metrics(self) -> dict:
+        """The fields, the loss's statistics in place of `stats`, each under its own name."""
+        row = {}
+        for f in fields(self):
+            row |= self.stats if f.name == "stats" else {f.name: getattr(self, f.name)}
+        assert len(row) == len(fields(self)) - 1 + len(self.stats), f"a loss statistic shadows a field: {self.stats}"
+        return row
 
     @classmethod
     def of(cls, record: GroupRecord, steps: list, digests: dict[int, str], *, errors: dict[int, str],
            staleness: tuple[float, int], **timing) -> "TrainerMetrics":
         """From the step's dp-reduced record and its optimizer steps (barrier.OptimizerStep); `errors`:
         the first reward error of each group that had one, over all dp ranks; `staleness`: (mean, max)."""
-        if not steps:  # no group ended in the step (partial rollouts): nothing to average
-            empty = dict.fromkeys((f.name for f in fields(cls) if f.type == "float"), math.nan)
-            return cls(**{**empty, **timing}, routing_mismatch_frac=None, loss_scale=None, skipped_steps=0,
-                       staleness_max=0, groups=0, samples=0,
-                       reward_failures=0,
-                       reward_first_error=None, tokens=0, optimizer_steps=0,
-                       rollout_digest=hashlib.sha256(b"").hexdigest()[:16])
+        if not steps:  # no group ended in the step (partial rollouts): each figure as its type has nothing
+            return cls(**{f.name: _nothing(f.type) for f in fields(cls) if f.name not in timing}, **timing)
         total = LossSums()  # the step's optimizer steps together (mini-batches and epochs each have one)
         for s in steps:
             total += s.sums
-        n, denom, tokens = record.samples, total.denom, total.entropy_tokens
+        n, tokens = record.samples, total.entropy_tokens
         mean = record.reward_sum / n
         digest = hashlib.sha256("".join(digests[i] for i in sorted(digests)).encode()).hexdigest()[:16]
         return cls(reward_mean=mean, reward_std=math.sqrt(max(0.0, record.reward_sq_sum / n - mean * mean)),
-                   response_len_mean=record.len_sum / n, loss=sum(s.loss for s in steps) / denom,
-                   kl=total.kl_sum / denom, clip_frac=total.clip_sum / denom,
-                   ratio_mean=total.ratio_sum / max(1.0, tokens), ratio_max=total.ratio_max,
-                   is_weight_mean=total.is_weight_sum / max(1.0, tokens - total.dropped_tokens),
-                   is_dropped_frac=total.dropped_tokens / max(1.0, tokens),
+                   response_len_mean=record.len_sum / n, loss=sum(s.loss for s in steps) / total.denom,
+                   stats={name: fig.value() for name, fig in total.figures.items()},
                    staleness_mean=staleness[0], staleness_max=staleness[1],
                    entropy=total.entropy_sum / max(1.0, tokens),
                    grad_norm=sum(s.grad_norm / len(steps) for s in steps), lr=steps[-1].lr,
@@ -118,6 +113,13 @@ class TrainerMetrics:
                    groups=int(record.groups), samples=int(record.samples), reward_failures=int(record.reward_failures),
                    reward_first_error=errors[min(errors)] if errors else None, tokens=int(record.tokens),
                    optimizer_steps=len(steps), rollout_digest=digest, **timing)
+
+
+def _nothing(annotation: str):
+    """A figure of a step that trained nothing, by its type: NaN, 0, None where it may be, no statistics."""
+    if annotation.endswith(" | None"):
+        return None
+    return {"float": math.nan, "int": 0, "dict[str, float]": {}, "str": hashlib.sha256(b"").hexdigest()[:16]}[annotation]
 
 
 def group_digest(group: ScoredGroup) -> str:

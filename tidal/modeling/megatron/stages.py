@@ -5,11 +5,14 @@ Pure functions of names, so every rank (the trainer's stages, the generator buil
 plan, the planner) answers alike without communication. A tied model's LM head is the embedding:
 the last stage holds a copy of it (megatron's `output_layer.weight` there), the first stage's is the
 one pushed and saved, and the two copies' gradients are summed at the barrier so they stay equal.
-Which stage pushes an HF parameter is tidal/channels/payloads.py `hf_stage` (the push plan's side).
+Which stage holds a layer, the embedding or the head is one rule, tidal/channels/payloads.py `stage_of`,
+which the push plan asks too (`hf_stage`).
 """
 from __future__ import annotations
 
 import re
+
+from tidal.channels.payloads import stage_of
 
 _MEG_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -21,10 +24,10 @@ def check_stages(*, layers: int, pp: int) -> None:
 
 
 def stage_layers(*, layers: int, pp: int, stage: int) -> range:
-    """The global indices of the decoder layers stage `stage` holds."""
+    """The global indices of the decoder layers stage `stage` holds (a run: `stage_of` is monotone)."""
     check_stages(layers=layers, pp=pp)
-    per = layers // pp
-    return range(stage * per, (stage + 1) * per)
+    mine = [i for i in range(layers) if stage_of(layer=i, layers=layers, pp=pp) == stage]
+    return range(mine[0], mine[-1] + 1)
 
 
 def stage_part(meg: dict, *, layers: int, pp: int, stage: int, tied: bool) -> dict:
@@ -39,12 +42,8 @@ def stage_part(meg: dict, *, layers: int, pp: int, stage: int, tied: bool) -> di
             i = int(m.group(1))
             if i in mine:
                 out[f"decoder.layers.{i - mine.start}." + name[m.end():]] = t
-        elif name.startswith("embedding."):
-            if stage == 0:
-                out[name] = t
-        else:  # final norm, output layer
-            if stage == pp - 1:
-                out[name] = t
+        elif stage_of(layer=None, embedding=name.startswith("embedding."), layers=layers, pp=pp) == stage:
+            out[name] = t  # the embedding; the final norm and output layer
     if tied and stage == pp - 1:  # the head's own copy of the embedding (see the module docstring)
         out["output_layer.weight"] = meg["embedding.word_embeddings.weight"]
     return out

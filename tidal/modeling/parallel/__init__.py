@@ -86,25 +86,22 @@ def copy_params_(dst: nn.Module, src: nn.Module) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, *, mesh: DeviceMesh | None) -> float:
+def clip_grad_norm_(params, max_norm: float, *, mesh: DeviceMesh | None, held_by: list[int] | None = None) -> float:
     """Clip the global gradient norm of parameters sharded in any mix of layouts over `mesh`.
 
     Each rank sums the squares of its local shard, weighted so that an element held by k ranks
     counts once; all-reducing over each mesh dimension gives the global sum (no extra group is
-    needed). mesh None: one process, plain tensors. Returns the norm before clipping.
+    needed). A DTensor's k follows from its placements; a plain tensor's is `held_by`'s entry (its
+    backend knows: pipeline stages hold different layers, a tp-cut tensor fewer copies), else every
+    rank of the mesh. mesh None: one process, plain tensors. Returns the norm before clipping.
     """
     world = mesh.size() if mesh is not None else 1
-    # pipeline stages hold different parameters: an element is held by the ranks of one stage (two for a
-    # tied embedding's copies on the first and last stages: `stage_copies`, tidal/modeling/megatron/stages.py)
-    stages = mesh["pp"].size() if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else 1
-    params = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in params]
+    held = [world] * len(params) if held_by is None else held_by
+    kept = [(p, k) for p, k in zip(params, held) if p.grad is not None]
+    grads = [p.grad for p, _ in kept]
     # on the gradients' device: the sum is all-reduced over the device's groups (nccl takes no CPU tensor)
     sq = torch.zeros((), dtype=torch.float64, device=local(grads[0]).device if grads else "cpu")
-    for p, g in zip(params, grads):
-        copies = world // stages * getattr(p, "stage_copies", 1)  # a plain tensor: on every rank of its stage
-        if getattr(p, "tensor_model_parallel", False):  # megatron's: a plain tensor cut over mesh["tp"]
-            copies //= mesh["tp"].size()
+    for (_, copies), g in zip(kept, grads):
         if isinstance(g, DTensor):
             assert not any(pl.is_partial() for pl in g.placements), "reduce partial gradients first"
             sharded = 1
