@@ -195,6 +195,32 @@ def test_lookup_rollout_shows_the_hidden_digit_after_a_look(model, tok):
     assert looked > 0
 
 
+class Scores:
+    """Never done: pays 1 for each turn it steps, 10 more for the turn it is told is the last."""
+    deterministic = True
+
+    def __init__(self, sample):
+        self.seen = []
+
+    def reset(self):
+        return None
+
+    def step(self, turn):
+        self.seen.append(turn.last)
+        return EnvStep(observation=" again", reward_parts={"turns": 1.0, "last": 10.0 * turn.last})
+
+
+def test_the_turn_that_reaches_max_turns_is_stepped_and_scored_its_observation_unread(model, tok):
+    """max_turns=3, an environment that never says done: three model turns, three steps (the third told it is
+    the last, and its reward parts count), two observations in the response."""
+    groups = _run_rollout(_rollout(tok, env="tests.test_multi_turn:Scores", max_turns=3), model, tok, _rows(2))
+    for g in groups.values():
+        for i, episode in enumerate(g.episodes):
+            assert episode["error"] is None and episode["turns"] == 3
+            assert episode["reward_parts"] == {"turns": 3.0, "last": 10.0}
+            assert [role for role, _ in g.turns(i)] == ["assistant", "tool"] * 2 + ["assistant"]
+
+
 class Raises:
     deterministic = True
 
@@ -257,7 +283,7 @@ class Caps:
 
     def step(self, turn):
         self.n += 1
-        return EnvStep(observation=" ok", max_tokens={1: 3, 2: 100}[self.n])
+        return EnvStep(observation=" ok", max_tokens={1: 3, 2: 100}.get(self.n))  # 3: the last, nothing follows
 
 
 def test_the_environment_caps_each_turn(model, tok):

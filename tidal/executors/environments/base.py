@@ -36,6 +36,9 @@ class ModelTurn:
     ids: torch.Tensor  # [n] int64, the tokens the model sampled in this turn, exactly
     text: str  # their decoding (special tokens skipped)
     ended: bool  # True: the turn ended with the model's end-of-turn token; False: cut at its token cap
+    # True: multi_turn.max_turns is reached, no turn follows: the step may score it (reward_parts), its
+    # observation is not read (a tool environment need not run a call in it)
+    last: bool = False
 
 
 @dataclass

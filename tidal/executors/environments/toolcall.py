@@ -161,6 +161,8 @@ class ToolEnv:
         return None  # the tools are described by the prompt, not by a first observation
 
     def step(self, turn: ModelTurn) -> EnvStep:
+        if turn.last:  # no turn would read a call's output: it is not run
+            return EnvStep(done=True)
         try:
             call = parse_tool_call(turn.text, self.tool_names())
         except MalformedCall as exc:

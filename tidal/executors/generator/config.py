@@ -110,7 +110,8 @@ class MultiTurnConfig(BaseModel):
                             "None: lookup, the embedded task's (no data.path)")
     env_args: dict = Field(default_factory=dict, description="keyword arguments of the environment's constructor")
     max_turns: int = Field(3, ge=1, description="model turns per sample; the last one ends the episode (the "
-                           "environment does not step it: its reward parts come from the turns before)")
+                           "environment still steps it, told it is the last, for its reward parts; its observation "
+                           "is not read)")
     max_total_tokens: int | None = Field(None, ge=2, description="a response's tokens, model turns and observations "
                                          "together; None: max_turns x (generator.max_new_tokens + 32)")
     timeout_s: float = Field(30.0, gt=0, description="each reset()/step() call of the environment")

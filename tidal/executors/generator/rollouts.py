@@ -96,6 +96,7 @@ class _Episode:
     reward_parts: dict = field(default_factory=dict)
     error: str | None = None
     ended: bool = False  # the turn with the environment ended with the model's end-of-turn token
+    last: bool = False  # it is the max_turns-th: no turn follows its answer
 
     def record(self) -> dict:
         return {"turns": self.turns, "env_s": self.env_s, "reward_parts": self.reward_parts, "error": self.error}
@@ -195,11 +196,13 @@ class MultiTurn:
         """A model turn ended: its step() goes to the pool (True), or the episode is over without one."""
         ep.turns += 1
         ep.tokens += turn_ids.numel()
-        if ep.error is not None or ep.turns >= self.cfg.max_turns:
+        if ep.error is not None:
             return False
         text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
-        ep.ended = ended
-        self.pool.submit(key, ep.env.step, ModelTurn(index=ep.turns - 1, ids=turn_ids, text=text, ended=ended))
+        # the turn that reaches max_turns is stepped too (its reward parts count); the answer ends the episode
+        ep.ended, ep.last = ended, ep.turns >= self.cfg.max_turns
+        self.pool.submit(key, ep.env.step, ModelTurn(index=ep.turns - 1, ids=turn_ids, text=text, ended=ended,
+                                                     last=ep.last))
         return True
 
     def answer(self, ep: _Episode, answer) -> list[int] | None:
@@ -211,7 +214,7 @@ class MultiTurn:
             self._cap(ep, result.max_tokens, "step()")
             for name, value in result.reward_parts.items():
                 ep.reward_parts[name] = ep.reward_parts.get(name, 0.0) + float(value)
-            if result.done:
+            if result.done or ep.last:
                 return None
             ids = [] if result.observation is None else self._tokens(result.observation, closed=ep.ended)
             if not room_for_a_turn(used=ep.tokens, observation=len(ids), total=self.max_total_tokens):
@@ -273,7 +276,7 @@ class _Turns:
 
     rollout: MultiTurn
     episodes: dict
-    over: list = field(default_factory=list)  # turns that needed no call (max_turns, a failed episode)
+    over: list = field(default_factory=list)  # turns that needed no call (a failed episode)
 
     @property
     def max_total_tokens(self) -> int:
