@@ -12,7 +12,9 @@ from tidal.executors.trainer.config import TrainerConfig
 
 @dataclass(frozen=True)
 class Backend:
-    models: Callable[[], type]  # the tri-model class (tidal/executors/trainer/models.py:TriModel or a subclass)
+    # its models class, with `build` (tidal/executors/trainer/models.py TriModel for torch): what the trainer calls on
+    # it is tidal/executors/trainer/interface.py TrainerModels
+    models: Callable[[], type]
     # (trainer config, model path) -> None, or ValueError naming the field: before any rank starts
     check: Callable[[TrainerConfig, str | None], None]
     # each rank saves its own optimizer shard: a resume keeps the (dp, tp, pp) it was saved under

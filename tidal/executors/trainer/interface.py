@@ -23,7 +23,13 @@ from tidal.modeling.optim import GradLayout
 
 
 class TrainerModels(Protocol):
-    # ---- built on the trainer's ranks (Backend.models().build) ----------------------------------
+    # ---- built on the trainer's ranks -----------------------------------------------------------
+    @classmethod
+    def build(cls, *, model_path: str | None, dtype: torch.dtype, env, cfg, temperature: float, reference: bool,
+              snapshot: bool, policy_path=None, numerics: str = "default") -> "TrainerModels":
+        """The policy (from `policy_path` on a resume), the old policy where `snapshot` (several optimizer steps
+        a batch) and the reference where `reference`, laid out over the trainer's ranks."""
+
     master: nn.Module  # what the optimizer steps and checkpoints save
     policy: nn.Module  # what the forwards and backwards run on: `master`, or its lower-precision copy
     tokenizer: object
