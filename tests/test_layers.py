@@ -270,6 +270,36 @@ def test_the_interface_checker_sees_a_member_reached_around_it(tmp_path):
     assert {n: line for n, line in _members_reached(bad).items() if n not in _declared()} == {"pipeline": 3}
 
 
+def _parameter_patches(path: Path) -> list[tuple[int, str]]:
+    """Attributes set on a parameter inside a loop over `.parameters()` / `.named_parameters()` (beyond torch's own
+    grad, data and requires_grad): a fact of a layout kept on the tensor, where no interface declares it."""
+    out = []
+    for loop in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.For)):
+        it = loop.iter
+        while isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr in ("items", "values"):
+            it = it.func.value
+        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute)
+                and it.func.attr in ("parameters", "named_parameters")):
+            continue
+        names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+        for node in (n for statement in loop.body for n in ast.walk(statement)):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            out += [(node.lineno, t.attr) for t in targets if isinstance(t, ast.Attribute) and
+                    isinstance(t.value, ast.Name) and t.value.id in names and t.attr not in ("grad", "data", "requires_grad")]
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and \
+                    isinstance(node.args[0], ast.Name) and node.args[0].id in names:
+                out.append((node.lineno, "setattr"))
+    return out
+
+
+def test_no_attribute_is_patched_onto_parameters(tmp_path):
+    assert [f"{rel}:{line} {attr}" for rel, path in _product_files() for line, attr in _parameter_patches(path)] == []
+    bad = tmp_path / "bad.py"
+    bad.write_text("for name, p in model.named_parameters():\n    p.grad = None\n    p.stage_copies = 2\n"
+                   "for p in model.parameters():\n    setattr(p, 'x', 1)\n")
+    assert _parameter_patches(bad) == [(3, "stage_copies"), (5, "setattr")]
+
+
 def test_a_refusal_asks_for_a_capability_and_offers_every_entry_that_has_it(monkeypatch):
     """A third backend with fp16 and exact layers, and a third engine with exact decoding, registered
     beside the others: the checks take them (no "use torch" / "use native" written in), and a refusal
