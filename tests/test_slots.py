@@ -211,6 +211,47 @@ def test_a_kv_budget_bounds_the_slots_and_admission_waits_for_them(tok, requests
         _engine(model, tok, kv_budget_tokens=10).generate(reqs, params, step=0)
 
 
+class _Kept(_Sized):
+    made: list = []
+
+    def __init__(self, engine, params, *, slots, length, response):
+        super().__init__(engine, params, slots=slots, length=length, response=response)
+        type(self).made.append(self)
+
+
+def test_a_memory_fraction_bounds_the_store_by_its_bytes(tok, requests, monkeypatch):
+    """kv_memory_fraction: a position's bytes, counted from the model's key projections, are what a store the engine
+    made holds a position; a fraction of the free memory that holds two slots (one group of G=2) decodes four prompts
+    one group at a time, with the unbounded engine's samples; read once, at the first call; one that holds no group is
+    refused, naming the setting."""
+    from tidal.executors.generator.slots import kv_bytes_per_position
+
+    monkeypatch.setattr(native_engine, "Slots", _Kept)
+    model = _ending(torch.float64, tok.eos_token_id)
+    params = SamplingParams(n=2, max_new_tokens=10, seed=6)
+    reqs = requests[:4]
+    length = max(len(r.prompt_ids) for r in reqs) + params.max_new_tokens
+    _Kept.sizes, _Kept.made = [], []
+    free = {g.index: g for g in _engine(model, tok, max_batch_prompts=4).generate(reqs, params, step=0)}
+    (store,) = [s.store for s in _Kept.made]
+    held = sum(k.nbytes + v.nbytes for k, v in store.kv.values())
+    per = kv_bytes_per_position(model)
+    assert held == per * (store.N * (store.S + 1)) and per > 0
+    reads = []
+    monkeypatch.setattr(native_engine, "free_memory_bytes", lambda device: reads.append(device) or 4 * per * (2 * length + 1))
+    engine = _engine(model, tok, max_batch_prompts=4, kv_memory_fraction=0.25)
+    for _ in range(2):
+        bounded = list(engine.generate(reqs, params, step=0))
+        assert [g.index for g in bounded] == [0, 1, 2, 3]  # one group at a time: they leave in admission order
+        for g in bounded:
+            assert all(torch.equal(a, b) for a, b in zip(g.response_ids, free[g.index].response_ids))
+    assert _Kept.sizes[1:] == [(2, length)] * 2 and len(reads) == 1
+    monkeypatch.setattr(native_engine, "free_memory_bytes", lambda device: per * length)
+    with pytest.raises(ValueError, match=r"generator.kv_memory_fraction=0.5 of the 0.00 GiB free \(\d+ positions\) holds "
+                                         r"no group: one group is 2 samples"):
+        _engine(model, tok, kv_memory_fraction=0.5).generate(reqs, params, step=0)
+
+
 def test_a_kv_budget_that_cannot_hold_a_group_is_refused_before_any_rank_starts():
     from tidal.recipes.checks import check_engine
     from tests.fixtures import small_config

@@ -396,6 +396,8 @@ def describe_memory(cfg: RunConfig, m: Shape | None, *, executors: tuple[str, ..
         note = ENGINES.get(cfg.generator.engine).kv_note
         if name == "generator" and note:
             total += f" + {note}"
+        elif name == "generator" and cfg.generator.kv_memory_fraction is not None:  # the engine's bound, read at its start
+            total += f" (KV cache at most {cfg.generator.kv_memory_fraction:g} of the memory free at its start)"
         rows.append([name, shown, total])
     if staged:
         every.append(max(staged, key=lambda parts: sum(parts.values())))

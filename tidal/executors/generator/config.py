@@ -84,6 +84,11 @@ class GeneratorConfig(BaseModel):
         None, ge=1, description="native engine: the most KV positions (slots x each slot's length: the longest prompt "
         "+ max_new_tokens, or + multi_turn.max_total_tokens) a replica's engine may hold; fewer groups then decode at "
         "once and admission waits for their slots (same samples). None: max_batch_prompts' groups")
+    kv_memory_fraction: float | None = Field(
+        0.9, gt=0, le=1, description="native engine: its KV store takes at most this fraction of the memory free at "
+        "its first call (the device's on a GPU/NPU, the host's MemAvailable on CPU); fewer groups then decode at once "
+        "and admission waits for their slots (same samples), where a step's slots would not fit. None: unbounded. "
+        "vLLM sizes its own (generator.vllm)")
     admission: Literal["chunked", "continuous"] = Field(
         DEFAULT_ADMISSION, description="native engine: chunked: the next max_batch_prompts prompts start when all are "
         "done; continuous: a finished group's slot takes the next prompt at once. Same samples either way")

@@ -108,6 +108,7 @@ def _build_native(spec: EngineSpec):
     engine = NativeEngine(model, eos_token_id=spec.tokenizer.eos_token_id, pad_token_id=spec.tokenizer.pad_token_id,
                           max_batch_prompts=spec.config.max_batch_prompts, admission=spec.config.admission,
                           kv_budget_tokens=spec.config.kv_budget_tokens,
+                          kv_memory_fraction=spec.config.kv_memory_fraction,
                           numerics=spec.numerics)
     specs, shards = param_specs(model), local_shards(model)  # pushes land in the model itself
     if spec.lora is not None:  # ... the adapters alone

@@ -30,7 +30,7 @@ from tidal.executors.generator.graphs import DecodeGraphs
 from tidal.executors.generator.config import ADMISSIONS, DEFAULT_ADMISSION
 from tidal.executors.generator.routing import NO_ROUTING, recorder_for
 from tidal.executors.generator.sampling import sample_seed
-from tidal.executors.generator.slots import Slots
+from tidal.executors.generator.slots import Slots, free_memory_bytes, kv_bytes_per_position
 
 if TYPE_CHECKING:  # transformers loads with the first chunk: building a graph stays light
     import transformers
@@ -39,7 +39,8 @@ if TYPE_CHECKING:  # transformers loads with the first chunk: building a graph s
 class NativeEngine:
     def __init__(self, model: transformers.PreTrainedModel, *, eos_token_id: int, pad_token_id: int,
                  max_batch_prompts: int = 16, admission: str = DEFAULT_ADMISSION, routing=None, numerics: str = "default",
-                 check_every: int | None = None, graphs: bool | None = None, kv_budget_tokens: int | None = None):
+                 check_every: int | None = None, graphs: bool | None = None, kv_budget_tokens: int | None = None,
+                 kv_memory_fraction: float | None = None):
         """routing: the recorder of an MoE model's routing (tidal/executors/generator/routing.py); None: the
         model's own (recorder_for), NO_ROUTING for a dense one. numerics: "exact" runs the model's products
         and attention batch-invariant (tidal/modeling/numerics.py), as the trainer does under model.numerics=exact.
@@ -49,7 +50,8 @@ class NativeEngine:
         graphs: decode single-turn steps in batch-size buckets (tidal/executors/generator/graphs.py), captured as CUDA
         graphs on a CUDA device where the step can be (default numerics, no routing record); None: on CUDA.
         kv_budget_tokens: the most KV positions (slots x their length) a call's store may hold: fewer groups decode
-        at once, and admission waits for their slots (generator.kv_budget_tokens)."""
+        at once, and admission waits for their slots (generator.kv_budget_tokens). kv_memory_fraction: the store
+        may take at most this fraction of the memory free at the engine's first call (generator.kv_memory_fraction)."""
         if max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts must be >= 1, got {max_batch_prompts}")
         if check_every is not None and check_every < 1:
@@ -74,7 +76,8 @@ class NativeEngine:
         self.admission = admission
         self.check_every = check_every or (1 if self.device.type == "cpu" else 8)
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.kv_budget_tokens = kv_budget_tokens
+        self.kv_budget_tokens, self.kv_memory_fraction = kv_budget_tokens, kv_memory_fraction
+        self._memory_budget: tuple[str, int] | None = None  # kv_memory_fraction's, read at the first call
         self._kept: tuple[tuple, Slots, DecodeGraphs] | None = None  # with graphs: the slots a call leaves
 
     @property
@@ -140,19 +143,24 @@ class NativeEngine:
             length = -(-length // 128) * 128
         # multi-turn: waiting samples keep their slots, so room for as many groups again (admission waits for slots)
         groups = min(len(waiting), self.max_batch_prompts * (1 if turns is None else 2))
-        if self.kv_budget_tokens is not None:
-            groups = min(groups, self._budgeted_groups(params.n, length))
+        for setting, tokens in self._kv_budgets():
+            groups = min(groups, _budgeted_groups(setting, tokens, samples=params.n, length=length))
         slots, decode_graphs = self._slots(params, groups=groups, length=length, response=response, graphs=graphs)
         return self._stream(waiting, params, step, stop, turns, budget, slots, decode_graphs)  # validated now
 
-    def _budgeted_groups(self, samples: int, length: int) -> int:
-        """The groups whose slots fit kv_budget_tokens (a call with one group that does not fit is refused)."""
-        groups = self.kv_budget_tokens // (samples * length)
-        if groups < 1:
-            raise ValueError(f"generator.kv_budget_tokens={self.kv_budget_tokens} holds no group: one group is "
-                             f"{samples} samples x {length} positions (its longest prompt and response) = "
-                             f"{samples * length}")
-        return groups
+    def _kv_budgets(self) -> list[tuple[str, int]]:
+        """(the setting, the KV positions it allows) of each budget the store keeps within. The memory's is read
+        once, at the first call: a later call would find the store its predecessor kept (graphs) taken, not free."""
+        out = [] if self.kv_budget_tokens is None else [(f"generator.kv_budget_tokens={self.kv_budget_tokens}",
+                                                         self.kv_budget_tokens)]
+        if self.kv_memory_fraction is not None and self._memory_budget is None:
+            free = free_memory_bytes(self.device)  # None: it cannot be read, no bound
+            tokens = -1 if free is None else int(self.kv_memory_fraction * free) // kv_bytes_per_position(self.model)
+            self._memory_budget = (f"generator.kv_memory_fraction={self.kv_memory_fraction} of the "
+                                   f"{(free or 0) / 2 ** 30:.2f} GiB free ({tokens} positions)", tokens)
+        if self._memory_budget is not None and self._memory_budget[1] >= 0:
+            out.append(self._memory_budget)
+        return out
 
     def _slots(self, params: SamplingParams, *, groups: int, length: int, response: int,
                graphs: bool) -> tuple[Slots, DecodeGraphs | None]:
@@ -414,3 +422,11 @@ class _MultiTurn(_Driver):
             self.slots.observe(s, obs)
         self.length[s] = self.turn_start[s] = n + len(obs)
         chunks[s] = [last] + obs
+
+
+def _budgeted_groups(setting: str, tokens: int, *, samples: int, length: int) -> int:
+    """The groups whose slots fit a budget of `tokens` KV positions (a call with one group that does not fit is refused)."""
+    if tokens // (samples * length) < 1:
+        raise ValueError(f"{setting} holds no group: one group is {samples} samples x {length} positions (its longest "
+                         f"prompt and response) = {samples * length}")
+    return tokens // (samples * length)

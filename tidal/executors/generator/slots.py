@@ -173,3 +173,35 @@ class Slots:
         n = int(self.len_N[slot])
         return (self.tokens_NT[slot, :n].cpu().clone(), self.logp_NT[slot, :n].cpu().clone(),
                 self.sampled_NT[slot, :n].cpu().clone())
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """What a new allocation on `device` may take: the device's free memory and what torch's allocator holds
+    unused (GPU/NPU), or the host's MemAvailable (CPU); None where it cannot be read."""
+    if device.type in ("cuda", "npu"):
+        backend = getattr(torch, device.type)
+        free, _ = backend.mem_get_info(device)
+        return free + backend.memory_reserved(device) - backend.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return kib * 1024
+
+
+def kv_bytes_per_position(model) -> int:
+    """One slot position's keys and values over every layer, in this rank's store (a tp shard's key heads): each
+    layer's k_proj rows are its key heads x head dim, in the dtype its keys are stored in."""
+    rows = [(_local(m.weight).shape[0], m.weight.element_size()) for name, m in model.named_modules()
+            if name.endswith("k_proj") and hasattr(m, "weight")]
+    if rows:
+        return sum(2 * n * size for n, size in rows)
+    c = model.config  # fused projections: the config's whole heads (a tp shard holds fewer: an upper bound)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
