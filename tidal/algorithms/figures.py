@@ -53,3 +53,18 @@ def add(figures: dict[str, Figure], more: dict[str, Figure]) -> dict[str, Figure
     for name, fig in more.items():
         out[name] = out.get(name, zero(type(fig))) + fig
     return out
+
+
+def flatten(figures: dict[str, Figure], kinds: dict[str, type]) -> tuple[list[float], list[float]]:
+    """The figures of `kinds` (a name `figures` lacks is its kind's zero) as the floats a sum and a max over ranks
+    take: every Mean's total and over, then every Largest's value, in `kinds`' order (the same on every rank)."""
+    full = add({name: zero(kind) for name, kind in kinds.items()}, figures)
+    sums = [x for name, kind in kinds.items() if kind is Mean for x in (full[name].total, full[name].over)]
+    return sums, [full[name].largest for name, kind in kinds.items() if kind is Largest]
+
+
+def unflatten(kinds: dict[str, type], sums: list[float], maxima: list[float]) -> dict[str, Figure]:
+    """`flatten`'s inverse, once the floats are summed and maxed."""
+    means, largest = iter(sums), iter(maxima)
+    return {name: Mean(next(means), next(means)) if kind is Mean else Largest(next(largest))
+            for name, kind in kinds.items()}

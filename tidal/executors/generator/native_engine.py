@@ -425,7 +425,7 @@ class _MultiTurn(_Driver):
 
 
 def _budgeted_groups(setting: str, tokens: int, *, samples: int, length: int) -> int:
-    """The groups whose slots fit a budget of `tokens` KV positions (a call with one group that does not fit is refused)."""
+    """The groups whose slots fit a budget of `tokens` KV positions (refused where not one group fits)."""
     if tokens // (samples * length) < 1:
         raise ValueError(f"{setting} holds no group: one group is {samples} samples x {length} positions (its longest "
                          f"prompt and response) = {samples * length}")

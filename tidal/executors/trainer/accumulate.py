@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tidal.algorithms import figures
 from tidal.algorithms.base import LossOutput
-from tidal.algorithms.figures import Figure, Largest, Mean
+from tidal.algorithms.figures import Figure
 from tidal.algorithms.objective import Pass
 from tidal.channels.payloads import ScoredGroup
 from tidal.executors.learner.sums import Sums
@@ -121,20 +121,16 @@ class LossSums:
         names = [None] * dist.get_world_size(group)
         dist.all_gather_object(names, {name: type(fig) for name, fig in self.figures.items()}, group=group)
         kinds = dict(sorted({name: kind for theirs in names for name, kind in theirs.items()}.items()))
-        mine = figures.add({name: figures.zero(kind) for name, kind in kinds.items()}, self.figures)
-        means = [name for name, kind in kinds.items() if kind is Mean]
-        largest = [name for name, kind in kinds.items() if kind is Largest]
-        sums = torch.tensor([*(self.loss[n] for n in Pass), *(getattr(self, n) for n in self._own()),
-                             *(x for n in means for x in (mine[n].total, mine[n].over))], dtype=torch.float64)
-        maxima = torch.tensor([mine[n].largest for n in largest], dtype=torch.float64)
+        figure_sums, figure_maxima = figures.flatten(self.figures, kinds)
+        own = [self.loss[name] for name in Pass] + [getattr(self, name) for name in self._own()]
+        sums = torch.tensor(own + figure_sums, dtype=torch.float64)
+        maxima = torch.tensor(figure_maxima, dtype=torch.float64)
         dist.all_reduce(sums, group=group)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         values = sums.tolist()
-        own, rest = values[len(Pass):len(Pass) + len(self._own())], values[len(Pass) + len(self._own()):]
-        return LossSums(loss=dict(zip(Pass, values[:len(Pass)])), mismatch=self.mismatch.all_gather(group=group),
-                        **dict(zip(self._own(), own)),
-                        figures={**{n: Mean(rest[2 * k], rest[2 * k + 1]) for k, n in enumerate(means)},
-                                 **{n: Largest(v) for n, v in zip(largest, maxima.tolist())}})
+        return LossSums(loss=dict(zip(Pass, values)), **dict(zip(self._own(), values[len(Pass):len(own)])),
+                        figures=figures.unflatten(kinds, values[len(own):], maxima.tolist()),
+                        mismatch=self.mismatch.all_gather(group=group))
 
 
 @dataclass
