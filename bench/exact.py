@@ -48,7 +48,7 @@ MISMATCH = ("mean", "p99", "max", "kl")
 
 def measure(sets: list[str], common: list[str], *, steps: int, out: Path) -> dict:
     args = [a for s in common + sets for a in ("--set", s)]
-    jobs.run("grpo", *args, steps=steps, output_dir=out, nproc=3, timeout=3600)
+    jobs.run("grpo", "--overwrite", *args, steps=steps, output_dir=out, nproc=3, timeout=3600)
     every = jobs.read_metrics(out)
     rows = every[1:]  # step 0 carries the start-up
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731

@@ -31,7 +31,7 @@ CONFIGS = {  # name: (ranks, overrides)
 
 
 def run(nproc: int, overrides: list[str], backend: str, steps: int, out: Path) -> list[dict]:
-    return jobs.run("grpo", output_dir=out, nproc=nproc,
+    return jobs.run("grpo", "--overwrite", output_dir=out, nproc=nproc,
                     steps=steps, overrides=[f"trainer.backend={backend}", *overrides]).metrics
 
 

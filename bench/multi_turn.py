@@ -91,7 +91,7 @@ def part3(args, tmp: Path) -> None:
                 env_args = json.dumps({"latency": L, **inner})
                 extra = [f"multi_turn.env_args={env_args}"] + ([f"multi_turn.env_workers={workers}"]
                                                                if workers is not None else [])
-                rows = jobs.run("grpo", "--schedule", args.schedule, output_dir=tmp / f"{r}-{L}-{mode}",
+                rows = jobs.run("grpo", "--overwrite", "--schedule", args.schedule, output_dir=tmp / f"{r}-{L}-{mode}",
                                 steps=args.steps, overrides=[*base, *extra], nproc=3).metrics
                 runs.setdefault((L, mode), []).append(
                     {"step_s": med(rows, lambda x: x["step_s"]), "gen_s": med(rows, lambda x: x["generator/gen_s"]),
@@ -131,10 +131,10 @@ def part1(args, tmp: Path) -> None:
     table = []
     mt_tps, st_tps, env_s, mt_gen, st_gen, lengths = [], [], [], [], [], []
     for i in range(args.repeats):
-        mt = jobs.run("grpo", "--schedule", "sync", output_dir=tmp / "mt",
+        mt = jobs.run("grpo", "--overwrite", "--schedule", "sync", output_dir=tmp / "mt",
                       steps=args.steps, overrides=[*MULTI_TURN, *engine], nproc=3).metrics
         length = round(med(mt, lambda r: r["trainer/response_len_mean"]))
-        st = jobs.run("grpo", "--schedule", "sync", output_dir=tmp / "st",
+        st = jobs.run("grpo", "--overwrite", "--schedule", "sync", output_dir=tmp / "st",
                       steps=args.steps, overrides=[f"generator.max_new_tokens={length}", *engine,
                                                              "logging.samples_every=1"], nproc=3).metrics
         # response tokens (model turns and observations) per second of generation
@@ -164,20 +164,20 @@ def part2(args, tmp: Path) -> None:
                 ["generator.max_new_tokens=32", "generator.samples_per_prompt=8", "generator.max_batch_prompts=4"]]
     cal = []
     for i, overrides in enumerate(cal_cfgs):
-        jobs.run("grpo", "--schedule", "sync", output_dir=tmp / f"cal-{i}",
+        jobs.run("grpo", "--overwrite", "--schedule", "sync", output_dir=tmp / f"cal-{i}",
                  steps=args.steps, overrides=["logging.samples_every=1", *overrides], nproc=3)
         cal.append(tmp / f"cal-{i}")
-    jobs.run("grpo", "--schedule", "periodic", output_dir=tmp / "cal-periodic",
+    jobs.run("grpo", "--overwrite", "--schedule", "periodic", output_dir=tmp / "cal-periodic",
              steps=args.steps, overrides=["logging.samples_every=1", *cal_cfgs[-1]], nproc=3)
     rates = calibrate(*cal)
     rates = dataclasses.replace(rates, concurrency=fit_concurrency(rates, tmp / "cal-periodic"))
     sync_s, per_s, pred_s, pred_p, turns, same = [], [], [], [], [], True
     for i in range(args.repeats):
-        s = jobs.run("grpo", "--schedule", "sync", output_dir=tmp / "sync",
+        s = jobs.run("grpo", "--overwrite", "--schedule", "sync", output_dir=tmp / "sync",
                      steps=args.steps, overrides=chain, nproc=3).metrics
         shapes = [shape for step, shape in sorted(shapes_of(tmp / "sync").items()) if step >= 1]
         ps, pp, _ = predict(shapes, rates, replicas=1, dp=1)
-        q = jobs.run("grpo", "--schedule", "periodic", output_dir=tmp / "periodic",
+        q = jobs.run("grpo", "--overwrite", "--schedule", "periodic", output_dir=tmp / "periodic",
                      steps=args.steps, overrides=chain, nproc=3).metrics
         same &= [r["trainer/rollout_digest"] for r in s] == [r["trainer/rollout_digest"] for r in q]
         sync_s.append(med(s, lambda r: r["step_s"]))

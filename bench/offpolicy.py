@@ -59,7 +59,7 @@ def part1(args, tmp: Path) -> None:
         for i in range(args.repeats):
             for name, flags in SCHEDULES.items():
                 out = tmp / (name if i == 0 else "run")  # the first repeat's sync and periodic calibrate the planner
-                rows = jobs.run("grpo", *flags, output_dir=out,
+                rows = jobs.run("grpo", "--overwrite", *flags, output_dir=out,
                                 steps=args.steps, overrides=[*overrides, "logging.samples_every=1"], nproc=3).metrics[1:]
                 step_s[name].append(statistics.median(r["step_s"] for r in rows))
         predicted = plan(tmp / "sync", tmp / "periodic", steps=args.steps)
@@ -87,7 +87,7 @@ def part2(args, tmp: Path) -> None:
     task = ["rollout=multi_turn"] if args.task == "multi_turn" else []
     for name, sets in ABLATION.items():
         flags = ("--schedule", "offpolicy") if name != "periodic" else ()
-        rows = jobs.run("grpo", *flags, output_dir=tmp / "run",
+        rows = jobs.run("grpo", "--overwrite", *flags, output_dir=tmp / "run",
                         steps=args.ablation_steps, overrides=[*task, *sets], nproc=3).metrics
         rewards = [r["trainer/reward_mean"] for r in rows]
         curves[name] = rewards

@@ -1,5 +1,5 @@
-"""Partial rollouts on a long tail: step time and time per trained group, with and without
-`generator.partial_rollout_tokens`, under periodic and offpolicy k=1, on the same job in one run.
+"""Partial rollouts on a long tail: step time, time per trained group and trained tokens/s, with and without
+`generator.partial_rollout_tokens`, under sync, periodic and offpolicy k=1, on the same job in one run.
 
 The job needs a long tail, which the embedded model does not have (its samples all run to
 max_new_tokens): the bench first trains it for `--tail-steps` steps to write short answers
@@ -33,6 +33,7 @@ from tidal.launch import jobs  # noqa: E402
 
 JOB = ["generator.max_new_tokens=64", "reward.functions=[bench.partial:short]"]
 CONFIGS = {
+    "sync": (("--schedule", "sync"), ()),
     "periodic": ((), ()),
     "periodic, N=16": ((), ("generator.partial_rollout_tokens=16",)),
     "periodic, N=32": ((), ("generator.partial_rollout_tokens=32",)),
@@ -61,29 +62,30 @@ def main() -> None:
         return engine(args)
     with tempfile.TemporaryDirectory(prefix="tidal-bench-partial-") as tmp:
         tmp = Path(tmp)
-        jobs.run("grpo", output_dir=tmp / "tail", steps=args.tail_steps, overrides=JOB, nproc=3)
+        jobs.run("grpo", "--overwrite", output_dir=tmp / "tail", steps=args.tail_steps, overrides=JOB, nproc=3)
         model = [f"model.path={tmp / 'tail/final'}"]
         runs = {name: [] for name in CONFIGS}
         for _ in range(args.repeats):
             for name, (flags, sets) in CONFIGS.items():
-                runs[name].append(jobs.run("grpo", *flags, output_dir=tmp / "run",
+                runs[name].append(jobs.run("grpo", "--overwrite", *flags, output_dir=tmp / "run",
                                            steps=args.steps, overrides=[*JOB, *model, *sets], nproc=3).metrics[SKIP:])
-    base = per_group(runs["periodic"])
+    base, sync_tps = per_group(runs["periodic"]), tokens_per_s(runs["sync"])
     table = []
     for name, repeats in runs.items():
         steps = [r for rows in repeats for r in rows]
         med_step = statistics.median(r["step_s"] for r in steps)
         g = per_group(repeats)
         table.append([name, f"{med_step:.2f}", f"{g:.3f}", " ".join(f"{group_s(rows):.3f}" for rows in repeats),
-                      f"{base / g:.2f}x", f"{statistics.mean(r['groups'] for r in steps):.1f}",
-                      f"{statistics.mean(r['response_len_mean'] for r in steps if r['groups']):.1f}",
-                      f"{statistics.mean(r['staleness_mean'] for r in steps if r['groups']):.2f}",
+                      f"{base / g:.2f}x", f"{tokens_per_s(repeats):.0f}", f"{tokens_per_s(repeats) / sync_tps:.2f}x",
+                      f"{statistics.mean(r['trainer/groups'] for r in steps):.1f}",
+                      f"{statistics.mean(r['trainer/response_len_mean'] for r in steps if r['trainer/groups']):.1f}",
+                      f"{statistics.mean(r['trainer/staleness_mean'] for r in steps if r['trainer/groups']):.2f}",
                       max(r["trainer/staleness_max"] for r in steps)])
     print(f"\nlong-tail job (the embedded model after {args.tail_steps} steps of short answers, max_new_tokens=64, "
           f"B=8, G=16): {args.repeats} runs x {args.steps - SKIP} steps per configuration (the first {SKIP} skipped)")
     print(tabulate(table, headers=["configuration", "median step s", "s / trained group", "runs",
-                                   "vs periodic", "groups / step", "response len", "staleness mean",
-                                   "staleness max"]))
+                                   "vs periodic", "trained tok/s", "vs sync", "groups / step", "response len",
+                                   "staleness mean", "staleness max"]))
 
 
 def engine(args) -> None:
@@ -130,6 +132,11 @@ def group_s(rows: list[dict]) -> float:
 
 def per_group(repeats: list[list[dict]]) -> float:
     return statistics.median(group_s(rows) for rows in repeats)
+
+
+def tokens_per_s(repeats: list[list[dict]]) -> float:
+    """Trained tokens over the steps' seconds, the median over the runs."""
+    return statistics.median(sum(r["trainer/tokens"] for r in rows) / sum(r["step_s"] for r in rows) for rows in repeats)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def long_tail_model(path: Path) -> str:
 
 def run(overrides: list[str], schedule: str, steps: int, out: Path) -> list[dict]:
     """One run into `out`; its metrics rows."""
-    return jobs.run("grpo", "--schedule", schedule, output_dir=out,
+    return jobs.run("grpo", "--overwrite", "--schedule", schedule, output_dir=out,
                     steps=steps, overrides=["logging.samples_every=1", *overrides], nproc=3).metrics
 
 

@@ -81,8 +81,8 @@ def humaneval_like_prompts(out: Path, *, n: int = 164) -> str:
 def run(name: str, schedule: str, sets: list[str], *, job: list[str], steps: int, out: Path) -> dict:
     from tidal.launch import jobs
 
-    jobs.run("grpo", "--schedule", schedule, output_dir=out, steps=steps, overrides=[*job, *sets], timeout=steps * 600,
-             nproc=3)
+    jobs.run("grpo", "--overwrite", "--schedule", schedule, output_dir=out, steps=steps, overrides=[*job, *sets],
+             timeout=steps * 600, nproc=3)
     return collect(out)
 
 
