@@ -80,15 +80,16 @@ def _stats(inputs: LossInputs, *, mask_NT, inv_len_N1, per_seq: bool, denom: flo
 
     as_float = inv_len_N1.dtype
     ratio_NT = torch.where(mask_NT, ratio_NT, 0.0)  # mask_NT: the tokens a correction kept
+    tokens = float(inputs.mask_NT.sum().item())  # every response token, kept or not
     return {
         "kl": per_denom(kl_NT) if kl_NT is not None else Mean(0.0, denom),  # to the reference
         "clip_frac": per_denom((low_NT | high_NT).to(as_float)),  # the clamp active, either way
         "clip_low_frac": per_denom(low_NT.to(as_float)),  # below 1 - clip_low (or the dual clip), A < 0
         "clip_high_frac": per_denom(high_NT.to(as_float)),  # above 1 + clip_high, A > 0
         # policy / old policy: 1 on a step's first pass
-        "ratio_mean": Mean(ratio_NT.sum().item(), float(inputs.mask_NT.sum().item())),
+        "ratio_mean": Mean(ratio_NT.sum().item(), tokens),
         "ratio_max": Largest(ratio_NT.max().item() if mask_NT.numel() else 0.0),
-        **correction_figures(tokens=float(inputs.mask_NT.sum().item()), kept_NT=mask_NT, weight_NT=weight_NT),
+        **correction_figures(tokens=tokens, kept_NT=mask_NT, weight_NT=weight_NT),
     }
 
 

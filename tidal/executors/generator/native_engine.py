@@ -426,7 +426,8 @@ class _MultiTurn(_Driver):
 
 def _budgeted_groups(setting: str, tokens: int, *, samples: int, length: int) -> int:
     """The groups whose slots fit a budget of `tokens` KV positions (refused where not one group fits)."""
-    if tokens // (samples * length) < 1:
+    groups = tokens // (samples * length)
+    if groups < 1:
         raise ValueError(f"{setting} holds no group: one group is {samples} samples x {length} positions (its longest "
                          f"prompt and response) = {samples * length}")
-    return tokens // (samples * length)
+    return groups

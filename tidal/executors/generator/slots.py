@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from tidal.executors.generator.sampling import sample_tokens
+from tidal.modeling.parallel import local
 from tidal.modeling.slot_attention import ATTN_NAME, SlotForward, SlotStore, slot_forward
 
 
@@ -193,7 +194,7 @@ def free_memory_bytes(device: torch.device) -> int | None:
 def kv_bytes_per_position(model) -> int:
     """One slot position's keys and values over every layer, in this rank's store (a tp shard's key heads): each
     layer's k_proj rows are its key heads x head dim, in the dtype its keys are stored in."""
-    rows = [(_local(m.weight).shape[0], m.weight.element_size()) for name, m in model.named_modules()
+    rows = [(local(m.weight).shape[0], m.weight.element_size()) for name, m in model.named_modules()
             if name.endswith("k_proj") and hasattr(m, "weight")]
     if rows:
         return sum(2 * n * size for n, size in rows)
@@ -201,7 +202,3 @@ def kv_bytes_per_position(model) -> int:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     return 2 * c.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
