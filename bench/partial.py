@@ -8,7 +8,9 @@ running to max_new_tokens=64, the shape of a reasoning model's lengths. Then eac
 runs `--steps` steps from that model, `--repeats` times (alternating); the first 4 steps are skipped
 (warm-up, and with partial rollouts the steps before the pipeline of cut groups fills). A step
 trains a varying number of groups with partial rollouts, so the fair figure is seconds per
-trained group (the steps' time over the groups they trained), beside the median step.
+trained group (the steps' time over the groups they trained), beside the median step. The planner's
+prediction of each sync, periodic and partial-rollout row's trained tokens/s sits beside it
+(tidal/planner/partial.py; rates calibrated on the first sync run, lengths of its measured steps).
 
 The engine alone (`--part engine --model DIR --data FILE`): `--prompts` prompts x 4 samples x
 128 tokens generated whole, then in pieces of 32 (each cut group resumed by the next call, its KV
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tidal.launch import jobs  # noqa: E402
 
-JOB = ["generator.max_new_tokens=64", "reward.functions=[bench.partial:short]"]
+JOB = ["generator.max_new_tokens=64", "reward.functions=[bench.partial:short]", "logging.samples_every=1"]
 CONFIGS = {
     "sync": (("--schedule", "sync"), ()),
     "periodic": ((), ()),
@@ -57,18 +59,22 @@ def main() -> None:
     p.add_argument("--model", help="--part engine: an HF model directory")
     p.add_argument("--data", help="--part engine: a JSONL file with a `prompt` column (chat template applied)")
     p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--keep", type=Path, help="keep the runs in this directory (the planner's inputs: sync0, periodic0)")
     args = p.parse_args()
     if args.part == "engine":
         return engine(args)
     with tempfile.TemporaryDirectory(prefix="tidal-bench-partial-") as tmp:
-        tmp = Path(tmp)
+        tmp = args.keep or Path(tmp)
         jobs.run("grpo", "--overwrite", output_dir=tmp / "tail", steps=args.tail_steps, overrides=JOB, nproc=3)
         model = [f"model.path={tmp / 'tail/final'}"]
         runs = {name: [] for name in CONFIGS}
-        for _ in range(args.repeats):
+        for k in range(args.repeats):
             for name, (flags, sets) in CONFIGS.items():
-                runs[name].append(jobs.run("grpo", "--overwrite", *flags, output_dir=tmp / "run",
+                # the first sync and periodic runs stay: the planner calibrates on them (tidal/planner/calibrate.py)
+                out = tmp / (f"{name}0" if k == 0 and name in ("sync", "periodic") else "run")
+                runs[name].append(jobs.run("grpo", "--overwrite", *flags, output_dir=out,
                                            steps=args.steps, overrides=[*JOB, *model, *sets], nproc=3).metrics[SKIP:])
+        predicted = predictions(tmp / "sync0", tmp / "periodic0")
     base, sync_tps = per_group(runs["periodic"]), tokens_per_s(runs["sync"])
     table = []
     for name, repeats in runs.items():
@@ -77,6 +83,8 @@ def main() -> None:
         g = per_group(repeats)
         table.append([name, f"{med_step:.2f}", f"{g:.3f}", " ".join(f"{group_s(rows):.3f}" for rows in repeats),
                       f"{base / g:.2f}x", f"{tokens_per_s(repeats):.0f}", f"{tokens_per_s(repeats) / sync_tps:.2f}x",
+                      f"{predicted[name]:.0f}" if name in predicted else "",
+                      f"{tokens_per_s(repeats) / predicted[name] - 1:+.0%}" if name in predicted else "",
                       f"{statistics.mean(r['trainer/groups'] for r in steps):.1f}",
                       f"{statistics.mean(r['trainer/response_len_mean'] for r in steps if r['trainer/groups']):.1f}",
                       f"{statistics.mean(r['trainer/staleness_mean'] for r in steps if r['trainer/groups']):.2f}",
@@ -84,8 +92,34 @@ def main() -> None:
     print(f"\nlong-tail job (the embedded model after {args.tail_steps} steps of short answers, max_new_tokens=64, "
           f"B=8, G=16): {args.repeats} runs x {args.steps - SKIP} steps per configuration (the first {SKIP} skipped)")
     print(tabulate(table, headers=["configuration", "median step s", "s / trained group", "runs",
-                                   "vs periodic", "trained tok/s", "vs sync", "groups / step", "response len",
+                                   "vs periodic", "trained tok/s", "vs sync", "planner's tok/s", "measured vs it",
+                                   "groups / step", "response len",
                                    "staleness mean", "staleness max"]))
+
+
+def predictions(sync_dir: Path, periodic_dir: Path) -> dict[str, float]:
+    """The planner's trained tokens/s for the sync, periodic and partial-rollout rows: rates calibrated on the
+    bench's first sync run (and its periodic run's overlap), the response lengths of the sync run's measured steps
+    (tidal/planner/partial.py for the cut steps)."""
+    from dataclasses import replace
+
+    from tidal.planner.calibrate import calibrate, fit_concurrency, shapes_of
+    from tidal.planner.model import simulate
+    from tidal.planner.partial import budget_rows
+
+    rates = calibrate(sync_dir, skip=SKIP)
+    rates = replace(rates, concurrency=fit_concurrency(rates, periodic_dir, skip=SKIP))
+    shapes = [s for step, s in sorted(shapes_of(sync_dir).items()) if step >= SKIP]
+    out = {}
+    for name, schedule in (("sync", "sync"), ("periodic", "periodic")):
+        steps = [simulate(s, rates, schedule=schedule) for s in shapes]
+        out[name] = sum(p.tokens for p in steps) / sum(p.step_s for p in steps)
+    for name, (flags, sets) in CONFIGS.items():
+        if flags or not sets:
+            continue
+        n = int(sets[0].split("=")[1])
+        out[name] = next(r.tokens_per_s for r in budget_rows(shapes, rates, budgets=[n], steps=48) if r.budget == n)
+    return out
 
 
 def engine(args) -> None:

@@ -68,6 +68,14 @@ def test_fsdp_and_tp_trainer_with_tp_generator_equal_single_rank(single, tmp_pat
     assert (run / STEP0 / "trainer/.metadata").is_file() and (run / STEP0 / "manifest.json").is_file()
 
 
+def test_context_parallel_inside_fsdp_dp_equals_single_rank(single, tmp_path):
+    """6 ranks: trainer dp=2 x cp=2 with FSDP over the four (tidal/modeling/parallel/cp.py); each group's packed
+    row splits over its unit's two cp ranks, and the push reshards from the four FSDP shards."""
+    run = _run(tmp_path, "--set", "trainer.dp=2", "--set", "trainer.cp=2", "--set", "trainer.fsdp=true", nproc=6,
+               timeout=360)
+    _same_training(run, single)
+
+
 LOCKSTEP = ["--set", "data.prompts_per_step=5", "--set", "trainer.dp=2", "--set", "trainer.mini_batches=2",
             "--set", "trainer.epochs=2", "--set", "algorithm.beta=0.04"]
 

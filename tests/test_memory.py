@@ -256,3 +256,37 @@ def test_a_kv_budget_bounds_the_estimated_kv_cache():
         cfg = small_config(data={"prompts_per_step": 8, "max_prompt_tokens": 64},
                            generator={**base, "kv_budget_tokens": budget})
         assert generator_parts(cfg, shape)["KV cache"] == want
+
+
+def test_the_long_context_preset_splits_its_rows_and_fits(tmp_path, monkeypatch):
+    """configs/qwen3-8b-long-16xh200.yaml on Qwen3-8B's published shape: 16 ranks, a trainer unit of 4 cp ranks,
+    and a trainer rank within an H200's 141 GB without activation checkpointing because cp splits the 33k-token row
+    (one rank holding it would not be)."""
+    import dataclasses
+    import json
+
+    from tidal.controller.world import placement, world_size_of
+    from tidal.executors.generator.engines import ENGINES
+    from tidal.launch.cli import parser, resolve
+    from tidal.launch.memory import describe_memory
+    from tidal.recipes.registry import recipe_for
+    from tests.e2e import ROOT
+
+    monkeypatch.setitem(ENGINES._entries, "vllm", dataclasses.replace(ENGINES.get("vllm"), check=lambda *a: None))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False}))  # Qwen/Qwen3-8B
+
+    def trainer_gb(*overrides):
+        cfg = resolve(parser().parse_args(["--algo", "grpo", "--config", str(ROOT / "configs" / "qwen3-8b-long-16xh200.yaml"),
+                                           "--set", f"model.path={tmp_path}", *overrides]))
+        table = describe_memory(cfg, Shape.of(str(tmp_path)), device="cuda")
+        return cfg, float(next(line for line in table.splitlines() if line.startswith("trainer")).split()[-2])
+
+    cfg, gb = trainer_gb()
+    graph = recipe_for(cfg.algo).build(cfg)
+    assert world_size_of(graph) == 16 and len(placement(graph)["trainer"][0]) == cfg.trainer.cp == 4
+    assert gb < 0.8 * 141
+    _, whole = trainer_gb("--set", "trainer.cp=1", "--set", "trainer.dp=8")
+    assert whole > 141 > gb

@@ -247,12 +247,18 @@ def test_plan_flags_are_checked(capsys):
 
 def test_plan_calibrates_the_job_on_this_machine():
     """`--plan` as a user runs it: three 5-step calibration runs of the embedded job (sync, periodic,
-    co-located), then the table: every split and the co-located placement."""
+    co-located), then the table: every split and the co-located placement; the admission and the partial
+    rollouts for the marked split."""
     proc = subprocess.run([sys.executable, "launch.py", "--algo", "grpo", "--plan", "--devices", "3"], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "calibrated on this machine" in proc.stdout
     splits_text, admission = proc.stdout.split("\n\ngenerator admission for ")
+    admission, partial = admission.split("\n\npartial rollouts for ")
+    # partial rollouts on the same split: whole, then an eighth, a quarter and a half of max_new_tokens (the job's 8)
+    budgets = [line.split() for line in partial.splitlines()[3:]]
+    assert [b[0] for b in budgets] == ["whole", "1", "2", "4"] and sum(b[-1] == "use" for b in budgets) == 1
+    assert float(budgets[0][4]) == 1.0 and float(budgets[0][5]) == 0 < float(budgets[1][5])  # vs whole, staleness
     lines = [line for line in splits_text.splitlines() if line.strip()[:1].isdigit()]
     assert [line.split()[:2] for line in lines] == [["1", "2"], ["2", "1"], ["3", "(co-located)"]]
     assert float(lines[-1].split()[5]) > 0  # its sync step s (swap included)
@@ -287,3 +293,57 @@ def test_offpolicy_model_pipelines_steps(group_s):
     assert lag1[0] == pytest.approx(periodic.step_s)  # the pipeline fills
     assert lag1[1:] == pytest.approx([max(periodic.gen_s, train)] * 5)
     assert max(periodic.gen_s, train) < periodic.step_s
+
+
+# ---- partial rollouts (tidal/planner/partial.py) ------------------------------------------------------
+def test_partial_rollouts_by_hand():
+    """B=2 prompts of one sample, lengths 2 and 6, budget 2, one forward = 1 s and nothing else costs: step 0
+    trains its short group and cuts the long one; step 2 ends step 0's long group (written at steps 0, 1, 2:
+    staleness 2, 1, 0) beside its own short one. Two slots; an admission prefills its fresh prompts in one forward
+    and its resumed groups in another: step 1 admits step 0's long group with its own first prompt (2 forwards)
+    and decodes once, then its second prompt (1 + 1); steps 2 and 3 admit two resumed groups, then two fresh."""
+    from tidal.planner.partial import simulate_partial
+
+    shape = StepShape(prompt_lens=(3, 3), lengths=((2,), (6,)), max_batch_prompts=2, admission="continuous")
+    rates = Rates(gen=GenRates(forward_s=1.0), train=TrainRates(barrier_s=0.5))
+    steps = simulate_partial([shape] * 4, rates, budget=2, schedule="sync")
+    assert [s.groups for s in steps] == [1, 1, 2, 2]
+    assert [s.step_s for s in steps] == [2.5, 5.5, 4.5, 4.5]  # the forwards, then the barrier
+    assert [s.prediction.tokens for s in steps] == [5, 5, 5 + 9, 5 + 9]
+    assert steps[2].staleness_mean == pytest.approx((2 * 2 + 2 * 1 + 2 * 0 + 2 * 0) / 8)
+    assert steps[0].staleness_mean == 0
+
+
+@pytest.mark.parametrize("schedule", ["sync", "periodic"])
+def test_partial_rollouts_with_a_budget_above_every_length_are_the_plain_steps(schedule):
+    from tidal.planner.partial import simulate_partial
+
+    shape = StepShape(prompt_lens=(4, 7, 5, 6), lengths=((3, 9), (12, 2), (5, 5), (1, 7)), max_batch_prompts=2,
+                      admission="continuous", replicas=2, dp=2)
+    rates = Rates(gen=GenRates(forward_s=0.01, row_s=0.002, row_col_s=1e-4, prefill_token_s=1e-3, send_s=0.003),
+                  train=TrainRates(group_s=0.05, token_s=0.002, barrier_s=0.1, push_s=0.02), reward_group_s=0.01,
+                  handoff_s=0.004, concurrency=0.7)
+    plain = simulate(shape, rates, schedule=schedule)
+    for step in simulate_partial([shape] * 3, rates, budget=12, schedule=schedule):
+        assert step.prediction == plain and step.groups == 4 and step.staleness_mean == 0
+
+
+@pytest.mark.parametrize("forward_s, row_s, pays", [(0.02, 1e-5, True), (0.002, 2e-3, False)])
+def test_partial_rollouts_pay_on_a_long_tail_where_a_forward_costs_the_same_for_few_rows(forward_s, row_s, pays):
+    """One group in 8 runs 8x longer: periodic waits for it every step (4 rows decoding alone for 112 forwards);
+    partial rollouts (budget = the short length) train each step's short groups and one long group ended over 8
+    steps, whose tokens were written 7..0 steps before (staleness 3.5 on its 512 of the step's 960 response
+    tokens). Where a forward costs about the same for 4 rows as for 32 (a device) that pays; where its cost
+    follows its rows (this CPU), the resumed groups' prefills of their tokens so far cost more than the tail."""
+    from tidal.planner.partial import simulate_partial
+
+    rates = Rates(gen=GenRates(forward_s=forward_s, row_s=row_s),
+                  train=TrainRates(group_s=0.02, token_s=2e-4, barrier_s=0.05, push_s=0.01), reward_group_s=0.001)
+    tail = StepShape(prompt_lens=(16,) * 8, lengths=((16,) * 4,) * 7 + ((128,) * 4,), max_batch_prompts=8,
+                     admission="continuous")
+    plain = simulate(tail, rates, schedule="periodic")
+    cut = simulate_partial([tail] * 24, rates, budget=16, schedule="periodic")[8:]  # the carry has filled
+    assert all(s.groups == 8 and s.prediction.tokens == plain.tokens for s in cut)
+    assert (plain.step_s > 1.5 * max(s.step_s for s in cut)) is pays
+    assert (plain.step_s > max(s.step_s for s in cut)) is pays
+    assert cut[0].staleness_mean == pytest.approx(3.5 * 512 / 960)

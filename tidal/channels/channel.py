@@ -64,6 +64,7 @@ class Route:
     src_sharded: bool = False  # the source's units hold shards of one model copy (FSDP), not replicas
     src_ep: int = 1  # runs of this many source units split an MoE model's experts (expert parallel)
     src_pp: int = 1  # each source unit is this many pipeline stages, stage-major (tidal/channels/push_plan.py)
+    src_cp: int = 1  # each source unit is this many context-parallel copies, cp-major: to the plan, dp copies
 
     def destinations(self, kind: Kind, item) -> tuple[int, ...]:
         if kind is Kind.BROADCAST:

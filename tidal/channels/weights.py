@@ -32,9 +32,10 @@ from tidal.channels.push_plan import GeneratorLayout, PushPlan, TrainerLayout, b
 
 
 def _layouts(route: Route) -> tuple[TrainerLayout, GeneratorLayout]:
+    # a unit's cp ranks hold what dp copies would (tidal/modeling/parallel/cp.py): the plan counts them as dp
     trainer = TrainerLayout(ranks=tuple(r for u in route.src_units for r in u),
-                            tp=len(route.src_units[0]) // route.src_pp, fsdp=route.src_sharded, ep=route.src_ep,
-                            pp=route.src_pp)
+                            tp=len(route.src_units[0]) // (route.src_pp * route.src_cp), fsdp=route.src_sharded,
+                            ep=route.src_ep, pp=route.src_pp)
     generator = GeneratorLayout(ranks=tuple(r for u in route.dst_units for r in u), tp=len(route.dst_units[0]))
     return trainer, generator
 
@@ -245,7 +246,7 @@ _IN_FLIGHT = "weights_in_flight"
 def _in_flight_meta(channel: Channel, route: Route, *, specs: dict | None) -> dict:
     return {"lag": channel.step_lag, "src_units": [list(u) for u in route.src_units],
             "dst_units": [list(u) for u in route.dst_units], "src_sharded": route.src_sharded, "src_ep": route.src_ep,
-            "src_pp": route.src_pp,
+            "src_pp": route.src_pp, "src_cp": route.src_cp,
             "specs": specs}
 
 
@@ -258,8 +259,8 @@ def saved_through(resume: Path | None, channel: Channel, route: Route) -> int | 
     meta = resume / _IN_FLIGHT / f"{channel.name}.json"
     if not meta.is_file():
         return None
-    # written before expert / pipeline parallel existed: 1
-    saved = {"src_ep": 1, "src_pp": 1, **json.loads(meta.read_text())}
+    # written before expert / pipeline / context parallel existed: 1
+    saved = {"src_ep": 1, "src_pp": 1, "src_cp": 1, **json.loads(meta.read_text())}
     same = {k: v for k, v in saved.items() if k not in ("specs", "through")} == \
         {k: v for k, v in _in_flight_meta(channel, route, specs=None).items() if k != "specs"}
     return saved["through"] if same else None

@@ -29,7 +29,7 @@ _STEP_DIR = re.compile(r"step_(\d{6,})$")
 ENGINE_OPTIONS = tuple(filter(None, (ENGINES.get(name).options for name in ENGINES.names())))
 # settings a resumed run may change: where and how it runs, not what it computes
 RESUMABLE_CHANGES = ("steps", "output_dir", "timeout_s", "stop_timeout_s", "checkpoint_every", "checkpoint_minutes",
-                     "checkpoint_keep", "trainer.dp", "trainer.tp", "trainer.pp", "trainer.pp_drain", "trainer.fsdp", "trainer.ep", "trainer.lora.merged", "critic.dp", "critic.tp", "critic.fsdp", "generator.replicas",
+                     "checkpoint_keep", "trainer.dp", "trainer.cp", "trainer.tp", "trainer.pp", "trainer.pp_drain", "trainer.fsdp", "trainer.ep", "trainer.lora.merged", "critic.dp", "critic.cp", "critic.tp", "critic.fsdp", "generator.replicas",
                      "generator.tp", "generator.engine", *ENGINE_OPTIONS, "generator.max_batch_prompts",
                      "generator.admission", "generator.kv_budget_tokens", "generator.kv_memory_fraction",
                      "reward.replicas", "reward.timeout_s", "logging")

@@ -262,7 +262,8 @@ class World:
             route = Route(channel_id=cid + 1, src_units=self.units[ch.src], dst_units=self.units[ch.dst],
                           src_sharded=self.graph.executor(ch.src).shards_over_units,
                           src_ep=self.graph.executor(ch.src).expert_shards,
-                          src_pp=self.graph.executor(ch.src).stages)
+                          src_pp=self.graph.executor(ch.src).stages,
+                          src_cp=self.graph.executor(ch.src).context_ranks)
             if ch.kind is Kind.WEIGHTS:
                 self._saved_through[ch.name] = saved_through(self.resume, ch, route)
             send_cls, recv_cls = ENDPOINTS[ch.kind]

@@ -129,6 +129,9 @@ class Executor(ABC):
     # a unit's ranks are this many pipeline stages of ranks_per_unit / stages ranks each (stage-major);
     # the WEIGHTS channel plans each parameter from the stage that holds it
     stages: int = 1
+    # a unit's ranks are this many context-parallel copies of ranks_per_unit / context_ranks ranks each (cp-major);
+    # the WEIGHTS channel counts them as dp copies (tidal/modeling/parallel/cp.py)
+    context_ranks: int = 1
     # False: computes on the CPU only (its ranks hold no accelerator and join only gloo groups)
     needs_device: bool = True
 

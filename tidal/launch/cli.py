@@ -264,7 +264,8 @@ def _plan(args: argparse.Namespace, cfg: RunConfig) -> int:
     job = ["--algo", args.algo, *(["--config", str(args.config)] if args.config else []),
            *(["--seed", str(args.seed)] if args.seed is not None else []),
            *[arg for spec in args.overrides for arg in ("--set", spec)]]
-    print(plan_here(job, devices=devices, gen_tp=cfg.generator.tp, train_unit=cfg.trainer.tp * cfg.trainer.pp))
+    print(plan_here(job, devices=devices, gen_tp=cfg.generator.tp, train_unit=cfg.trainer.ranks_per_unit,
+                    partial=cfg.generator.partial_rollout_tokens))
     return 0
 
 

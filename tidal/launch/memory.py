@@ -188,7 +188,7 @@ def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passe
     ones trained (the base frozen: no optimizer state, accumulators or gradient of its own);
     micro_batches: per group, micro_batches_per_group. in_flight: micro-batches whose activations a pipeline
     stage holds at once (1F1B: pp - stage); zero: AdamW's state sharded over dp (the megatron backend's ZeRO-1)."""
-    shard = t.tp * (t.dp if t.fsdp else 1)
+    shard = t.tp * (t.dp * t.cp if t.fsdp else 1)  # FSDP shards over dp x cp (tidal/modeling/parallel/cp.py)
     # with expert parallel a rank holds 1/ep of the experts: as if the model had this many parameters
     params = m.params - m.expert_params + m.expert_params / t.ep
     m = dataclasses.replace(m, params=params)
@@ -201,10 +201,14 @@ def learner_parts(t: LearnerConfig, m: Shape, *, stored: int, copies: int, passe
     act_bytes = 2 if half or stored == 2 else 4
     per_token_layer = (8 * m.hidden + 5 * m.intermediate) * act_bytes / t.tp
     row, responses = tokens
+    gathered = 0  # context parallel: a layer keeps the whole row's keys and values, gathered from the cp ranks
+    if t.cp > 1:
+        gathered = 2 * row * m.kv_width * act_bytes
+        row, responses = -(-row // t.cp), -(-responses // t.cp)
     if t.activation_checkpointing:
-        activations = row * (in_flight * m.layers * m.hidden * act_bytes + per_token_layer)
+        activations = row * (in_flight * m.layers * m.hidden * act_bytes + per_token_layer) + gathered
     else:
-        activations = in_flight * row * m.layers * per_token_layer
+        activations = in_flight * (row * m.layers * per_token_layer + m.layers * gathered)
     if head:
         head_rows = min(t.logprob_chunk or responses, responses)
         activations += 3 * head_rows * m.vocab * 4  # logits, log-probs, their gradient: fp32

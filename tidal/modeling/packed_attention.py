@@ -79,6 +79,16 @@ class PackMask:
             self._cache[key] = self.dense_LL(device) & (pos[:, None] - pos[None, :] < window)
         return self._cache[key]
 
+    @property
+    def length(self) -> int:
+        """The row's tokens: the query and key length a forward over it has."""
+        return self.seg_L.numel()
+
+    def attend(self, q_1HLD, k_1KLD, v_1KLD, *, scaling: float, dropout: float = 0.0, window: int | None = None):
+        """What a layer computes over the row (`attend` below); a context-parallel share of a row answers the same
+        call (tidal/modeling/parallel/cp.py ContextRows)."""
+        return attend(q_1HLD, k_1KLD, v_1KLD, self, scaling=scaling, dropout=dropout, window=window)
+
     def resolved_backend(self, device: torch.device) -> str:
         if self.backend != "auto":
             return self.backend
@@ -113,7 +123,7 @@ def _mask(*args, **kwargs):
     pack = _ACTIVE.get()
     if pack is None:
         return sdpa_mask(*args, **kwargs)
-    assert kwargs["q_length"] == kwargs["kv_length"] == pack.seg_L.numel(), "a packed forward has no cache"
+    assert kwargs["q_length"] == kwargs["kv_length"] == pack.length, "a packed forward has no cache"
     # Handed to every layer as `attention_mask`; also what activation checkpointing replays.
     return pack
 
@@ -130,12 +140,13 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
         out, weights = _attention(module, query.float(), key.float(), value.float(), attention_mask,
                                   dropout=dropout, scaling=scaling, **kwargs)
         return out.to(query.dtype), weights
-    if not isinstance(attention_mask, PackMask):
+    if attention_mask is None or isinstance(attention_mask, torch.Tensor):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     assert query.shape[0] == 1, "a packed row has batch size 1"
-    out_1HLD = attend(query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                      window=kwargs.get("sliding_window"))
+    # the row's PackMask, or a context-parallel rank's share of it (ContextRows)
+    out_1HLD = attention_mask.attend(query, key, value, scaling=scaling, dropout=dropout,
+                                     window=kwargs.get("sliding_window"))
     return out_1HLD.transpose(1, 2).contiguous(), None
 
 

@@ -32,10 +32,16 @@ class GenRates:
     prefill_token_s: float = 0.0  # per token of the padded prompt matrix of an admission
     send_s: float = 0.0  # per group handed to the channel
     join_cell_s: float = 0.0  # per KV cell (slot x position) a prompt's prefill copies into its other samples' slots
+    # per token a resumed group prefills again (partial rollouts: each sample's prompt and tokens so far); 0:
+    # prefill_token_s where given, else a decode row's, row_s (calibration resumes nothing and cannot fit a prompt
+    # token's cost: where a forward's cost follows its tokens, as on a CPU, a token costs what a decode row does)
+    resume_token_s: float = 0.0
 
     def cost(self, f: "GenFeatures") -> float:
+        resume = self.resume_token_s or self.prefill_token_s or self.row_s
         return (self.forward_s * f.forwards + self.row_s * f.rows + self.row_col_s * f.row_cols
-                + self.prefill_token_s * f.prefill_tokens + self.send_s * f.sends + self.join_cell_s * f.join_cells)
+                + self.prefill_token_s * f.prefill_tokens + self.send_s * f.sends + self.join_cell_s * f.join_cells
+                + resume * f.resumed_tokens)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +101,20 @@ class StepShape:
         prompts = [(i, self.prompt_lens[i], len(self.lengths[i]), max(self.lengths[i])) for i in indices]
         return replay_engine(prompts, max_batch_prompts=self.max_batch_prompts, admission=self.admission)
 
+    # what `simulate` asks of a step (tidal/planner/partial.py's steps answer the same)
+    def replica_work(self, r: int) -> list[tuple[int, "GenFeatures"]]:
+        """Replica r's groups (prompts r, r + replicas, ... in index order) as they leave it, with their work."""
+        return self.replay(range(r, len(self.lengths), self.replicas))
+
+    @property
+    def trained(self) -> tuple[int, ...]:
+        """The groups the step trains: all of them."""
+        return tuple(range(len(self.lengths)))
+
+    def train_work(self, i: int) -> tuple[int, int]:
+        """(tokens, samples) the trainer trains of group i."""
+        return self.group_tokens(i), len(self.lengths[i])
+
 
 @dataclass(frozen=True)
 class GenFeatures:
@@ -105,33 +125,40 @@ class GenFeatures:
     prefill_tokens: int = 0
     sends: int = 0
     join_cells: int = 0
+    resumed_tokens: int = 0  # prompt and tokens so far that resumed groups prefill (partial rollouts)
 
     def __add__(self, o: "GenFeatures") -> "GenFeatures":
         return GenFeatures(*(getattr(self, f.name) + getattr(o, f.name) for f in fields(self)))
 
 
-def replay_engine(prompts: list[tuple[int, int, int, int]], *, max_batch_prompts: int,
-                  admission: str) -> list[tuple[int, GenFeatures]]:
+def replay_engine(prompts: list[tuple], *, max_batch_prompts: int, admission: str) -> list[tuple[int, GenFeatures]]:
     """The native engine's schedule (tidal/executors/generator/native_engine.py `_stream`) over prompts
     (index, prompt length, G, the group's longest response): (index, the work done since the
     previous group left) in leaving order. A group leaves at the decode call that writes its longest
-    sample's last token; the forward of that call runs only for the rows still live."""
-    waiting, live, out = collections.deque(prompts), [], []  # live: [index, P, G, L, t]
+    sample's last token; the forward of that call runs only for the rows still live.
+    A prompt may carry two more entries (partial rollouts, tidal/planner/partial.py): the tokens its samples
+    wrote in earlier calls (a resumed group: each row prefills its prompt and them, no join; the length is
+    then the tokens this call writes) and whether it ends in this call (a cut group leaves unsent)."""
+    waiting, live, out = collections.deque(prompts), [], []  # live: [index, P + tokens before, G, L, t, sends]
     pending = GenFeatures()
     while waiting or live:
         free = max_batch_prompts - len(live)
         if waiting and free and (admission == "continuous" or not live):
-            new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
-            # a newcomer's prompt is prefilled once and its KV copied into its other samples' slots
-            cells = sum((g - 1) * p for _, p, g, _ in new)
-            pending += GenFeatures(forwards=1, prefill_tokens=len(new) * max(p for _, p, _, _ in new), join_cells=cells)
-            live += [[i, p, g, length, 0] for i, p, g, length in new]
+            new = [(*p, 0, True)[:6] for p in (waiting.popleft() for _ in range(min(free, len(waiting))))]
+            fresh = [(p, g) for _, p, g, _, before, _ in new if not before]
+            resumed = [g * (p + before) for _, p, g, _, before, _ in new if before]
+            if fresh:  # a newcomer's prompt is prefilled once and its KV copied into its other samples' slots
+                pending += GenFeatures(forwards=1, prefill_tokens=len(fresh) * max(p for p, _ in fresh),
+                                       join_cells=sum((g - 1) * p for p, g in fresh))
+            if resumed:  # a resumed group's samples each prefill their prompt and tokens so far (a forward of their own)
+                pending += GenFeatures(forwards=1, resumed_tokens=sum(resumed))
+            live += [[i, p + before, g, length, 0, sends] for i, p, g, length, before, sends in new]
         for group in live:
             group[4] += 1
         done = [g for g in live if g[4] >= g[3]]
         live = [g for g in live if g[4] < g[3]]
         for g in done:
-            out.append((g[0], pending + GenFeatures(sends=1)))
+            out.append((g[0], pending + GenFeatures(sends=int(g[5]))))
             pending = GenFeatures()
         if live:  # the next token's forward, over the rows still decoding
             rows = sum(g[2] for g in live)
@@ -181,10 +208,10 @@ def simulate(shape: StepShape, rates: Rates, *, schedule: str) -> Prediction:
     """One step under `schedule` (sync | periodic)."""
     if schedule not in ("sync", "periodic"):
         raise ValueError(f"schedule must be sync or periodic, got {schedule!r}")
-    B = len(shape.lengths)
+    trained = set(shape.trained)  # with partial rollouts a cut group leaves the generator for the next step
     gens = [_Server(counts=True) for _ in range(shape.replicas)]
     for r, server in enumerate(gens):  # replica r samples prompts r, r + replicas, ... in index order
-        server.queue.extend((index, rates.gen.cost(work)) for index, work in shape.replay(range(r, B, shape.replicas)))
+        server.queue.extend((index, rates.gen.cost(work)) for index, work in shape.replica_work(r))
     reward = _Server(counts=False)
     units = [_Server(counts=True) for _ in range(shape.dp)]
     held: list[int] = []  # groups handed to the trainer's side (sync: waiting for the whole batch)
@@ -208,11 +235,11 @@ def simulate(shape: StepShape, rates: Rates, *, schedule: str) -> Prediction:
                 in_flight.append((t + rates.handoff_s, index))
             elif s in gens:  # by identity (eq=False)
                 gen_end = max(gen_end, t)
-                reward.queue.append((index, rates.reward_group_s))
-        release = held if schedule == "periodic" else (sorted(held) if len(held) == B else [])
+                if index in trained:
+                    reward.queue.append((index, rates.reward_group_s))
+        release = held if schedule == "periodic" else (sorted(held) if len(held) == len(trained) else [])
         for index in release:
-            units[index % shape.dp].queue.append(
-                (index, rates.train.cost(shape.group_tokens(index), len(shape.lengths[index]))))
+            units[index % shape.dp].queue.append((index, rates.train.cost(*shape.train_work(index))))
         if release:
             held = []
         if first_train is None and any(u.queue or u.current for u in units):
@@ -220,7 +247,7 @@ def simulate(shape: StepShape, rates: Rates, *, schedule: str) -> Prediction:
     train_end = t
     return Prediction(step_s=train_end + rates.train.barrier_s + rates.train.push_s, gen_s=gen_end,
                       train_end_s=train_end, first_train_s=first_train if first_train is not None else t,
-                      tokens=shape.tokens)
+                      tokens=sum(shape.train_work(i)[0] for i in trained))
 
 
 def simulate_offpolicy(shapes: list[StepShape], rates: Rates, *, max_lag: int) -> list[float]:

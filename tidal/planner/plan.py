@@ -174,6 +174,24 @@ def slots_table(shapes: list[StepShape], rates: Rates, split: Split, *, samples:
                 "groups at once", "sample rows", "periodic step s", "overlap s", ""]))
 
 
+def partial_table(shapes: list[StepShape], rates: Rates, split: Split, *, budgets: list[int]) -> str:
+    """Periodic on `split` with whole rollouts and with each partial-rollout budget (tidal/planner/partial.py):
+    what a step trains and how stale it is; the budget that trains the most tokens a second marked."""
+    from tidal.planner.partial import budget_rows
+
+    laid = [replace(s, replicas=split.replicas, dp=split.dp) for s in shapes]
+    rows = budget_rows(laid, rates, budgets=budgets)
+    best = max(rows, key=lambda r: r.tokens_per_s)
+    use = "whole rollouts" if best.budget is None else f"--set generator.partial_rollout_tokens={best.budget}"
+    body = [["whole" if r.budget is None else r.budget, r.step_s, r.groups, r.tokens_per_s,
+             r.tokens_per_s / rows[0].tokens_per_s, r.staleness_mean, "<- use" if r is best else ""] for r in rows]
+    return (f"partial rollouts for {split.gen_devices} generator / {split.train_devices} trainer devices (periodic, "
+            f"the steps' lengths): {use}\n"
+            + tabulate(body, floatfmt=("", ".3g", ".3g", ".4g", ".2f", ".2f", ""), headers=[
+                "tokens a sample writes a step", "step s", "groups trained", "trained tokens/s", "vs whole",
+                "staleness", ""]))
+
+
 def load_rates(path: Path) -> tuple[Rates, list[StepShape], dict]:
     """A rates file: rates (gen, train, reward_group_s, handoff_s, concurrency, swap_s), step (prompts,
     samples, prompt_len, lengths: one list of response lengths cycled over the samples,
@@ -209,7 +227,9 @@ def calibration_runs(argv: list[str], out: Path, *, steps: int = 5,
         d = out / name
         cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "launch.py"), *argv, "--steps", str(steps),
                "--schedule", "sync" if name == "colocated" else name, "--output-dir", str(d), "--overwrite",
-               "--set", "logging.samples_every=1", "--set", "checkpoint_every=0", "--set", "checkpoint_minutes=0", *extra]
+               "--set", "logging.samples_every=1", "--set", "checkpoint_every=0", "--set", "checkpoint_minutes=0",
+               # whole rollouts: a group's lengths and its leave time then belong to one step (partial.py predicts cuts)
+               "--set", "generator.partial_rollout_tokens=null", *extra]
         print(f"tidal plan: calibration run ({name}, {steps} steps)", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
@@ -224,7 +244,8 @@ def colocated_layout(*, gen_tp: int, train_unit: int) -> tuple[str, ...]:
     return ("--set", f"generator.replicas={ranks // gen_tp}", "--set", f"trainer.dp={ranks // train_unit}")
 
 
-def plan_here(argv: list[str], *, devices: int, gen_tp: int, train_unit: int) -> str:
+def plan_here(argv: list[str], *, devices: int, gen_tp: int, train_unit: int, partial: int | None = None) -> str:
+    """partial: the job's generator.partial_rollout_tokens (calibrated on whole rollouts, then predicted)."""
     from tidal.planner.calibrate import calibrate, fit_concurrency, shapes_of, swap_seconds
 
     with tempfile.TemporaryDirectory(prefix="tidal-plan-") as tmp:
@@ -248,7 +269,14 @@ def plan_here(argv: list[str], *, devices: int, gen_tp: int, train_unit: int) ->
     if rows:
         text += "\n\n" + slots_table(shapes, rates, best_split(rows, devices=devices),
                                       samples=gen["samples_per_prompt"], engine=gen.get("engine", "native"))
+        text += "\n\n" + partial_table(shapes, rates, best_split(rows, devices=devices),
+                                        budgets=budgets(gen["max_new_tokens"], asked=partial))
     return text
+
+
+def budgets(max_new_tokens: int, *, asked: int | None) -> list[int]:
+    """The partial-rollout budgets --plan compares: the job's own, and a half, a quarter and an eighth of the cap."""
+    return sorted({n for n in (asked, max_new_tokens // 2, max_new_tokens // 4, max_new_tokens // 8) if n})
 
 
 def trainer_unit(layout: dict) -> int:
@@ -266,6 +294,7 @@ def plan_from_file(path: Path, *, devices: int | None) -> str:
     text = table(rows, devices=n, together=colocated(shapes, rates, devices=n, **tps))
     if not rows:
         return text
-    return text + "\n\n" + slots_table(shapes, rates, best_split(rows, devices=n),
-                                                          samples=len(shapes[0].lengths[0]),
-                                                          engine=layout.get("engine", "native"))
+    longest = max(n for s in shapes for lengths in s.lengths for n in lengths)
+    return (text + "\n\n" + slots_table(shapes, rates, best_split(rows, devices=n), samples=len(shapes[0].lengths[0]),
+                                        engine=layout.get("engine", "native"))
+            + "\n\n" + partial_table(shapes, rates, best_split(rows, devices=n), budgets=budgets(longest, asked=None)))

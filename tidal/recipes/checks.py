@@ -45,6 +45,35 @@ def check_pipeline(cfg: RunConfig, *, batch_scope: bool) -> None:
                          f"two loss passes, which the pipeline schedule does not carry; use a group-scope algorithm")
 
 
+def check_context(cfg: RunConfig, *, critic: bool) -> None:
+    """trainer.cp (tidal/modeling/parallel/cp.py): a packed row split over ranks, one line for what it does not cover."""
+    t = cfg.trainer
+    if critic and cfg.critic.cp > 1:
+        raise ValueError(f"critic.cp={cfg.critic.cp}: context parallel is built for the trainer's policy only; "
+                         f"set critic.cp=1")
+    if t.cp == 1:
+        return
+    field = f"trainer.cp={t.cp}"
+    if not BACKENDS.get(t.backend).context_parallel:
+        raise ValueError(f"{field} with trainer.backend={t.backend}: that backend has no context parallel; "
+                         f"{BACKENDS.offer(lambda b: b.context_parallel)}")
+    if t.shared_prompt == "padded":
+        raise ValueError(f"{field} with trainer.shared_prompt=padded: context parallel splits a packed row; use "
+                         f"trainer.shared_prompt=auto, on or off")
+    for name, n in (("trainer.tp", t.tp), ("trainer.ep", t.ep)):
+        if n > 1:
+            raise ValueError(f"{field} with {name}={n}: context parallel runs with tp=1 and ep=1 for now "
+                             f"(dp and FSDP are fine: cp runs inside dp)")
+    if cfg.model.numerics == "exact":
+        raise ValueError(f"{field} with model.numerics=exact: a query's attention over keys gathered from the cp "
+                         f"ranks is not the batch-invariant kernel's; exact mode runs cp=1")
+    from tidal.modeling.moe import FAMILIES
+
+    if _model_type(cfg.model.path) in FAMILIES:
+        raise ValueError(f"{field} with a mixture-of-experts model ({_model_type(cfg.model.path)}): a split row's "
+                         f"recorded routing is not built; set trainer.cp=1")
+
+
 def check_partial(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
     """Partial rollouts (generator.partial_rollout_tokens) against what they cannot work with."""
     n, g = cfg.generator.partial_rollout_tokens, cfg.generator
@@ -189,6 +218,8 @@ def check_placement(cfg: RunConfig, *, critic: bool) -> None:
     for name, learner in learners:
         if learner.dp * learner.ranks_per_unit != ranks:
             pp = (f" x {name}.pp", f" x {learner.stages}") if learner.stages > 1 else ("", "")
+            if learner.cp > 1:
+                pp = (f"{pp[0]} x {name}.cp", f"{pp[1]} x {learner.cp}")
             raise ValueError(f"placement=colocated: {name}.dp x {name}.tp{pp[0]} = {learner.dp} x {learner.tp}{pp[1]} must equal "
                              f"generator.replicas x generator.tp = {g.replicas} x {g.tp}: co-located executors "
                              f"share every rank")

@@ -6,7 +6,7 @@
     g .. g+r-1                    reward      score each group as it arrives and send it on
     g+r .. g+r+t-1                trainer     train each group as the schedule hands it over; then
                                               the barrier (optimizer step) and the weight push
-    g = generator.replicas * generator.tp,  r = reward.replicas,  t = trainer.dp * trainer.tp * trainer.pp
+    g = generator.replicas * generator.tp,  r = reward.replicas,  t = trainer.dp * trainer.cp * trainer.tp * trainer.pp
 
 With `reward.model`, a reward model (reward.model.replicas ranks) scores beside the reward and a
 combiner (reward.model.combine_replicas ranks) sums the two before the trainer: reward_stage.
@@ -35,8 +35,8 @@ from tidal.executors.trainer.executor import Trainer
 from tidal.executors.trainer.stats import TrainerMetrics
 from tidal.recipes.advantages import ADVANTAGE_SOURCES
 from tidal.recipes.base import Phase, Recipe
-from tidal.recipes.checks import (check_engine, check_eval, check_lora, check_moe, check_numerics, check_partial,
-                            check_placement,
+from tidal.recipes.checks import (check_context, check_engine, check_eval, check_lora, check_moe, check_numerics,
+                            check_partial, check_placement,
                             check_pipeline, check_rollout, check_tp, check_trainer)
 from tidal.recipes.config import RunConfig
 
@@ -69,6 +69,7 @@ def build(cfg: RunConfig) -> Graph:
                          "for; use schedule.max_lag=0 or set algorithm.dynamic_sampling=false")
     check_trainer(cfg, dynamic_sampling=dynamic)
     check_pipeline(cfg, batch_scope=algorithm.advantage_scope == "batch")
+    check_context(cfg, critic="critic" in source.sections)
     check_partial(cfg, dynamic_sampling=dynamic)
     check_placement(cfg, critic="critic" in source.sections)
     check_tp(cfg, critic="critic" in source.sections)

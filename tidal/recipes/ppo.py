@@ -13,7 +13,7 @@ advantages from the rewards.
                                     stay on its ranks.
     next t              trainer     train each group as the schedule hands it over (PPO-clip on the
                                     advantages, whitened over the batch); then the barrier and the push
-    g = generator.replicas * generator.tp,  r = reward.replicas,  c = critic.dp * critic.tp,  t = trainer.dp * trainer.tp * trainer.pp
+    g = generator.replicas * generator.tp,  r = reward.replicas,  c = critic.dp * critic.tp,  t = trainer.dp * trainer.cp * trainer.tp * trainer.pp
 
 `torchrun --nproc-per-node 4 launch.py --algo ppo` runs it with one rank each; `examples/ppo_critic.py` builds
 the same graph by hand.

@@ -17,7 +17,10 @@ class LearnerConfig(BaseModel):
     dp: int = Field(1, ge=1, description="data-parallel units; group i trains on unit i % dp")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per unit (must divide heads, kv heads, "
                     "intermediate size and vocabulary)")
-    fsdp: bool = Field(False, description="shard the model and its copies over dp with FSDP2 (else dp replicates)")
+    cp: int = Field(1, ge=1, description="context-parallel ranks per unit (trainer, torch backend): a packed row's "
+                    "tokens split over them, attention over the row's keys gathered each layer; to the weights' "
+                    "layout they are dp copies (tidal/modeling/parallel/cp.py)")
+    fsdp: bool = Field(False, description="shard the model and its copies over dp (x cp) with FSDP2 (else dp replicates)")
     ep: int = Field(1, ge=1, description="expert parallel (mixture-of-experts models): each group of ep dp ranks "
                     "splits the experts, ep ranks holding experts/ep each; tokens reach their experts by "
                     "all-to-all (must divide dp and the experts; tp 1, no fsdp)")
@@ -69,8 +72,9 @@ class LearnerConfig(BaseModel):
 
     @property
     def shards_over_units(self) -> bool:
-        """The dp units hold shards of one copy (FSDP), not replicas: no gradient sum over dp at the step."""
-        return self.fsdp and self.dp > 1
+        """The dp units (and their cp ranks) hold shards of one copy (FSDP), not replicas: no gradient sum over
+        dp at the step."""
+        return self.fsdp and self.dp * self.cp > 1
 
     @property
     def stages(self) -> int:
@@ -79,8 +83,8 @@ class LearnerConfig(BaseModel):
 
     @property
     def ranks_per_unit(self) -> int:
-        """The ranks one dp unit spans: tp per stage."""
-        return self.tp * self.stages
+        """The ranks one dp unit spans: tp per stage, or tp per context-parallel rank."""
+        return self.tp * self.stages * self.cp
 
     @property
     def index_ordered(self) -> bool:

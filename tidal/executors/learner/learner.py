@@ -22,6 +22,7 @@ class Learner(Executor):
     def __init__(self, *, name: str, config: LearnerConfig):
         super().__init__(name=name, units=config.dp, ranks_per_unit=config.ranks_per_unit)
         self.stages = config.stages  # pipeline stages per unit (the trainer's megatron backend)
+        self.context_ranks = config.cp  # context-parallel ranks per unit (the trainer's torch backend)
         self.cfg = config
         # FSDP over several dp units: they hold shards of one copy and train in lockstep rounds (order.py)
         self.shards_over_units = config.shards_over_units

@@ -18,6 +18,7 @@ from tidal.executors.base import ExecutorEnv
 from tidal.modeling.hf import cast_parameters, save_hf
 from tidal.modeling.optim import GradLayout, Reduction
 from tidal.modeling.parallel import apply_ac, build_mesh, full_state_dict, parallelize
+from tidal.modeling.parallel.cp import ContextGroups
 from tidal.modeling.batching import Routes
 from tidal.executors.learner.config import LearnerConfig
 from tidal.modeling.packing import auto_shared_prompt, make_micro_batches
@@ -82,6 +83,7 @@ class LearnerModels:
     device: torch.device
     moe_shape: moe.MoeShape | None = None  # an MoE model's, whose forwards replay or compare its recorded routing
     ep_mesh: DeviceMesh | None = None  # ("edp", "ep") under expert parallel
+    cp: ContextGroups | None = None  # with trainer.cp > 1 (tidal/modeling/parallel/cp.py)
 
     def routing_counts(self) -> tuple[int, int]:
         """(tokens with a recorded routing, those whose own top-k differed) in the last policy forward."""
@@ -93,6 +95,10 @@ class LearnerModels:
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
+        """The dp units' ranks at this rank's place: the step's records and lockstep rounds (a unit's cp ranks
+        hold copies of the same record)."""
+        if self.cp is not None:
+            return self.cp.data
         return self.mesh.get_group("dp") if self.mesh is not None else None
 
     def grad_layout(self) -> GradLayout:
@@ -100,8 +106,9 @@ class LearnerModels:
         micro-step), an expert's over its replicas alone; the norm over the mesh; AdamW whole on each rank
         (DTensor parameters: dcp reshards its state across layouts)."""
         experts, reductions = self.expert_params(), []
-        if self.dp_group is not None and not self.cfg.shards_over_units:
-            reductions.append(Reduction(self.dp_group, which=None if experts is None else [not e for e in experts]))
+        if self.mesh is not None and not self.cfg.shards_over_units:
+            # the mesh's dp spans dp x cp: a cp rank's gradient is its tokens' part of the row's
+            reductions.append(Reduction(self.mesh.get_group("dp"), which=None if experts is None else [not e for e in experts]))
             if experts is not None:
                 reductions.append(Reduction(self.ep_mesh.get_group("edp"), which=experts))
         return GradLayout(reductions=tuple(reductions), mesh=self.mesh)

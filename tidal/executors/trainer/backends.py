@@ -25,6 +25,7 @@ class Backend:
     fp16: bool = False  # it trains with fp16 compute under a dynamic loss scale (trainer.precision=fp16)
     # its layers compute with tidal/modeling/numerics.py's batch-invariant products and attention (model.numerics=exact)
     exact: bool = False
+    context_parallel: bool = False  # it can split a packed row's tokens over cp ranks (trainer.cp)
     about: str = ""
 
 
@@ -67,7 +68,7 @@ def _check_megatron(cfg: TrainerConfig, model_path: str | None) -> None:
 
 BACKENDS: Registry[Backend] = Registry("trainer backend", key="trainer.backend", plugin=Backend)
 BACKENDS.register("torch", Backend(models=_torch_models, check=_no_check, expert_parallel=True, lora=True, fp16=True,
-                                   exact=True,
+                                   exact=True, context_parallel=True,
                                    about="HF model classes with DTensor tp and FSDP2"))
 BACKENDS.register("megatron", Backend(models=_megatron_models, check=_check_megatron, per_rank_optimizer=True,
                                       pipeline=True,

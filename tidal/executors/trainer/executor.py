@@ -59,7 +59,8 @@ class Trainer(Learner):
         return AdvantagedGroup if per_token else super().consumes(port)
 
     def describe(self):
-        extra = ({"ep": self.cfg.ep} if self.cfg.ep > 1 else {}) | ({"pp": self.cfg.pp} if self.cfg.pp > 1 else {}) | \
+        extra = ({"cp": self.cfg.cp} if self.cfg.cp > 1 else {}) | ({"ep": self.cfg.ep} if self.cfg.ep > 1 else {}) | \
+            ({"pp": self.cfg.pp} if self.cfg.pp > 1 else {}) | \
             ({"lora": f"rank {self.cfg.lora.rank}"} if self.cfg.lora.on else {})
         return {"dp": self.cfg.dp, "tp": self.cfg.tp, "fsdp": self.cfg.fsdp, **extra, "backend": self.cfg.backend,
                 "algo": self.objective.algorithm.name, "reference": self.objective.needs_reference}

@@ -36,6 +36,8 @@ from tidal.executors.trainer.config import TrainerConfig
 from tidal.executors.learner.models import (PRECISIONS, LearnerModels, frozen_logprobs, lay_out, learner_mesh, save_full,
                                        shares_prompt, trainable_copy)
 from tidal.modeling.attention import install as install_attention
+from tidal.modeling.parallel.cp import ContextGroups, context_groups
+from tidal.modeling.parallel.cp import forward as cp_forward
 
 
 @dataclass
@@ -53,6 +55,7 @@ class TriModel(LearnerModels):
     ep_mesh: DeviceMesh | None = field(default=None, kw_only=True)  # ("edp", "ep") with trainer.ep > 1
     base_reference: bool = field(default=False, kw_only=True)  # LoRA with a reference: the policy's base, adapters off
     model_path: str | None = field(default=None, kw_only=True)
+    cp: ContextGroups | None = field(default=None, kw_only=True)  # trainer.cp > 1: a row's tokens split over these
 
     @classmethod
     def build(cls, *, model_path: str | None, dtype: torch.dtype, env: ExecutorEnv, cfg: TrainerConfig,
@@ -61,6 +64,7 @@ class TriModel(LearnerModels):
         """policy_path: a checkpoint's HF directory to take the policy from (a resumed run); the
         reference stays the initial model of `model_path`."""
         mesh = learner_mesh(env, cfg)
+        cp = context_groups(ranks=env.ranks, cp=cfg.cp, tp=cfg.tp, parent=env.group) if cfg.cp > 1 else None
         compute = PRECISIONS[cfg.precision]
         lora = cfg.lora
         # with LoRA a checkpoint holds the adapters alone: the base is always the model's
@@ -89,12 +93,15 @@ class TriModel(LearnerModels):
         lay_out([(policy, False), (ref, True), (old, True)] + ([(master, True)] if master is not policy else []),
                 mesh=mesh, cfg=cfg, ep_mesh=ep_mesh)
         out = cls(policy, old, ref, mesh, load_tokenizer(model_path), cfg, temperature, env.device, master,
-                  ep_mesh=ep_mesh, base_reference=reference and lora.on, model_path=model_path)
+                  ep_mesh=ep_mesh, base_reference=reference and lora.on, model_path=model_path, cp=cp)
         for model in (policy, ref, old):  # all three route alike: with replay, the generator's experts
             routing = moe.install(model) if model is not None else None
             if routing is not None:
                 routing.mode = "replay" if cfg.routing_replay else "compare"
                 out.moe_shape = routing.shape
+        if cp is not None and out.moe_shape is not None:
+            raise ValueError(f"trainer.cp={cfg.cp} with a mixture-of-experts model: a split row's recorded routing is "
+                             f"not built; set trainer.cp=1")
         return out
 
     # ---- a step, as the trainer runs it (tidal/executors/trainer/interface.py) ------------------------
@@ -168,6 +175,9 @@ class TriModel(LearnerModels):
     # ---- log-probs ----------------------------------------------------------------------------
     def _forward(self, model, mb, *, entropy: bool = False):
         """ResponseLogprobs of `model` on `mb` (a backend's one way of running its models)."""
+        if self.cp is not None:
+            return cp_forward(mb, model, cp=self.cp, temperature=self.temperature, chunk=self.cfg.logprob_chunk,
+                              entropy=entropy)
         return mb.forward(model, temperature=self.temperature, chunk=self.cfg.logprob_chunk, entropy=entropy)
 
     def policy_logprobs(self, mb, *, entropy: bool = False):

@@ -7,6 +7,9 @@ FSDP2, and the small helpers a training loop needs around them.
 
 Order matters: tp first (DTensors on mesh["tp"]), then FSDP2 over mesh["dp"], which shards the tp
 shards once more along dim 0 (FSDP2 turns them into 2-D DTensors on the whole mesh).
+
+Context parallel (trainer.cp, cp.py) splits a row's tokens, not the model: to this mesh a unit's cp ranks are
+dp ranks (its dp dimension spans dp x cp), and cp.py's own groups carry the row's keys and the step's records.
 """
 from __future__ import annotations
 

@@ -43,6 +43,18 @@ def _group_count() -> int:
     return len(dist.distributed_c10d._world.pg_names)
 
 
+def check_group_counts(ranks: Sequence[int], parent: dist.ProcessGroup | None) -> None:
+    """Before members-only groups: every rank of `parent` (a group of exactly `ranks`) holds as many groups, else
+    their hashed names would not pair up (a named error instead of a hang in rendezvous). None: unchecked."""
+    if parent is None:
+        return
+    counts = [None] * dist.get_world_size(parent)
+    dist.all_gather_object(counts, _group_count(), group=parent)
+    if len(set(counts)) != 1:
+        raise RuntimeError(f"mesh ranks {list(ranks)} hold different numbers of process groups {counts}; "
+                           f"members-only groups would not pair up (see tidal/modeling/parallel/mesh.py)")
+
+
 def build_mesh(*, ranks: Sequence[int], tp: int, device_type: str = "cpu", members_only: bool = True,
                parent: dist.ProcessGroup | None = None, names: tuple[str, str] = ("dp", "tp")) -> DeviceMesh | None:
     """A 2-D DeviceMesh named ("dp", "tp") (or `names`) over `ranks` (row-major, see `mesh_ranks`).
@@ -58,12 +70,7 @@ def build_mesh(*, ranks: Sequence[int], tp: int, device_type: str = "cpu", membe
     if rank not in ranks:
         raise ValueError(f"rank {rank} is not in the mesh ranks {list(ranks)}; with members_only=True "
                          f"only the mesh's own ranks call build_mesh")
-    if parent is not None:
-        counts = [None] * dist.get_world_size(parent)
-        dist.all_gather_object(counts, _group_count(), group=parent)
-        if len(set(counts)) != 1:
-            raise RuntimeError(f"mesh ranks {list(ranks)} hold different numbers of process groups "
-                               f"{counts}; members-only groups would not pair up (see tidal/modeling/parallel/mesh.py)")
+    check_group_counts(ranks, parent)
     d, t = (grid_DT == rank).nonzero()[0].tolist()
     # the same order on every member: tp row first, then dp column
     tp_group = dist.new_group(grid_DT[d].tolist(), use_local_synchronization=True)
@@ -76,11 +83,7 @@ def build_pipeline_mesh(*, ranks: Sequence[int], tp: int, pp: int, device_type: 
     """A 3-D ("dp", "pp", "tp") mesh over `ranks`, row-major (rank (d, s, t) is ranks[(d * pp + s) * tp + t]),
     from members-only groups as `build_mesh` makes them: this rank's tp row, pp column, dp column, in that order."""
     grid_DST = mesh_ranks(ranks, tp=tp * pp).view(-1, pp, tp)
-    if parent is not None:
-        counts = [None] * dist.get_world_size(parent)
-        dist.all_gather_object(counts, _group_count(), group=parent)
-        if len(set(counts)) != 1:
-            raise RuntimeError(f"mesh ranks {list(ranks)} hold different numbers of process groups {counts}")
+    check_group_counts(ranks, parent)
     d, s, t = (grid_DST == dist.get_rank()).nonzero()[0].tolist()
     tp_group = dist.new_group(grid_DST[d, s].tolist(), use_local_synchronization=True)
     pp_group = dist.new_group(grid_DST[d, :, t].tolist(), use_local_synchronization=True)
