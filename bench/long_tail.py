@@ -8,8 +8,10 @@ resident memory, each against cp=1 measured in the same run. On a machine with f
 ranks share them: tokens/s then says what the split costs, not what it gains (this machine has 2).
 
     .venv/bin/python bench/long_tail.py [--model DIR] [--prompt 256] [--responses 4] [--length 1024] [--repeats 3]
+    .venv/bin/python bench/long_tail.py --part schedules [bench/partial.py's options]
 
-The schedules on a long tail (sync, periodic, partial rollouts, offpolicy) are bench/partial.py's.
+`--part schedules` runs bench/partial.py: the schedules on a long tail (sync, periodic, periodic + partial
+rollouts, offpolicy) with s/step, trained tokens/s and the planner's prediction beside each, in one run.
 """
 from __future__ import annotations
 
@@ -91,7 +93,14 @@ def main() -> None:
     p.add_argument("--length", type=int, default=1024, help="tokens per response")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
-    args = p.parse_args()
+    p.add_argument("--part", choices=["cp", "schedules"], default="cp")
+    args, rest = p.parse_known_args()
+    if args.part == "schedules":
+        import subprocess
+
+        sys.exit(subprocess.run([sys.executable, str(ROOT / "bench" / "partial.py"), *rest]).returncode)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     from tidal.common.spawn import spawn
 
     results = {}

@@ -1,4 +1,5 @@
 """Every algorithm against values worked out by hand, and the invariances the streaming trainer needs."""
+import dataclasses
 import math
 
 import pytest
@@ -83,6 +84,23 @@ def test_grpo_defaults_unchanged_and_kl_options():
     assert out.loss_sum.item() == pytest.approx(1.4 + 0.1 * (0.0 - LN2 / 2), abs=1e-12)
     expected = torch.tensor([[-1 / 3 + 0.1 / 3, 0.1 / 3, -0.5 / 3 + 0.1 / 3], [0.1 / 2, 3 / 2 + 0.1 / 2, 0]], dtype=F64)
     assert torch.allclose(grad, expected, atol=1e-12)
+
+
+def test_entropy_bonus_by_hand():
+    """entropy_coef=c: each token's loss less c * H, summed as the surrogate is (Dr. GRPO: a plain token sum), its
+    gradient -c on H; GSPO's per-sequence loss refuses it, and a loss without the entropy names what is missing."""
+    H = torch.tensor([[1.0, 2.0, 3.0], [0.5, 0.25, float("nan")]], dtype=F64, requires_grad=True)
+    logp, x = _two_sequences()
+    plain = DR_GRPO.loss(x, DrGRPOConfig(max_response_tokens=4)).loss_sum
+    out = DR_GRPO.loss(dataclasses.replace(x, entropy_NT=H), DrGRPOConfig(max_response_tokens=4, entropy_coef=0.1))
+    assert out.loss_sum.item() == pytest.approx(plain.item() - 0.1 * (6.0 + 0.75), abs=1e-12)
+    out.loss_sum.backward()
+    assert torch.allclose(H.grad, torch.tensor([[-0.1] * 3, [-0.1, -0.1, 0.0]], dtype=F64), atol=1e-15)
+    with pytest.raises(ValueError, match="entropy"):
+        DR_GRPO.loss(x, DrGRPOConfig(max_response_tokens=4, entropy_coef=0.1))
+    with pytest.raises(ValueError, match="entropy_coef: gspo's ratio is per sequence"):
+        GSPOConfig(entropy_coef=0.1)
+    assert not GRPOConfig().needs_entropy and GRPOConfig(entropy_coef=0.01).needs_entropy
 
 
 # ---- Dr. GRPO ----------------------------------------------------------------------------------

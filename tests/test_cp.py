@@ -1,7 +1,7 @@
 """Context parallel (tidal/modeling/parallel/cp.py) against the single-rank forward of the same packed row.
 
 Four gloo ranks run every case at cp=1 (each rank alone: `PackedMicroBatch.forward`), cp=2 (two groups of two)
-and cp=4: the log-probs, the entropy and the parameter gradients (summed over the cp group, as the step sums
+and cp=4: the log-probs, the entropy and the parameter gradients of a loss on both (summed over the cp group, as the step sums
 them over the layout's dp) must equal cp=1's to EQUAL / close_grads (tests/tolerances.py: float64 models, the
 same sums in another order). Rows: a shared prompt, varlen rows, a multi-turn row's loss masks, a row longer
 than a sliding-window layer's window, activation checkpointing (its recompute gathers the keys again). And
@@ -45,19 +45,21 @@ def _row(*, vocab: int, P: int, lens, shared: bool, masks: bool = False, seed: i
 
 
 def _run(model, mb, forward):
-    """(log-probs, entropy, gradients) of a loss with fixed random token weights."""
+    """(log-probs, entropy, gradients) of a loss with fixed random token weights on both (the entropy with its
+    gradient, as an entropy bonus takes it)."""
     model.zero_grad(set_to_none=True)
     out = forward(model, mb)
-    w_NT = torch.randn(mb.mask_NT.shape, generator=torch.Generator().manual_seed(1), dtype=out.logp_NT.dtype)
-    (out.logp_NT * w_NT).sum().backward()
-    return out.logp_NT.detach(), out.entropy_NT, [p.grad.clone() for p in model.parameters()]
+    g = torch.Generator().manual_seed(1)
+    w_NT, v_NT = (torch.randn(mb.mask_NT.shape, generator=g, dtype=out.logp_NT.dtype) for _ in range(2))
+    (out.logp_NT * w_NT + out.entropy_NT * v_NT).sum().backward()
+    return out.logp_NT.detach(), out.entropy_NT.detach(), [p.grad.clone() for p in model.parameters()]
 
 
 def _compare(model, mb, groups) -> dict:
-    ref = _run(model, mb, lambda m, b: b.forward(m, temperature=0.7, entropy=True))
+    ref = _run(model, mb, lambda m, b: b.forward(m, temperature=0.7, entropy="grad"))
     out = {}
     for name, cp in groups.items():
-        logp, ent, grads = _run(model, mb, lambda m, b: cp_forward(b, m, cp=cp, temperature=0.7, entropy=True))
+        logp, ent, grads = _run(model, mb, lambda m, b: cp_forward(b, m, cp=cp, temperature=0.7, entropy="grad"))
         for g in grads:
             dist.all_reduce(g, group=cp.group)
         out[name] = dict(logp=(logp - ref[0]).abs().max().item(), entropy=(ent - ref[1]).abs().max().item(),

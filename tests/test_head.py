@@ -91,6 +91,31 @@ def test_chunked_head_equals_whole_vocabulary(mode, chunk):
     assert _grad_diff(whole[2], _grads(model)) < 1e-5
 
 
+@pytest.mark.parametrize("mode", ["padded", "on"])
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_the_entropy_asked_with_its_gradient_gives_the_textbook_gradient(mode, chunk):
+    """entropy="grad" (an entropy bonus, algorithm.entropy_coef): the entropy keeps its gradient through the
+    chunks' recompute, and d(sum of the entropies weighted per sample) equals the textbook's on each sequence."""
+    model, (prompt_P, responses) = tiny("qwen3"), _group()
+    mbs = make_micro_batches(prompt_P, responses, mode=mode, token_budget=4096, micro_batch_size=8, pad_id=0,
+                             device=torch.device("cpu"))
+    model.zero_grad()
+    loss = 0
+    for mb in mbs:
+        _, ent_NT = mb.forward(model, temperature=TEMP, chunk=chunk, entropy="grad")
+        assert ent_NT.requires_grad
+        loss = loss + sum(ent_NT[n].sum() * (i + 1) for n, i in enumerate(mb.samples))
+    loss.backward()
+    got = _grads(model)
+    model.zero_grad()
+    P = prompt_P.numel()
+    for i, r in enumerate(responses):
+        logits_LV = model(input_ids=torch.cat([prompt_P, r])[None]).logits[0]
+        logp_RV = torch.log_softmax(logits_LV[P - 1: P - 1 + r.numel()].float() / TEMP, dim=-1)
+        (-(logp_RV.exp() * logp_RV).sum() * (i + 1)).backward()
+    assert _grad_diff(got, _grads(model)) < 1e-5
+
+
 def test_chunks_are_recomputed_not_kept():
     """Under autograd a chunked head keeps no [tokens, vocab] tensor for the backward: the saved
     tensors of the graph hold at most one chunk's worth of vocabulary rows while it is built."""

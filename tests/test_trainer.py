@@ -34,11 +34,12 @@ class _Pushed:
         pass
 
 
-def _trainer(*, beta=0.04, micro_batch_size=8) -> Trainer:
-    trainer = Trainer(config=TrainerConfig(lr=1e-2, micro_batch_size=micro_batch_size, grad_clip=0.5),
+def _trainer(*, beta=0.04, micro_batch_size=8, entropy_coef=0.0, shared_prompt="auto") -> Trainer:
+    trainer = Trainer(config=TrainerConfig(lr=1e-2, micro_batch_size=micro_batch_size, grad_clip=0.5,
+                                           shared_prompt=shared_prompt),
                       model_path=None, dtype=torch.float32, algorithm=get_algorithm("grpo"),
-                      algo_config=GRPOConfig(beta=beta, clip_low=0.2, clip_high=0.28), temperature=0.9,
-                      total_steps=4)
+                      algo_config=GRPOConfig(beta=beta, clip_low=0.2, clip_high=0.28, entropy_coef=entropy_coef),
+                      temperature=0.9, total_steps=4)
     trainer.init(ExecutorEnv(name="trainer", ranks=(0,), units=((0,),), rank=0, group=None,
                              device=torch.device("cpu"), seed=0, output_dir=Path("/nonexistent")))
     return trainer
@@ -62,7 +63,7 @@ def _step(trainer: Trainer, groups, *, schedule=Periodic()) -> tuple[TrainerMetr
     return metrics, pushed.named
 
 
-def _reference_step(groups, *, beta: float, temperature: float) -> dict:
+def _reference_step(groups, *, beta: float, temperature: float, entropy_coef: float = 0.0) -> dict:
     """GRPO written out plainly: one sequence at a time, the batch mean taken directly."""
     policy, ref = load_model(None, seed=0), load_model(None, seed=0)
     policy.train()
@@ -77,15 +78,17 @@ def _reference_step(groups, *, beta: float, temperature: float) -> dict:
 
             def logp(model):
                 logits = model(input_ids=ids).logits[0, P - 1: -1].float() / temperature
-                return torch.log_softmax(logits, -1).gather(-1, resp[:, None])[:, 0]
+                return torch.log_softmax(logits, -1)
 
-            lp = logp(policy)
+            all_lp = logp(policy)
+            lp = all_lp.gather(-1, resp[:, None])[:, 0]
+            entropy = -(all_lp.exp() * all_lp).sum(-1)
             with torch.no_grad():
-                lr_ = logp(ref)
+                lr_ = logp(ref).gather(-1, resp[:, None])[:, 0]
             ratio = torch.exp(lp - lp.detach())
             pg = -torch.minimum(ratio * adv[i], ratio.clamp(1 - 0.2, 1 + 0.28) * adv[i])
             k3 = torch.exp(lr_ - lp) - (lr_ - lp) - 1
-            terms.append((pg + beta * k3).mean())
+            terms.append((pg + beta * k3 - entropy_coef * entropy).mean())
     loss = torch.stack(terms).mean()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(policy.parameters(), 0.5)
@@ -118,6 +121,19 @@ def test_step_equals_plain_reference(groups):
     init = dict(load_model(None, seed=0).named_parameters())
     assert any(not torch.equal(pushed[n], init[n]) for n in pushed)
     assert metrics.groups == 4 and metrics.logp_mismatch_max < 1e-4
+
+
+@pytest.mark.parametrize("shared_prompt", ["padded", "on"])
+def test_an_entropy_bonus_equals_the_plain_reference(groups, shared_prompt):
+    """algorithm.entropy_coef: each token's loss less coef * its entropy, the gradient through the chunked head."""
+    trainer = _trainer(beta=0.04, micro_batch_size=3, entropy_coef=1.0, shared_prompt=shared_prompt)
+    seen = _grads_seen(trainer)
+    _step(trainer, groups)
+    expected = _reference_step(groups, beta=0.04, temperature=0.9, entropy_coef=1.0)
+    without = _reference_step(groups, beta=0.04, temperature=0.9)
+    worst = max((seen[n] - g).abs().max().item() for n, g in expected.items())
+    assert worst < 1e-6, worst
+    assert max((without[n] - g).abs().max().item() for n, g in expected.items()) > 100 * 1e-6  # the bonus moved it
 
 
 def test_arrival_order_and_micro_batches_do_not_change_a_bit(groups):

@@ -56,6 +56,11 @@ class AlgoConfig(BaseModel):
         return False
 
     @property
+    def needs_entropy(self) -> bool:
+        """The loss reads the policy's token entropy with its gradient (LossInputs.entropy_NT)."""
+        return False
+
+    @property
     def filters_groups(self) -> bool:
         """The reward executor may drop groups and the generator then tops the batch up (DAPO)."""
         return False
@@ -90,6 +95,8 @@ class LossInputs:
     # the generator's log-probs of the sampled tokens (the behaviour policy mu), for a loss whose
     # config `needs_behaviour` (tidal/algorithms/corrections.py); None otherwise
     behaviour_logp_NT: torch.Tensor | None = field(default=None, kw_only=True)
+    # the policy's token entropy with its gradient, for a loss with an entropy bonus (ClipConfig.needs_entropy)
+    entropy_NT: torch.Tensor | None = field(default=None, kw_only=True)
 
     def token_advantages(self) -> torch.Tensor:
         """[N, T] (per-sample advantages as [N, 1], which broadcasts), at least float32."""

@@ -30,7 +30,7 @@ class GSPOConfig(ClipConfig):
     def _token_options(self) -> "GSPOConfig":
         # its ratio and clip are per sequence: the token-level corrections have nothing to act on
         for name, off in (("correction", not self.correction.needs_behaviour), ("clip_ratio_c", self.clip_ratio_c is None),
-                          ("log_ratio_clamp", self.log_ratio_clamp is None)):
+                          ("log_ratio_clamp", self.log_ratio_clamp is None), ("entropy_coef", self.entropy_coef == 0)):
             if not off:
                 raise ValueError(f"{name}: gspo's ratio is per sequence; the corrections apply to the "
                                  f"token-level losses (grpo, dr_grpo, dapo, rloo, reinforce_pp, ppo)")

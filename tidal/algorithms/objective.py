@@ -3,7 +3,8 @@
 The trainer (tidal/executors/trainer/executor.py) streams groups through micro-batches, accumulates
 gradients and steps the optimizer; it keeps no algorithm flag and asks its Objective instead:
 
-    needs_reference, needs_behaviour      the models and inputs the loss reads
+    needs_reference, needs_behaviour,     the models and inputs the loss reads
+    needs_entropy
     scores_on_arrival                     every group's score is needed when it arrives (batch scope)
     needs_refs(train=...)                 whether a unit of work needs the reference's log-probs
     scores(group, ...)                    a group's advantages: [G] per sample, or [G, R] per token
@@ -65,6 +66,10 @@ class Objective:
     @property
     def needs_behaviour(self) -> bool:
         return self.cfg.needs_behaviour
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.cfg.needs_entropy
 
     @property
     def scores_on_arrival(self) -> bool:

@@ -2,7 +2,7 @@
 
 Per token t of sequence i, with ratio_it = exp(logp_it - old_logp_it):
     pg_it = -min(ratio_it * A_i, clip(ratio_it, 1 - clip_low, 1 + clip_high) * A_i)
-    l_it  = pg_it + beta * kl_it          (kl only when kl_in == "loss")
+    l_it  = pg_it + beta * kl_it - entropy_coef * H_it     (kl only when kl_in == "loss"; H: the token's entropy)
 The algorithms differ only in how tokens are summed (a mean per sequence, or a plain sum) and in
 what the batch denominator counts (`Normaliser`), so both are arguments here. Corrections for
 samples the trained weights did not draw (importance weights against the generator's log-probs,
@@ -35,6 +35,14 @@ class ClipConfig(KLConfig):
         None, gt=1.0, description="dual clip: a token with a negative advantage loses at most -c * A (None: off)")
     log_ratio_clamp: float | None = Field(
         None, gt=0.0, description="clamp every log-ratio to [-L, L] before exp (None: off)")
+    entropy_coef: float = Field(
+        0.0, ge=0.0, description="entropy bonus: l_it -= coef * H_it, the policy's token entropy at the sampling "
+        "temperature, with its gradient (0: off)")
+
+    @property
+    def needs_entropy(self) -> bool:
+        """The loss reads the policy's token entropy with its gradient (LossInputs.entropy_NT)."""
+        return self.entropy_coef > 0
 
     @property
     def needs_behaviour(self) -> bool:
@@ -93,6 +101,22 @@ def _stats(inputs: LossInputs, *, mask_NT, inv_len_N1, per_seq: bool, denom: flo
     }
 
 
+def _penalties(tok_NT, inputs: LossInputs, cfg: ClipConfig, *, logp_NT, mask_NT):
+    """The token loss with its penalties added (the corrections' weights are the surrogate's, not theirs): the KL
+    to the reference (kl_in == "loss"), less the entropy bonus. -> (the token loss, the KL per token or None)."""
+    kl_NT = None
+    if inputs.ref_logp_NT is not None:
+        kl_NT = masked_kl_NT(logp_NT=logp_NT, ref_logp_NT=inputs.ref_logp_NT, mask_NT=mask_NT,
+                             estimator=cfg.kl_estimator)
+        if kl_in_loss(cfg):
+            tok_NT = tok_NT + cfg.beta * kl_NT
+    if cfg.needs_entropy:
+        if inputs.entropy_NT is None:
+            raise ValueError("algorithm.entropy_coef > 0 needs the policy's token entropy (LossInputs.entropy_NT)")
+        tok_NT = tok_NT - cfg.entropy_coef * upcast(inputs.entropy_NT)
+    return tok_NT, kl_NT
+
+
 def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normaliser, per_sequence_mean: bool,
                      max_response_tokens: int | None = None) -> LossOutput:
     """Sum over the micro-batch of l_it, weighted 1/|o_i| (per_sequence_mean) or 1 (token sum).
@@ -126,13 +150,7 @@ def token_level_loss(inputs: LossInputs, cfg: ClipConfig, *, normaliser: Normali
                                           log_ratio_clamp=cfg.log_ratio_clamp)
         tok_NT = weight_NT * tok_NT
 
-    kl_NT = None
-    if inputs.ref_logp_NT is not None:
-        kl_NT = masked_kl_NT(logp_NT=logp_NT, ref_logp_NT=inputs.ref_logp_NT, mask_NT=mask_NT,
-                             estimator=cfg.kl_estimator)
-        if kl_in_loss(cfg):
-            tok_NT = tok_NT + cfg.beta * kl_NT
-
+    tok_NT, kl_NT = _penalties(tok_NT, inputs, cfg, logp_NT=logp_NT, mask_NT=mask_NT)
     # 1/|o_i|; clamp so an empty sequence contributes 0 instead of 0/0.
     inv_len_N1 = 1.0 / mask_NT.sum(dim=1, keepdim=True).clamp(min=1).to(logp_NT.dtype)
     loss_sum = _weighted_sum(tok_NT, mask_NT, inv_len_N1 if per_sequence_mean else None)

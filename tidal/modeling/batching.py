@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from tidal.modeling import moe
-from tidal.modeling.head import TokenLogprobs, chunked_head
+from tidal.modeling.head import Entropy, TokenLogprobs, chunked_head
 
 
 class Routes(NamedTuple):
@@ -43,7 +43,7 @@ class MicroBatch:
     def logprobs(self, model, *, temperature: float, chunk: int = 0) -> torch.Tensor:
         return self.forward(model, temperature=temperature, chunk=chunk).logp_NT
 
-    def forward(self, model, *, temperature: float, chunk: int = 0, entropy: bool = False) -> ResponseLogprobs:
+    def forward(self, model, *, temperature: float, chunk: int = 0, entropy: Entropy = False) -> ResponseLogprobs:
         """Log-probs (and entropy) of the response tokens, [N, T] float32, 0 where masked; the LM head
         runs on `chunk` tokens at a time (tidal/modeling/head.py)."""
         T = self.targets_NT.shape[1]

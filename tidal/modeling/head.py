@@ -18,17 +18,24 @@ token's log-prob by up to 0.12 (mean 0.019) on SmolLM2-135M (bench/bf16_gap.py).
 """
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
-from typing import Callable, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+# a forward's entropy: none, without a gradient (a metric), or "grad": through the logits (an entropy bonus in the loss)
+Entropy = Literal[False, True, "grad"]
+
+
 class TokenLogprobs(NamedTuple):
     logp_K: torch.Tensor  # float32 log_softmax(logits / T) at the target tokens
-    entropy_K: torch.Tensor | None  # float32 entropy of softmax(logits / T), no gradient; None unless asked
+    # float32 entropy of softmax(logits / T), None unless asked; with a gradient where asked with entropy="grad"
+    # (an entropy bonus in the loss, algorithm.entropy_coef), else without
+    entropy_K: torch.Tensor | None
 
 
 def fp32_logits(head: nn.Module, h_CH: torch.Tensor, *, weight_VH: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,17 +103,18 @@ class Fp32Head:
 
 
 def _chunk(head: nn.Module, h_CH: torch.Tensor, targets_C: torch.Tensor, temperature: float,
-           entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+           entropy: Entropy) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """entropy: False, True (no gradient), or "grad" (through the logits, for a loss that uses it)."""
     logp_CV = torch.log_softmax(fp32_logits(head, h_CH) / temperature, dim=-1)
     ent_C = None
     if entropy:
-        with torch.no_grad():
+        with contextlib.nullcontext() if entropy == "grad" else torch.no_grad():
             ent_C = -(logp_CV.exp() * logp_CV).sum(-1)
     return logp_CV.gather(-1, targets_C[:, None])[:, 0], ent_C
 
 
 def head_logprobs(head: nn.Module, h_KH: torch.Tensor, targets_K: torch.Tensor, *, temperature: float,
-                  chunk: int, entropy: bool = False, per_chunk: Callable = _chunk) -> TokenLogprobs:
+                  chunk: int, entropy: Entropy = False, per_chunk: Callable = _chunk) -> TokenLogprobs:
     """The head on `chunk` tokens at a time (chunk 0: all at once, no recompute). per_chunk: one
     chunk's (logp, entropy) from (head, h_CH, targets_C, temperature, entropy); default: a head whose
     output is the whole vocabulary (tidal/modeling/megatron/vocab_parallel.py has a vocabulary-parallel one)."""
@@ -125,7 +133,7 @@ def head_logprobs(head: nn.Module, h_KH: torch.Tensor, targets_K: torch.Tensor, 
 
 @contextmanager
 def chunked_head(model: nn.Module, *, select: Callable[[torch.Tensor], torch.Tensor], targets_K: torch.Tensor,
-                 temperature: float, chunk: int, entropy: bool, out: list):
+                 temperature: float, chunk: int, entropy: Entropy, out: list):
     """Within this context, the model's forward gives its head a one-row input (its logits output is
     [.., 1, V]) and appends to `out` the TokenLogprobs of the hidden states `select(h)` picks, with
     `targets_K` their target tokens."""

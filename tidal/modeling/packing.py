@@ -18,7 +18,7 @@ import torch
 
 from tidal.modeling import moe
 from tidal.modeling.batching import MicroBatch, ResponseLogprobs, Routes, check_loss_masks, split_group
-from tidal.modeling.head import chunked_head
+from tidal.modeling.head import Entropy, chunked_head
 from tidal.modeling.pack_rule import auto_shared_prompt
 from tidal.modeling.attention import for_packed_rows
 from tidal.modeling.packed_attention import BACKENDS, Backend, PackMask, packed_forward
@@ -48,7 +48,7 @@ class PackedMicroBatch:
     def logprobs(self, model, *, temperature: float, chunk: int = 0) -> torch.Tensor:
         return self.forward(model, temperature=temperature, chunk=chunk).logp_NT
 
-    def forward(self, model, *, temperature: float, chunk: int = 0, entropy: bool = False) -> ResponseLogprobs:
+    def forward(self, model, *, temperature: float, chunk: int = 0, entropy: Entropy = False) -> ResponseLogprobs:
         """Log-probs (and entropy) of the response tokens, [N, T] float32, 0 where masked; the LM head
         runs on `chunk` tokens at a time (tidal/modeling/head.py)."""
         for_packed_rows(model)

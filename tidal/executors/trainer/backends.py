@@ -26,6 +26,7 @@ class Backend:
     # its layers compute with tidal/modeling/numerics.py's batch-invariant products and attention (model.numerics=exact)
     exact: bool = False
     context_parallel: bool = False  # it can split a packed row's tokens over cp ranks (trainer.cp)
+    entropy_bonus: bool = False  # its head's entropy has a gradient (algorithm.entropy_coef)
     about: str = ""
 
 
@@ -68,7 +69,7 @@ def _check_megatron(cfg: TrainerConfig, model_path: str | None) -> None:
 
 BACKENDS: Registry[Backend] = Registry("trainer backend", key="trainer.backend", plugin=Backend)
 BACKENDS.register("torch", Backend(models=_torch_models, check=_no_check, expert_parallel=True, lora=True, fp16=True,
-                                   exact=True, context_parallel=True,
+                                   exact=True, context_parallel=True, entropy_bonus=True,
                                    about="HF model classes with DTensor tp and FSDP2"))
 BACKENDS.register("megatron", Backend(models=_megatron_models, check=_check_megatron, per_rank_optimizer=True,
                                       pipeline=True,

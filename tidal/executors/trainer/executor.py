@@ -180,13 +180,15 @@ class Trainer(Learner):
         """One micro-batch: policy (and old) forward, then one backward per loss pass. score: the
         advantages of its samples, [N] or per token [N, R]; None: a lockstep dummy, its loss multiplied by 0.
         -> the policy's log-probs, and the generator's where `behaviour` gave them to the loss."""
-        logp_NT, entropy_NT = self.models.policy_logprobs(mb, entropy=score is not None)
+        # the entropy: a metric of every real micro-batch, with its gradient where the loss has an entropy bonus
+        entropy = ("grad" if self.objective.needs_entropy else True) if score is not None else False
+        logp_NT, entropy_NT = self.models.policy_logprobs(mb, entropy=entropy)
         if first_pass and score is not None:  # MoE: how often the trainer's own routing would differ
             routed, differs = self.models.routing_counts()
             sums.routed_tokens += routed
             sums.routing_differs += differs
         if entropy_NT is not None:
-            sums.entropy_sum += entropy_NT[mb.mask_NT].sum().item()
+            sums.entropy_sum += entropy_NT.detach()[mb.mask_NT].sum().item()
             sums.entropy_tokens += mb.mask_NT.sum().item()
         old_NT = self.models.old_logprobs(mb, policy_NT=logp_NT, first_pass=first_pass)
         mu_NT = behaviour(logp_NT) if behaviour is not None else None
@@ -196,12 +198,13 @@ class Trainer(Learner):
         recompute = self.cfg.fsdp
         for k, (name, adv) in enumerate(passes.items()):
             if k and recompute:
-                logp_NT = self.models.policy_logprobs(mb).logp_NT
+                logp_NT, entropy_NT = self.models.policy_logprobs(mb, entropy=entropy if entropy == "grad" else False)
             if adv is None:
                 loss = (logp_NT * 0).sum()
             else:
                 out = self.objective.loss(LossInputs(logp_NT=logp_NT, old_logp_NT=old_NT, ref_logp_NT=ref_NT,
                                                      mask_NT=mb.mask_NT, behaviour_logp_NT=mu_NT,
+                                                     entropy_NT=entropy_NT if entropy == "grad" else None,
                                                      **_advantages(adv, like=logp_NT)))
                 loss = out.loss_sum
                 sums.add_loss(name, out)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tidal.channels.payloads import ScoredGroup
+from tidal.modeling.head import Entropy
 from tidal.modeling.optim import GradLayout
 
 
@@ -60,7 +61,7 @@ class TrainerModels(Protocol):
     def drain(self) -> None:
         """Before an optimizer step: every backward still in flight is done."""
 
-    def policy_logprobs(self, mb, *, entropy: bool = False): ...
+    def policy_logprobs(self, mb, *, entropy: Entropy = False): ...
 
     def old_logprobs(self, mb, *, policy_NT: torch.Tensor, first_pass: bool) -> torch.Tensor: ...
 

@@ -36,6 +36,7 @@ from tidal.executors.trainer.config import TrainerConfig
 from tidal.executors.learner.models import (PRECISIONS, LearnerModels, frozen_logprobs, lay_out, learner_mesh, save_full,
                                        shares_prompt, trainable_copy)
 from tidal.modeling.attention import install as install_attention
+from tidal.modeling.head import Entropy
 from tidal.modeling.parallel.cp import ContextGroups, context_groups
 from tidal.modeling.parallel.cp import forward as cp_forward
 
@@ -173,14 +174,14 @@ class TriModel(LearnerModels):
         return shares_prompt(self.cfg, group.prompt_ids, group.responses)
 
     # ---- log-probs ----------------------------------------------------------------------------
-    def _forward(self, model, mb, *, entropy: bool = False):
+    def _forward(self, model, mb, *, entropy: Entropy = False):
         """ResponseLogprobs of `model` on `mb` (a backend's one way of running its models)."""
         if self.cp is not None:
             return cp_forward(mb, model, cp=self.cp, temperature=self.temperature, chunk=self.cfg.logprob_chunk,
                               entropy=entropy)
         return mb.forward(model, temperature=self.temperature, chunk=self.cfg.logprob_chunk, entropy=entropy)
 
-    def policy_logprobs(self, mb, *, entropy: bool = False):
+    def policy_logprobs(self, mb, *, entropy: Entropy = False):
         """ResponseLogprobs of the policy (with the token entropy when asked)."""
         return self._forward(self.policy, mb, entropy=entropy)
 

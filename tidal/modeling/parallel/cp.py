@@ -35,6 +35,7 @@ record would count it cp times.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 
 from tidal.modeling import moe
 from tidal.modeling.batching import ResponseLogprobs
-from tidal.modeling.head import TokenLogprobs, chunked_head
+from tidal.modeling.head import Entropy, TokenLogprobs, chunked_head
 from tidal.modeling.packed_attention import PackMask, packed_forward
 from tidal.modeling.parallel.mesh import check_group_counts, mesh_ranks
 
@@ -177,7 +178,7 @@ class ContextRows:
 
 
 def forward(mb, model, *, cp: ContextGroups, temperature: float, chunk: int = 0,
-            entropy: bool = False) -> ResponseLogprobs:
+            entropy: Entropy = False) -> ResponseLogprobs:
     """`mb.forward` (a PackedMicroBatch, tidal/modeling/packing.py) with the row's tokens split over cp:
     the same ResponseLogprobs on every cp rank."""
     from tidal.modeling.attention import for_packed_rows
@@ -207,7 +208,7 @@ def forward(mb, model, *, cp: ContextGroups, temperature: float, chunk: int = 0,
     logp_K = head_rows.gathered(out[0].logp_K, cp)
     ent_K = None
     if out[0].entropy_K is not None:
-        with torch.no_grad():
+        with contextlib.nullcontext() if entropy == "grad" else torch.no_grad():
             ent_K = head_rows.gathered(out[0].entropy_K, cp)
     return ResponseLogprobs.scatter(TokenLogprobs(logp_K, ent_K), mb.mask_NT)
 
