@@ -111,7 +111,8 @@ def split_group(prompt_ids_P: torch.Tensor, responses: list[torch.Tensor], *, mi
 
 class ResponseLogprobs(NamedTuple):
     logp_NT: torch.Tensor  # float32 log_softmax(logits / T) of each response token, 0 where masked
-    entropy_NT: torch.Tensor | None  # float32 entropy of each response token's distribution (no gradient)
+    # float32 entropy of each response token's distribution; with a gradient only where asked with entropy="grad"
+    entropy_NT: torch.Tensor | None
 
     @classmethod
     def scatter(cls, tokens: TokenLogprobs, mask_NT: torch.Tensor) -> "ResponseLogprobs":
