@@ -17,6 +17,7 @@ was sampled by weights j versions old (the run's `staleness_mean` over the model
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -61,11 +62,12 @@ class PartialStep:
     def trained(self) -> tuple[int, ...]:
         return tuple(self.index(g) for g in self.groups if self.ends(g))
 
-    def _group(self, index: int) -> _Group:
-        return next(g for g in self.groups if self.index(g) == index)
+    @functools.cached_property
+    def _by_index(self) -> dict[int, _Group]:
+        return {self.index(g): g for g in self.groups}
 
     def train_work(self, index: int) -> tuple[int, int]:
-        g = self._group(index)
+        g = self._by_index[index]
         prompt = g.prompt * (1 if self.shared_prompt else len(g.lengths))
         return prompt + sum(g.lengths), len(g.lengths)
 

@@ -72,8 +72,9 @@ def check_context(cfg: RunConfig, *, critic: bool) -> None:
                          f"ranks is not the batch-invariant kernel's; exact mode runs cp=1")
     from tidal.modeling.moe import FAMILIES
 
-    if _model_type(cfg.model.path) in FAMILIES:
-        raise ValueError(f"{field} with a mixture-of-experts model ({_model_type(cfg.model.path)}): a split row's "
+    model_type = _model_type(cfg.model.path)
+    if model_type in FAMILIES:
+        raise ValueError(f"{field} with a mixture-of-experts model ({model_type}): a split row's "
                          f"recorded routing is not built; set trainer.cp=1")
 
 
