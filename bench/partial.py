@@ -16,7 +16,12 @@ The engine alone (`--part engine --model DIR --data FILE`): `--prompts` prompts 
 128 tokens generated whole, then in pieces of 32 (each cut group resumed by the next call, its KV
 computed again), with the weights unchanged: the time of each and whether the tokens are the same.
 
+Multi-turn episodes (`--part turns`): the embedded model with the `LongTail` environment below, whose episodes
+are one turn long except 1 prompt in 16, whose run 8 turns: sync, periodic, periodic with
+partial rollouts of 16 and 32 tokens (episodes cut within their turns) and offpolicy, in one run.
+
     .venv/bin/python bench/partial.py [--repeats 3] [--steps 14] [--tail-steps 30]
+    .venv/bin/python bench/partial.py --part turns [--repeats 2] [--steps 14]
     .venv/bin/python bench/partial.py --part engine --model /path/to/hf --data prompts.jsonl [--prompts 4]
 """
 from __future__ import annotations
@@ -25,6 +30,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 from tabulate import tabulate
@@ -43,6 +49,26 @@ CONFIGS = {
     "offpolicy k=1, N=16": (("--schedule", "offpolicy"), ("generator.partial_rollout_tokens=16",)),
 }
 SKIP = 4
+TURNS_JOB = ["rollout=multi_turn", "multi_turn.env=bench.partial:LongTail", "multi_turn.max_turns=8",
+             "reward.functions=[bench.partial:short]"]
+TURNS_CONFIGS = {name: CONFIGS[name] for name in ("sync", "periodic", "periodic, N=16", "periodic, N=32", "offpolicy k=1")}
+
+
+class LongTail:
+    """Episodes of one turn, except 1 prompt in 16 (by its text), whose run 8 turns: a multi-turn long tail."""
+    deterministic = True
+    inline = True
+
+    def __init__(self, sample: dict):
+        self.turns = 8 if zlib.crc32(sample["prompt"].encode()) % 16 == 0 else 1
+
+    def reset(self):
+        return None
+
+    def step(self, turn):
+        from tidal.executors.environments.base import EnvStep
+
+        return EnvStep(observation=" go on", done=turn.index + 1 >= self.turns)
 
 
 def short(prompt: str, response: str, sample: dict) -> float:
@@ -55,7 +81,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--tail-steps", type=int, default=30)
-    p.add_argument("--part", choices=["job", "engine"], default="job")
+    p.add_argument("--part", choices=["job", "engine", "turns"], default="job")
     p.add_argument("--model", help="--part engine: an HF model directory")
     p.add_argument("--data", help="--part engine: a JSONL file with a `prompt` column (chat template applied)")
     p.add_argument("--prompts", type=int, default=4)
@@ -63,6 +89,8 @@ def main() -> None:
     args = p.parse_args()
     if args.part == "engine":
         return engine(args)
+    if args.part == "turns":
+        return turns(args)
     with tempfile.TemporaryDirectory(prefix="tidal-bench-partial-") as tmp:
         tmp = args.keep or Path(tmp)
         jobs.run("grpo", "--overwrite", output_dir=tmp / "tail", steps=args.tail_steps, overrides=JOB, nproc=3)
@@ -120,6 +148,27 @@ def predictions(sync_dir: Path, periodic_dir: Path) -> dict[str, float]:
         n = int(sets[0].split("=")[1])
         out[name] = next(r.tokens_per_s for r in budget_rows(shapes, rates, budgets=[n], steps=48) if r.budget == n)
     return out
+
+
+def turns(args) -> None:
+    """--part turns: the schedules on multi-turn episodes with a long tail of turns."""
+    runs = {name: [] for name in TURNS_CONFIGS}
+    with tempfile.TemporaryDirectory(prefix="tidal-bench-partial-turns-") as tmp:
+        for _ in range(args.repeats):
+            for name, (flags, sets) in TURNS_CONFIGS.items():
+                runs[name].append(jobs.run("grpo", "--overwrite", *flags, output_dir=Path(tmp) / "run", steps=args.steps,
+                                           overrides=[*TURNS_JOB, *sets], nproc=3).metrics[SKIP:])
+    sync_tps = tokens_per_s(runs["sync"])
+    table = [[name, f"{statistics.median(r['step_s'] for rows in repeats for r in rows):.2f}",
+              f"{per_group(repeats):.3f}", f"{tokens_per_s(repeats):.0f}", f"{tokens_per_s(repeats) / sync_tps:.2f}x",
+              " ".join(f"{sum(r['trainer/tokens'] for r in rows) / sum(r['step_s'] for r in rows):.0f}" for rows in repeats),
+              f"{statistics.mean(r['generator/turns_mean'] for rows in repeats for r in rows if r['trainer/groups']):.2f}",
+              max(r["trainer/staleness_max"] for rows in repeats for r in rows)]
+             for name, repeats in runs.items()]
+    print(f"\nmulti-turn long tail (the embedded model, 1 prompt in 16 runs 8 turns, the others 1; B=8, G=16): "
+          f"{args.repeats} runs x {args.steps - SKIP} steps per configuration (the first {SKIP} skipped)")
+    print(tabulate(table, headers=["configuration", "median step s", "s / trained group", "trained tok/s", "vs sync",
+                                   "runs' tok/s", "turns / sample", "staleness max"]))
 
 
 def engine(args) -> None:

@@ -2,6 +2,7 @@
 import random
 import time
 
+from tidal.executors.environments.base import EnvStep
 from tidal.executors.environments.lookup import Lookup
 
 
@@ -26,3 +27,30 @@ class SlowLookup(Lookup):
     def step(self, turn):
         time.sleep(random.uniform(0.0, 0.3))
         return super().step(turn)
+
+
+class Unsaveable(Lookup):
+    """The embedded lookup, declaring that its state cannot be saved (a live connection, say)."""
+
+    resumable = False
+
+
+class Tally:
+    """An environment whose answers follow its own state (the turns it has seen), so a restore that lost it would
+    answer differently (partial rollouts save and restore it at every cut). Its first observation joins the
+    prompt; it ends the episode at its fourth turn."""
+
+    deterministic = True
+    inline = True
+
+    def __init__(self, sample):
+        self.seen = 0
+
+    def reset(self):
+        return EnvStep(observation=" read", max_tokens=2)
+
+    def step(self, turn):
+        self.seen += 1
+        if self.seen == 4 or turn.last:
+            return EnvStep(done=True, reward_parts={"seen": float(self.seen)})
+        return EnvStep(observation=" it is" + " ." * self.seen, max_tokens=1 + self.seen % 3, reward_parts={"seen": 1.0})

@@ -170,7 +170,7 @@ def _rows(n=4):
 
 
 def _rollout(tok, **cfg):
-    return MultiTurn(tokenizer=tok, config=MultiTurnConfig(**cfg), max_new_tokens=6)
+    return MultiTurn(tokenizer=tok, config=MultiTurnConfig(**cfg), max_new_tokens=6, max_prompt_tokens=256)
 
 
 def _run_rollout(rollout, model, tok, rows, *, n=2):
@@ -339,6 +339,65 @@ def test_the_other_samples_decode_while_an_environment_call_waits(model, tok):
                           _rows(2))
     assert Waits.log == [("another sample's second step", True), ("waiter released", True)]
     assert all(ep["error"] is None and ep["turns"] == 3 for g in groups.values() for ep in g.episodes)
+
+
+class SlowToOpen:
+    """The first prompt's environments open only when the test says (their reset() waits, 60 s at most); every
+    prompt opens with ` go`, and its episodes end at their first turn."""
+    deterministic = True
+    gate, gated = threading.Event(), None
+
+    def __init__(self, sample):
+        self.wait = sample["prompt"] == SlowToOpen.gated
+
+    def reset(self):
+        if self.wait:
+            assert SlowToOpen.gate.wait(60)
+        return " go"
+
+    def step(self, turn):
+        return EnvStep(done=True, reward_parts={"waited": float(self.wait)})
+
+
+def test_the_engine_decodes_the_opened_prompts_while_others_are_reset(model64, tok):
+    """The first prompt's reset() blocks until another prompt's group has come out: only an engine that decodes
+    the prompts already opened while the others' environments are made gets past it. Its group then opens with its
+    first observation and is the group of a run where nothing waited (the same tokens, masks and log-probs)."""
+    rows = _rows(3)
+    SlowToOpen.gated = rows[0].prompt
+    prompts = [(i, row, tok(row.prompt).input_ids) for i, row in enumerate(rows)]
+    params = SamplingParams(n=2, max_new_tokens=6, seed=0)
+    rollout = _rollout(tok, env="tests.test_multi_turn:SlowToOpen", timeout_s=120)
+    SlowToOpen.gate.clear()
+    order = []
+    for g in rollout.run(_engine(model64, tok, max_batch_prompts=3), prompts, params, step=0, stop=lambda: False):
+        order.append((g.index, SlowToOpen.gate.is_set()))
+        SlowToOpen.gate.set()
+        if g.index == 0:
+            late = g
+    assert order[0] == (1, False) or order[0] == (2, False)
+    assert sorted(i for i, _ in order) == [0, 1, 2]
+    assert late.prompt_ids[-len(rollout.render(" go")):].tolist() == rollout.render(" go")
+    assert [ep["reward_parts"] for ep in late.episodes] == [{"waited": 1.0}] * 2
+    whole = _run_rollout(_rollout(tok, env="tests.test_multi_turn:SlowToOpen", timeout_s=120), model64, tok, rows)[0]
+    assert torch.equal(whole.prompt_ids, late.prompt_ids)
+    for a, b, ma, mb, la, lb in zip(whole.responses, late.responses, whole.loss_masks, late.loss_masks,
+                                    whole.logprobs, late.logprobs, strict=True):
+        assert torch.equal(a, b) and torch.equal(ma, mb)
+        torch.testing.assert_close(la, lb, **LOGP_OF_FLOAT64)
+
+
+def test_a_first_observation_past_max_prompt_tokens_fails_its_episodes_named(model, tok):
+    rows = _rows(1)
+    fits = len(tok(rows[0].prompt).input_ids)
+    rollout = MultiTurn(tokenizer=tok, config=MultiTurnConfig(env="tests.test_multi_turn:SlowToOpen"),
+                        max_new_tokens=6, max_prompt_tokens=fits)
+    SlowToOpen.gated = None
+    groups = _run_rollout(rollout, model, tok, rows)
+    n = len(rollout.render(" go"))
+    message = (f"environment 'tests.test_multi_turn:SlowToOpen' failed at step 0, prompt 0, sample 0: reset()'s "
+               f"observation of {n} tokens makes the prompt {fits + n} tokens, over data.max_prompt_tokens={fits}")
+    assert groups[0].episodes[0]["error"] == message and len(groups[0].prompt_ids) == fits
 
 
 class Async:

@@ -62,7 +62,7 @@ def _partial(cfg: RunConfig) -> str:
         return ""
     from tidal.executors.generator.partial import max_cuts  # light: torch and the data rows only
 
-    cuts = max_cuts(max_new_tokens=cfg.generator.max_new_tokens, budget=n)
+    cuts = max_cuts(response_tokens=cfg.response_tokens, budget=n)
     lag = cfg.schedule.weights_lag - 1
     return (f"\npartial rollouts: at most {n} tokens a sample per step, so a group spans up to {cuts + 1} steps; "
             f"a trained token is at most {cuts + lag} policy versions old ({cuts} cuts + max_lag {lag})")

@@ -84,13 +84,24 @@ def check_partial(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
     if n is None:
         return
     field = f"generator.partial_rollout_tokens={n}"
-    if n >= g.max_new_tokens:
-        raise ValueError(f"{field} is not below generator.max_new_tokens={g.max_new_tokens}: no sample would ever be "
-                         f"cut; set it lower (e.g. {max(1, g.max_new_tokens // 4)}) or leave it unset")
-    if cfg.rollout != "single_turn":
-        raise ValueError(f"{field} with rollout={cfg.rollout}: a cut episode would have to keep its environment's "
-                         f"state across steps and checkpoints, which environments do not offer; partial rollouts "
-                         f"are single-turn")
+    longest = cfg.response_tokens  # multi-turn: the whole episode's, turns and observations
+    if n >= longest:
+        limit = (f"generator.max_new_tokens={longest}" if longest == g.max_new_tokens else
+                 f"a response's {longest} tokens (multi_turn.max_total_tokens)")
+        raise ValueError(f"{field} is not below {limit}: no sample would ever be cut; set it lower (e.g. "
+                         f"{max(1, longest // 4)}) or leave it unset")
+    why = ENGINES.get(g.engine).no_turn_cuts
+    if cfg.rollout == "multi_turn" and why:
+        raise ValueError(f"{field} with rollout=multi_turn and generator.engine={g.engine}: {why}; "
+                         f"{ENGINES.offer(lambda e: not e.no_turn_cuts)}")
+    if cfg.rollout == "multi_turn":
+        from tidal.executors.environments.base import env_class
+
+        spec = cfg.multi_turn.env or "lookup"
+        if not getattr(env_class(spec), "resumable", True):
+            raise ValueError(f"{field} with multi_turn.env={spec}: that environment says it cannot be saved and "
+                             f"restored (resumable = False), and a cut episode resumes from its saved state in a "
+                             f"later step; leave generator.partial_rollout_tokens unset")
     if dynamic_sampling:
         raise ValueError(f"{field} with dynamic sampling (algorithm.dynamic_sampling=true): its top-ups fill a step "
                          f"with the groups that step finished, and partial rollouts move groups to later steps")

@@ -18,10 +18,16 @@ of the sample alone (a clock, the network): the sync == periodic equivalence can
 Its calls run off the engine's decode loop (tidal/executors/environments/pool.py; `step` may be `async
 def`); `inline = True` on a class whose calls take microseconds makes them on the loop instead, where
 they cost less than a thread's hand-off (the built-in lookup and calculator).
+
+Under partial rollouts an episode cut at a step's token budget resumes in a later step, after a checkpoint too:
+its environment is saved at the cut and restored there (`save_env`, `restore_env`): by `env.save() -> bytes` and
+`Env.restore(state)` where a class defines them, else by pickling the instance. A class whose state cannot be
+saved says `resumable = False`, and a run with partial rollouts refuses it before it starts.
 """
 from __future__ import annotations
 
 import importlib
+import pickle
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -58,6 +64,28 @@ class Env(Protocol):
     def reset(self) -> str | list[int] | EnvStep | None: ...
 
     def step(self, turn: ModelTurn) -> EnvStep: ...
+
+    # optional: save() -> bytes and a classmethod restore(state) -> Env (partial rollouts; default: pickle);
+    # resumable = False where neither can work
+
+
+def save_env(env, *, where: str) -> bytes:
+    """An environment's state at a cut episode (partial rollouts): its save(), else the pickled instance. A state
+    that cannot be saved stops the run, named: the episode could not go on in a later step."""
+    try:
+        return env.save() if callable(getattr(env, "save", None)) else pickle.dumps(env)
+    except Exception as exc:
+        how = "save()" if callable(getattr(env, "save", None)) else "pickling it"
+        raise ValueError(f"environment {type(env).__name__} at {where} cannot be saved ({how} raised "
+                         f"{type(exc).__name__}: {exc}); a cut episode resumes from its saved state in a later step: "
+                         f"give the class save() and restore(state), or run without generator.partial_rollout_tokens"
+                         ) from exc
+
+
+def restore_env(cls: type, state: bytes):
+    """An environment as `save_env` saved it: cls.restore(state), else unpickled."""
+    restore = getattr(cls, "restore", None)
+    return restore(state) if callable(restore) else pickle.loads(state)
 
 
 ENVS: Registry[type] = Registry("environment")

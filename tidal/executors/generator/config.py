@@ -95,7 +95,8 @@ class GeneratorConfig(BaseModel):
     partial_rollout_tokens: int | None = Field(
         None, ge=1, description="partial rollouts: a sample writes at most this many tokens per step; a group not "
         "done by then is kept and resumed in the next step (with that step's weights) until all its samples end. "
-        "Tokens then span up to ceil(max_new_tokens / N) policy versions (metrics: staleness). None: off")
+        "Tokens then span up to ceil(max_new_tokens / N) policy versions (multi-turn: max_total_tokens; metrics: "
+        "staleness). Multi-turn episodes are cut within their turns, their environments saved. None: off")
     engine: str = Field("native", description="native: batched HF decoding, always there; vllm: vLLM (see "
                         "docs/engines.md); tidal/executors/generator/engines.py registers them")
     vllm: VllmConfig = Field(default_factory=VllmConfig)

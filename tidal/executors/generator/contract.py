@@ -50,6 +50,11 @@ class Resume:
     response_ids: list[torch.Tensor]  # G x [R_i]: an unfinished sample's every token so far
     logprobs: list[torch.Tensor]
     finished_G: torch.Tensor  # samples that already ended (EOS): they write nothing more
+    # a multi-turn group's (the engine's GroupCompletion of its cut, as it came): each sample's sampled-token mask,
+    # whether its episode is over (finished, or truncated at max_total_tokens) and where its current turn began
+    loss_masks: list[torch.Tensor] | None = None
+    over_G: torch.Tensor | None = None
+    turn_starts: list[int] | None = None
 
     @property
     def t(self) -> int:
@@ -62,6 +67,9 @@ class PromptRequest:
     index: int  # prompt index within the call; part of every sample's seed (unless resumed)
     prompt_ids: list[int] | torch.Tensor
     resume: Resume | None = None  # continue a cut group instead of starting the prompt afresh
+    # multi-turn: its environments are still being made and reset; it is admitted once Turns.opened() gives its
+    # first observation, appended to prompt_ids (together at most Turns.max_prompt_tokens)
+    opening: bool = False
 
 
 @dataclass(kw_only=True)
@@ -78,6 +86,10 @@ class GroupCompletion:
     # the call's token budget ran out before every sample ended: a partial group, continued by a
     # later call (PromptRequest.resume) rather than trained
     cut: bool = False
+    # a cut multi-turn group: the samples whose episode is over (finished_G, or truncated at max_total_tokens) and
+    # where each sample's current turn began in its response (the resumed turn's cap counts from there)
+    over_G: torch.Tensor | None = None
+    turn_starts: list[int] | None = None
 
 
 def room_for_a_turn(*, used: int, observation: int, total: int) -> bool:
@@ -95,6 +107,11 @@ class Turns(Protocol):
     engine decodes its other samples meanwhile)."""
 
     max_total_tokens: int
+    max_prompt_tokens: int  # a prompt with its first observation (a request that waits for `opened`)
+
+    def opened(self, *, wait_s: float = 0.0) -> dict[int, list[int]]:
+        """{index: first observation's token ids} of the prompts whose environments are ready since the last call
+        (waiting up to `wait_s` for one): each such request (PromptRequest.opening) may be admitted now."""
 
     def max_tokens(self, *, index: int, sample: int) -> int:
         """The token cap of the current turn of sample `sample` of prompt `index` (asked again after
@@ -112,12 +129,28 @@ class Turns(Protocol):
         """A stop: forget the turns in flight."""
 
 
+def with_openings(requests: list[PromptRequest], turns: Turns | None, stop: Callable[[], bool]) -> list[PromptRequest] | None:
+    """The requests with every first observation appended, waiting for all of them: for an engine that takes every
+    request at the start of the call. None where `stop()` came first."""
+    waiting = {r.index for r in requests if r.opening}
+    openings: dict[int, list[int]] = {}
+    while waiting - openings.keys():
+        if stop():
+            return None
+        openings.update(turns.opened(wait_s=0.05))
+    return [PromptRequest(index=r.index, prompt_ids=list(r.prompt_ids) + openings[r.index]) if r.opening else r
+            for r in requests]
+
+
 class AnsweredTurns:
     """Turns whose answers are a function of the turn, given at once (`answer`): engine tests and
     simple rollouts implement `answer` and `max_tokens` alone."""
 
     def answer(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> list[int] | None:
         raise NotImplementedError
+
+    def opened(self, *, wait_s: float = 0.0) -> dict[int, list[int]]:
+        return {}  # its requests open at once
 
     def submit(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> None:
         self.__dict__.setdefault("_answered", []).append(
@@ -136,7 +169,8 @@ class Engine(Protocol):
                  stop: Callable[[], bool] = ..., turns: Turns | None = None,
                  budget: int | None = None) -> Iterator[GroupCompletion]:
         """Each request's G-sample group as soon as it is done; `stop()` True abandons the rest;
-        `budget`: tokens per sample in this call, past which a group comes back cut (partial rollouts)."""
+        `budget`: tokens each sample may sample in this call, past which a group comes back cut (partial rollouts;
+        with turns the observations do not count: they are fed, not sampled)."""
 
     def load_weights(self, shards: Mapping[str, torch.Tensor], specs: Mapping[str, ParamSpec]) -> None:
         """The WEIGHTS channel's push has landed in `shards`: make the engine sample with it. An entry

@@ -35,6 +35,8 @@ class EngineKind:
     colocated_defaults: dict = field(default_factory=dict)
     # an MoE model's routing: what it cannot record of it (for trainer.routing_replay), or "" when it records
     no_routing: str = ""
+    # partial rollouts of multi-turn episodes: why it cannot cut one within its turns and resume it, or "" when it can
+    no_turn_cuts: str = ""
     # model.numerics=exact: it decodes with the batch-invariant products and attention the trainer computes
     # with (tidal/modeling/numerics.py), so its log-probs are the trainer's bit for bit
     exact: bool = False
@@ -148,4 +150,6 @@ ENGINES.register("vllm", EngineKind(build=_build_vllm, check=_check_vllm, slots_
                                     # vLLM 0.32 can return them (enable_return_routed_experts); Tidal does
                                     # not read them into the group yet
                                     no_routing="Tidal does not read vLLM's routed experts yet",
+                                    no_turn_cuts="its turns are requests submitted as answers arrive, and cutting "
+                                                 "one at the step's budget is built in the native engine only",
                                 kv_note="KV cache (vLLM: generator.vllm.gpu_memory_utilization or kv_cache_gb)"))

@@ -79,7 +79,8 @@ class Generator(Executor):
         self.tokenizer = load_tokenizer(self.model_cfg.path)
         # the engine, and the WEIGHTS channel's view of it: {name: spec} and {name: local shard}
         self.rollout = self.rollout_cls(tokenizer=self.tokenizer, config=self.multi_turn,
-                                        max_new_tokens=self.cfg.max_new_tokens)
+                                        max_new_tokens=self.cfg.max_new_tokens,
+                                        max_prompt_tokens=self.data_cfg.max_prompt_tokens)
         self.engine, self.specs, self.shards = ENGINES.get(self.cfg.engine).build(self._engine_spec(env))
         self._released = False  # time-shared: the engine gave its memory back (release), until wake
         rows = (load_prompts(self.data_cfg.path, self.data_cfg.columns) if self.data_cfg.path else
@@ -100,7 +101,7 @@ class Generator(Executor):
                                      top_k=self.cfg.top_k)
         self.partial = None
         if self.cfg.partial_rollout_tokens is not None:
-            self.partial = PartialRollouts(unit=env.unit_index, units=self.units,
+            self.partial = PartialRollouts(rollout=self.rollout, unit=env.unit_index, units=self.units,
                                            prompts_per_step=self.data_cfg.prompts_per_step,
                                            budget=self.cfg.partial_rollout_tokens)
             if env.resume is not None:

@@ -7,11 +7,11 @@ generator executor can swap engines. Two properties matter more than speed here:
   sample does not depend on batching, chunking, or on how prompts are split over generator ranks.
 * Streaming: a prompt group is yielded as soon as its G samples are finished.
 
-Layout (tidal/executors/generator/slots.py runs it, the drivers here schedule): every sample has a slot, its KV
+Layout (tidal/executors/generator/slots.py runs it, drivers.py schedules): every sample has a slot, its KV
 written in place in a store allocated once per call (tidal/modeling/slot_attention.py); up to `max_batch_prompts`
 groups hold slots at once. A prompt is prefilled once and its KV copied into its G slots. A sample that ends
 stops decoding at once; its group's slots go to the next prompt when all G have ended. Multi-turn
-(_MultiTurn): a sample whose turn ends keeps its slot and KV while the environment answers off the decode
+(MultiTurnDriver): a sample whose turn ends keeps its slot and KV while the environment answers off the decode
 loop, and feeds the observation when it comes back. Admission: `chunked` starts the next max_batch_prompts
 prompts when the whole batch is done; `continuous` gives a freed group's slots to the next prompt at once.
 Continuous keeps the batch full (fewer, fuller forwards: what a device whose decode step costs the same for
@@ -24,12 +24,11 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from tidal.executors.generator.contract import (GroupCompletion, PromptRequest, Resume, SamplingParams, Turns,
-                                          room_for_a_turn)
-from tidal.executors.generator.graphs import DecodeGraphs
+from tidal.executors.generator.contract import GroupCompletion, PromptRequest, SamplingParams, Turns
 from tidal.executors.generator.config import ADMISSIONS, DEFAULT_ADMISSION
+from tidal.executors.generator.drivers import Driver, MultiTurnDriver, SingleTurnDriver
+from tidal.executors.generator.graphs import DecodeGraphs
 from tidal.executors.generator.routing import NO_ROUTING, recorder_for
-from tidal.executors.generator.sampling import sample_seed
 from tidal.executors.generator.slots import Slots, free_memory_bytes, kv_bytes_per_position
 
 if TYPE_CHECKING:  # transformers loads with the first chunk: building a graph stays light
@@ -127,17 +126,20 @@ class NativeEngine:
         indices = [r.index for r in requests]
         if len(set(indices)) != len(indices):
             raise ValueError(f"duplicate prompt indices in one generate call: {sorted(indices)}")
-        assert budget is None or (budget >= 1 and turns is None), "partial rollouts are single-turn"
+        assert budget is None or budget >= 1
         prompts = [torch.as_tensor(r.prompt_ids, dtype=torch.long).reshape(-1).cpu() for r in requests]
         if any(p.numel() == 0 for p in prompts):
             raise ValueError("empty prompt")
         waiting = [(r.index, p, r.resume) for r, p in zip(requests, prompts)]
         if not waiting:
             return iter(())
+        unopened = {r.index for r in requests if r.opening}
+        assert turns is not None or not unopened, "a request waits for its environments without turns"
         # the slots: every group the admission may hold at once, each sample as long as its prompt and response (with
-        # graphs in multiples of 128, so that the next call, whose prompts differ, finds the same store)
+        # graphs in multiples of 128, so that the next call, whose prompts differ, finds the same store); a prompt
+        # that waits for its first observation may grow to max_prompt_tokens
         response = params.max_new_tokens if turns is None else turns.max_total_tokens
-        length = max(p.numel() for p in prompts) + response
+        length = max(turns.max_prompt_tokens if r.opening else p.numel() for r, p in zip(requests, prompts)) + response
         graphs = self.graphs and turns is None
         if graphs:
             length = -(-length // 128) * 128
@@ -146,7 +148,7 @@ class NativeEngine:
         for setting, tokens in self._kv_budgets():
             groups = min(groups, _budgeted_groups(setting, tokens, samples=params.n, length=length))
         slots, decode_graphs = self._slots(params, groups=groups, length=length, response=response, graphs=graphs)
-        return self._stream(waiting, params, step, stop, turns, budget, slots, decode_graphs)  # validated now
+        return self._stream(waiting, params, step, stop, turns, budget, slots, decode_graphs, unopened)  # validated now
 
     def _kv_budgets(self) -> list[tuple[str, int]]:
         """(the setting, the KV positions it allows) of each budget the store keeps within. The memory's is read
@@ -177,11 +179,12 @@ class NativeEngine:
         slots.reset(params)
         return slots, decode_graphs
 
-    def _stream(self, waiting, params, step, stop, turns, budget, slots, decode_graphs) -> Iterator[GroupCompletion]:
+    def _stream(self, waiting, params, step, stop, turns, budget, slots, decode_graphs,
+                unopened) -> Iterator[GroupCompletion]:
         if turns is None:
-            driver = _Single(self, params, step, budget, slots, decode_graphs)
+            driver = SingleTurnDriver(self, params, step, budget, slots, decode_graphs)
         else:
-            driver = _MultiTurn(self, params, step, turns, slots)
+            driver = MultiTurnDriver(self, params, step, turns, slots, budget, unopened)
         try:
             yield from self._schedule(driver, collections.deque(waiting), stop)
         finally:
@@ -189,7 +192,7 @@ class NativeEngine:
         if turns is not None and stop():
             turns.abandon()  # the environment calls in flight are dropped with the step
 
-    def _schedule(self, driver: "_Driver", waiting: collections.deque,
+    def _schedule(self, driver: Driver, waiting: collections.deque,
                   stop: Callable[[], bool]) -> Iterator[GroupCompletion]:
         while (waiting or driver.live) and not stop():
             # continuous: a finished group's slots take the next prompt at once (under turns, so may a group whose
@@ -197,231 +200,11 @@ class NativeEngine:
             # whole batch is done
             free = driver.room()
             if waiting and free > 0 and (self.admission == "continuous" or not driver.live):
-                driver.admit([waiting.popleft() for _ in range(min(free, len(waiting)))])
+                if admitted := driver.take(waiting, free):
+                    driver.admit(admitted)
             # Yield outside inference_mode: the caller (a trainer in the same thread) runs between
             # yields and must not inherit it; the yielded tensors are plain copies.
             yield from driver.advance()
-
-
-class _Driver:
-    """What both drivers share: the slots, the groups that hold them (in admission order) and a fresh group's
-    admission (its prompt prefilled once, its KV shared by its G samples)."""
-
-    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, slots: Slots):
-        self.engine, self.params, self.step, self.G = engine, params, step, params.n
-        self.slots = slots
-        self.groups: dict[int, tuple[torch.Tensor, list[int]]] = {}  # prompt index -> (prompt ids, its G slots)
-        self.keys: dict[int, tuple[int, int]] = {}  # slot -> (prompt index, sample)
-        self.decoding: list[int] = []  # the slots that decode, in order
-        self._rows_B: torch.Tensor | None = None
-        self.routing = engine.routing
-
-    @property
-    def live(self) -> int:
-        """Groups admitted and not yet handed out."""
-        return len(self.groups)
-
-    @property
-    def rows_B(self) -> torch.Tensor:
-        """The decoding slots as a device tensor, made again only when they change."""
-        if self._rows_B is None:
-            self._rows_B = torch.tensor(self.decoding, dtype=torch.long, device=self.engine.device)
-        return self._rows_B
-
-    def _decode_from(self, slots: list[int]) -> None:
-        self.decoding = sorted(slots)
-        self._rows_B = None
-
-    def _hold(self, index: int, prompt: torch.Tensor) -> list[int]:
-        slots = self.slots.take(self.G)
-        self.groups[index] = (prompt, slots)
-        self.keys.update({s: (index, j) for j, s in enumerate(slots)})
-        return slots
-
-    def _release(self, index: int) -> tuple[torch.Tensor, list[int]]:
-        prompt, slots = self.groups.pop(index)
-        for s in slots:
-            del self.keys[s]
-        self.slots.give_back(slots)
-        return prompt, slots
-
-    @torch.inference_mode()
-    def _admit_fresh(self, prompts: list[tuple[int, torch.Tensor]], *, stop: int) -> list[int]:
-        """Prefill the new prompts together, once each, and give each prompt's G slots its KV; every sample
-        draws its first token from the prompt's logits. Returns the slots."""
-        G, p = self.G, self.params
-        held = [self._hold(i, prompt) for i, prompt in prompts]
-        flat = [s for slots in held for s in slots]
-        self.slots.start(flat, seeds=[sample_seed(run_seed=p.seed, step=self.step, prompt_index=i, sample_index=j)
-                                      for i, _ in prompts for j in range(G)], stop=[stop] * len(flat))
-        logits_CV = self.slots.forward([slots[0] for slots in held], [prompt for _, prompt in prompts])
-        self.routing.prefilled([(i, len(prompt)) for i, prompt in prompts],
-                               width=max(len(prompt) for _, prompt in prompts), samples=G)
-        if G > 1:
-            self.slots.share([slots[0] for slots in held for _ in range(G - 1)], [s for slots in held for s in slots[1:]],
-                             columns=max(len(prompt) for _, prompt in prompts))
-        self.slots.sample(self.slots.rows_of(flat), logits_CV.repeat_interleave(G, dim=0))
-        return flat
-
-    def _completion(self, index: int, *, finished_G: torch.Tensor, loss_masks: bool, cut: bool) -> GroupCompletion:
-        """A finished group copied out (outside inference mode: plain tensors for the consumer); its slots are free."""
-        outs = [self.slots.copy_out(s) for s in self.groups[index][1]]
-        prompt, _ = self._release(index)
-        lengths = [len(ids) for ids, _, _ in outs]
-        return GroupCompletion(index=index, prompt_ids_P=prompt.clone(), response_ids=[ids for ids, _, _ in outs],
-                               logprobs=[logp for _, logp, _ in outs], finished_G=finished_G,
-                               loss_masks=[mask for _, _, mask in outs] if loss_masks else None, cut=cut,
-                               routing=self.routing.group(index, lengths))
-
-
-class _Single(_Driver):
-    """Single-turn groups: each sample decodes until EOS, max_new_tokens or the call's budget (partial rollouts:
-    a group whose samples have not all ended by then comes back `cut`)."""
-
-    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, budget: int | None, slots: Slots,
-                 graphs: DecodeGraphs | None):
-        super().__init__(engine, params, step, slots)
-        self.budget, self.steps, self.graphs = budget, 0, graphs
-        self.routing.start(whole_single_turn=budget is None, max_new_tokens=params.max_new_tokens)
-
-    def room(self) -> int:
-        return min(self.engine.max_batch_prompts - len(self.groups), len(self.slots.free) // self.G)
-
-    def _stop_at(self, t: int) -> int:
-        return self.params.max_new_tokens if self.budget is None else min(t + self.budget, self.params.max_new_tokens)
-
-    def admit(self, prompts: list[tuple[int, torch.Tensor, Resume | None]]) -> None:
-        fresh = [(i, p) for i, p, resume in prompts if resume is None]
-        resumed = [(i, p, resume) for i, p, resume in prompts if resume is not None]
-        new = self._admit_fresh(fresh, stop=self._stop_at(0)) if fresh else []
-        if resumed:
-            new += self._admit_resumed(resumed)
-        self._decode_from(self.decoding + new)
-
-    @torch.inference_mode()
-    def _admit_resumed(self, prompts: list[tuple[int, torch.Tensor, Resume]]) -> list[int]:
-        """A resumed group's samples take their tokens so far; each unfinished one prefills its prompt and them
-        (the weights have changed since they were written: the trainer scores every token with its step's), an
-        ended one writes nothing more. Returns the slots that decode."""
-        p, decode = self.params, []
-        for i, prompt, res in prompts:
-            slots = self._hold(i, prompt)
-            written = [(res.response_ids[j], res.logprobs[j], bool(res.finished_G[j])) for j in range(self.G)]
-            self.slots.start(slots, seeds=[sample_seed(run_seed=p.seed, step=res.step, prompt_index=res.index,
-                                                       sample_index=j) for j in range(self.G)],
-                             stop=[self._stop_at(ids.numel()) for ids, _, _ in written], written=written)
-            decode += [s for s, (_, _, ended) in zip(slots, written) if not ended]
-        if decode:
-            resumes = {i: res for i, _, res in prompts}
-            chunks = [torch.cat([self.groups[i][0], resumes[i].response_ids[j]]) for i, j in map(self.keys.get, decode)]
-            self.slots.sample(self.slots.rows_of(decode), self.slots.forward(decode, chunks))
-        return decode
-
-    def advance(self) -> Iterator[GroupCompletion]:
-        """Write every decoding sample's token, hand out the groups that just finished, feed the rest."""
-        if self.decoding:
-            with torch.inference_mode():
-                ended_B = self.slots.write(self.rows_B)
-            self.steps += 1
-            if self.steps % self.engine.check_every == 0:
-                ended = ended_B.tolist()  # the host's one read (every check_every steps)
-                if any(ended):
-                    self._decode_from([s for s, e in zip(self.decoding, ended) if not e])
-        decoding = set(self.decoding)
-        for index in [i for i, (_, slots) in self.groups.items() if not decoding.intersection(slots)]:
-            slots = self.groups[index][1]
-            eos_G = self.slots.eos_N[slots].cpu()
-            len_G = self.slots.len_N[slots].cpu()
-            cut = self.budget is not None and bool((~eos_G & (len_G < self.params.max_new_tokens)).any())
-            yield self._completion(index, finished_G=eos_G.clone(), loss_masks=False, cut=cut)
-        if self.decoding:
-            with torch.inference_mode():
-                fed_B = (self.graphs.decode(self.decoding) if self.graphs is not None else
-                         self.slots.decode(self.decoding, self.rows_B))
-                # a row that fed its newest token: that token's experts
-                self.routing.decoded([self.keys[s] for s in self.decoding], fed_B=fed_B,
-                                     t_B=self.slots.len_N[self.rows_B])
-
-
-class _MultiTurn(_Driver):
-    """The samples of a multi-turn rollout. A sample whose turn ends stops decoding and the turn goes to the
-    environment (Turns.submit, answered on the rollout's pool); it keeps its slot and KV, and the group's place
-    in the batch counts as free while none of its samples decodes. When the answer comes back (Turns.ready) the
-    sample feeds its turn's last token and the observation in one forward with the others' tokens. A sample
-    whose episode is over stops for good; its group is handed out when all G are. With model.numerics=exact a
-    sample's tokens and log-probs do not depend on the samples around it or when its answer returns."""
-
-    def __init__(self, engine: NativeEngine, params: SamplingParams, step: int, turns: Turns, slots: Slots):
-        super().__init__(engine, params, step, slots)
-        self.turns, self.T = turns, turns.max_total_tokens
-        self.routing.start(whole_single_turn=False, max_new_tokens=params.max_new_tokens)
-        self.away: dict[tuple[int, int], tuple[int, int]] = {}  # (index, sample) -> (slot, its turn's last token)
-        self.over: dict[int, dict[int, bool]] = {}  # per group, its samples whose episode is over: finished or cut
-        self.turn_start: dict[int, int] = {}  # slot -> where its current turn began in its response
-        self.length: dict[int, int] = {}  # slot -> tokens in its response
-
-    def room(self) -> int:
-        busy = len({self.keys[s][0] for s in self.decoding})
-        return min(self.engine.max_batch_prompts - busy, len(self.slots.free) // self.G)
-
-    def admit(self, prompts: list[tuple[int, torch.Tensor, Resume | None]]) -> None:
-        assert all(resume is None for _, _, resume in prompts), "partial rollouts are single-turn"
-        new = self._admit_fresh([(i, p) for i, p, _ in prompts], stop=self.T)
-        for i, _, _ in prompts:
-            self.over[i] = {}
-        self.turn_start.update({s: 0 for s in new})
-        self.length.update({s: 0 for s in new})
-        self._decode_from(self.decoding + new)
-
-    def advance(self) -> Iterator[GroupCompletion]:
-        chunks: dict[int, list[int]] = {}  # what each decoding slot feeds next
-        if self.decoding:
-            self._write(chunks)
-        if self.away:  # with no sample left to decode, wait for an answer (briefly: the caller asks stop() between)
-            for index, sample, obs in self.turns.ready(wait_s=0.05 if not self.decoding else 0.0):
-                self._answered((index, sample), obs, chunks)
-        self._decode_from(list(chunks))
-        if chunks:
-            with torch.inference_mode():
-                logits_BV = self.slots.forward(self.decoding, [chunks[s] for s in self.decoding])
-                self.slots.sample(self.rows_B, logits_BV)
-        for index in [i for i, over in self.over.items() if len(over) == self.G]:
-            over = self.over.pop(index)
-            finished_G = torch.tensor([over[j] for j in range(self.G)])
-            yield self._completion(index, finished_G=finished_G, loss_masks=True, cut=False)
-
-    def _write(self, chunks: dict[int, list[int]]) -> None:
-        """Every decoding sample writes its token; one whose turn ended (EOS, or the turn's cap) goes to the
-        environment, one that reached the response's budget is over (cut: finished stays False)."""
-        with torch.inference_mode():
-            self.slots.write(self.rows_B)
-            tok_B = self.slots.next_tok_N[self.rows_B].tolist()
-        for s, tok in zip(self.decoding, tok_B):
-            index, sample = self.keys[s]
-            self.length[s] = n = self.length[s] + 1
-            ended = tok == self.engine.eos_token_id
-            if not ended and n - self.turn_start[s] < self.turns.max_tokens(index=index, sample=sample):
-                if n == self.T:  # a turn that never ends is cut at the budget
-                    self.over[index][sample] = False
-                else:
-                    chunks[s] = [tok]
-                continue
-            self.turns.submit(index=index, sample=sample, turn_ids=self.slots.tokens_NT[s, self.turn_start[s]:n].cpu(),
-                              ended=ended)
-            self.away[(index, sample)] = (s, tok)
-
-    def _answered(self, key: tuple[int, int], obs: list[int] | None, chunks: dict[int, list[int]]) -> None:
-        """The environment's answer to a sample's turn: its episode is over, or the observation is written into its
-        response and fed with the turn's last token."""
-        s, last = self.away.pop(key)
-        n = self.length[s]
-        if obs is None or not room_for_a_turn(used=n, observation=len(obs), total=self.T):
-            self.over[key[0]][key[1]] = obs is None  # finished: the episode ended, rather than being cut
-            return
-        with torch.inference_mode():
-            self.slots.observe(s, obs)
-        self.length[s] = self.turn_start[s] = n + len(obs)
-        chunks[s] = [last] + obs
 
 
 def _budgeted_groups(setting: str, tokens: int, *, samples: int, length: int) -> int:

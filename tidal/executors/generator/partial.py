@@ -8,9 +8,16 @@ versions (their tokens' versions travel with the group; metrics' staleness count
 Which step trains a group is fixed by token counts alone, never by timing: sync and periodic (and
 any number of replicas) cut and resume the same groups. A group keeps the seeds of the step that
 started it; in a later step it takes index B * (steps since its start) + its first index, unique
-because a group is cut at most ceil(max_new_tokens / N) - 1 times. Each replica resumes the groups
+because a group is cut at most ceil(its longest response / N) - 1 times. Each replica resumes the groups
 it started (index % replicas), so a replica keeps its own; a checkpoint keeps every replica's (one
 file each), and a resume with another replica count shares them out by the same rule.
+
+Multi-turn episodes are cut the same way (each sample writes at most N tokens a step; an observation is fed,
+not written). A cut episode stops within a turn or after its turn's answer, and its group carries each
+sample's state: where its turn began, whether its episode is over, its loss mask, and the episode itself with
+its environment saved (tidal/executors/environments/base.py save_env). The next step restores them from that
+saved state whether or not a checkpoint came between, so a resumed run is the uninterrupted one by
+construction (tests/test_partial_rollouts.py checks it bit for bit).
 """
 from __future__ import annotations
 
@@ -23,8 +30,8 @@ import torch
 
 from tidal.channels.payloads import RolloutGroup
 from tidal.executors.data import PromptRow
-from tidal.executors.generator.contract import GroupCompletion, PromptRequest, Resume, SamplingParams
-from tidal.executors.generator.rollouts import rollout_group
+from tidal.executors.generator.contract import GroupCompletion, Resume, SamplingParams
+from tidal.executors.generator.rollouts import Rollout, rollout_group
 
 Prompt = tuple[int, PromptRow, list[int]]  # (index in the step, data row, token ids)
 
@@ -35,19 +42,20 @@ class Carried:
     resume: Resume  # its start (step, index), tokens, log-probs and ended samples
     versions: list[torch.Tensor]  # G x [R_i] int32: the policy version that sampled each token
     row: PromptRow
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # multi-turn: with the first observation (reset()'s)
+    episodes: list[dict] | None = None  # multi-turn: each sample's episode as saved at the cut (rollouts.py)
 
 
-def max_cuts(*, max_new_tokens: int, budget: int) -> int:
+def max_cuts(*, response_tokens: int, budget: int) -> int:
     """How many times one group can be cut: the most steps a sample spans, less one."""
-    return math.ceil(max_new_tokens / budget) - 1
+    return math.ceil(response_tokens / budget) - 1
 
 
 class PartialRollouts:
     """One replica's cut groups, step by step; the single-turn rollout of a step under partial rollouts."""
 
-    def __init__(self, *, prompts_per_step: int, unit: int, units: int, budget: int):
-        self.B, self.unit, self.units, self.budget = prompts_per_step, unit, units, budget
+    def __init__(self, *, rollout: Rollout, prompts_per_step: int, unit: int, units: int, budget: int):
+        self.rollout, self.B, self.unit, self.units, self.budget = rollout, prompts_per_step, unit, units, budget
         self.carried: list[Carried] = []  # in (start step, index) order
         self._after: dict[int, list[Carried]] = {}  # the carry after each recent step, for its checkpoint
         self._resumed: dict[int, Carried] = {}  # this step's: {index in the step: carried group}
@@ -65,14 +73,13 @@ class PartialRollouts:
         self._resumed = {self.index(c, step): c for c in self.carried}
         self._cut, self.written_tokens = [], 0
         rows = {i: c.row for i, c in self._resumed.items()} | {i: row for i, row, _ in prompts}
-        requests = [PromptRequest(index=i, prompt_ids=c.prompt_ids, resume=c.resume) for i, c in self._resumed.items()]
-        requests += [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in prompts]
-        for done in engine.generate(requests, params, step=step, stop=stop, budget=self.budget):
+        for done, extras in self.rollout.complete(engine, prompts, params, step=step, stop=stop, budget=self.budget,
+                                                  resumed=self._resumed):
             self.written_tokens += self.written(done.index, done.response_ids)
             if done.cut:  # the next step resumes it
-                self.cut(done, row=rows[done.index], step=step, version=version)
+                self.cut(done, row=rows[done.index], step=step, version=version, **extras)
                 continue
-            group = rollout_group(step, rows[done.index], done)
+            group = rollout_group(step, rows[done.index], done, **extras)
             group.versions = self.versions(done.index, done.response_ids, version)
             yield group
 
@@ -92,13 +99,15 @@ class PartialRollouts:
         c = self._resumed.get(index)
         return (c.resume.step, c.resume.index) if c is not None else (step, index)
 
-    def cut(self, done: GroupCompletion, *, row: PromptRow, step: int, version: int) -> None:
+    def cut(self, done: GroupCompletion, *, row: PromptRow, step: int, version: int,
+            episodes: list[dict] | None = None) -> None:
         start, first = self.origin(done.index, step)
         self._cut.append(Carried(
             resume=Resume(step=start, index=first, response_ids=done.response_ids, logprobs=done.logprobs,
-                          finished_G=done.finished_G),
+                          finished_G=done.finished_G, loss_masks=done.loss_masks, over_G=done.over_G,
+                          turn_starts=done.turn_starts),
             versions=self.versions(done.index, done.response_ids, version), row=row,
-            prompt_ids=[int(t) for t in done.prompt_ids_P]))
+            prompt_ids=[int(t) for t in done.prompt_ids_P], episodes=episodes))
 
     def end(self, step: int) -> None:
         """The step is done: its cut groups wait for the next one."""
@@ -114,10 +123,12 @@ class PartialRollouts:
     # -- checkpoints --------------------------------------------------------------------------------
 
     def save(self, path: Path, *, step: int) -> None:
-        """The groups cut by step `step` (this replica's), as plain tensors and ints."""
+        """The groups cut by step `step` (this replica's), as plain tensors, ints, strings and bytes."""
         path.mkdir(parents=True, exist_ok=True)
         groups = [{"step": c.resume.step, "index": c.resume.index, "response_ids": c.resume.response_ids,
-                   "logprobs": c.resume.logprobs, "finished": c.resume.finished_G, "versions": c.versions}
+                   "logprobs": c.resume.logprobs, "finished": c.resume.finished_G, "versions": c.versions,
+                   "prompt_ids": c.prompt_ids, "loss_masks": c.resume.loss_masks, "over": c.resume.over_G,
+                   "turn_starts": c.resume.turn_starts, "episodes": c.episodes}
                   for c in self._after[step]]
         torch.save({"groups": groups}, path / f"partial_rollouts.unit{self.unit}.pt")
 
@@ -132,6 +143,9 @@ class PartialRollouts:
         for g in groups:
             row, ids = prompt_of(g["step"], g["index"])
             carried.append(Carried(resume=Resume(step=g["step"], index=g["index"], response_ids=g["response_ids"],
-                                                 logprobs=g["logprobs"], finished_G=g["finished"]),
-                                   versions=g["versions"], row=row, prompt_ids=ids))
+                                                 logprobs=g["logprobs"], finished_G=g["finished"],
+                                                 loss_masks=g.get("loss_masks"), over_G=g.get("over"),
+                                                 turn_starts=g.get("turn_starts")),
+                                   versions=g["versions"], row=row, prompt_ids=g.get("prompt_ids", ids),
+                                   episodes=g.get("episodes")))
         self.carried = sorted(carried, key=lambda c: (c.resume.step, c.resume.index))

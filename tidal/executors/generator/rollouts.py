@@ -10,12 +10,16 @@ the trainer sees the ids the engine sampled (re-tokenising a conversation each t
 multi-turn runs drifted). The engine keeps every sample's KV across its turns. `loss_masks` marks
 the model's tokens, the only ones trained; `episodes` carries each sample's turns, environment time,
 reward parts and error, for the reward and metrics.
+
+Under partial rollouts (tidal/executors/generator/partial.py) a rollout's `complete` runs the step: the groups cut
+in the step before are resumed first, and a cut group comes back with what its next step needs (multi-turn: each
+episode saved, its environment with it).
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Protocol
 
 import torch
 
@@ -25,10 +29,13 @@ from tidal.common.stop import StepAborted, aborted
 from tidal.common.timeout import CallTimeout
 from tidal.executors.data import PromptRow
 from tidal.modeling.tiny.task import hide_digit
-from tidal.executors.environments.base import EnvStep, ModelTurn, env_class
+from tidal.executors.environments.base import EnvStep, ModelTurn, env_class, restore_env, save_env
 from tidal.executors.environments.pool import EnvPool
 from tidal.executors.generator.config import MultiTurnConfig
 from tidal.executors.generator.contract import GroupCompletion, PromptRequest, SamplingParams, room_for_a_turn
+
+if TYPE_CHECKING:
+    from tidal.executors.generator.partial import Carried
 
 Prompts = list[tuple[int, PromptRow, list[int]]]  # (index in the step, data row, token ids)
 
@@ -47,15 +54,37 @@ class Rollout(Protocol):
 
     def run(self, engine, prompts: Prompts, params: SamplingParams, *, step: int,
             stop: Callable[[], bool]) -> Iterator[RolloutGroup]:
-        """Each prompt's group, the moment its G samples are done (partial rollouts wrap the single-turn
-        one: tidal/executors/generator/partial.py)."""
+        """Each prompt's group, the moment its G samples are done."""
+
+    def complete(self, engine, prompts: Prompts, params: SamplingParams, *, step: int, stop: Callable[[], bool],
+                 budget: int | None = None,
+                 resumed: Mapping[int, Carried] | None = None) -> Iterator[tuple[GroupCompletion, dict]]:
+        """The engine's groups, each with this rollout's part of it: a finished group's extra payload fields
+        (rollout_group's keywords), a cut one's state for its next step (Carried.episodes). `resumed`: the
+        groups cut in an earlier step, by their index in this one; `budget`: tokens a sample writes in this
+        step (partial rollouts)."""
 
 
 class EnvError(ValueError):
     """An environment failed under multi_turn.on_error=fail."""
 
 
-class SingleTurn:
+class _Runs:
+    """A rollout's `run`: its `complete` with no budget, each group as the channel's payload."""
+
+    def run(self, engine, prompts, params, *, step, stop):
+        rows = {i: row for i, row, _ in prompts}
+        for done, extras in self.complete(engine, prompts, params, step=step, stop=stop):
+            yield rollout_group(step, rows[done.index], done, **extras)
+
+
+def _requests(prompts, resumed) -> list[PromptRequest]:
+    """The step's requests: the resumed groups' first (their prompts as they were cut), then the new prompts."""
+    return ([PromptRequest(index=i, prompt_ids=c.prompt_ids, resume=c.resume) for i, c in (resumed or {}).items()] +
+            [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in prompts])
+
+
+class SingleTurn(_Runs):
     tools = None
     embedded_reward = "embedded"
     env_wait_s = 0.0
@@ -64,17 +93,15 @@ class SingleTurn:
     def response_tokens(config: MultiTurnConfig, max_new_tokens: int) -> int:
         return max_new_tokens
 
-    def __init__(self, *, tokenizer, config: MultiTurnConfig, max_new_tokens: int):
-        del tokenizer, config, max_new_tokens
+    def __init__(self, *, tokenizer, config: MultiTurnConfig, max_new_tokens: int, max_prompt_tokens: int):
+        del tokenizer, config, max_new_tokens, max_prompt_tokens
 
     def embedded(self, row: dict) -> dict:
         return row
 
-    def run(self, engine, prompts, params, *, step, stop):
-        rows = {i: row for i, row, _ in prompts}
-        requests = [PromptRequest(index=i, prompt_ids=ids) for i, _, ids in prompts]
-        for done in engine.generate(requests, params, step=step, stop=stop):
-            yield rollout_group(step, rows[done.index], done)
+    def complete(self, engine, prompts, params, *, step, stop, budget=None, resumed=None):
+        for done in engine.generate(_requests(prompts, resumed), params, step=step, stop=stop, budget=budget):
+            yield done, {}
 
 
 def rollout_group(step: int, row: PromptRow, done: GroupCompletion, **multi_turn) -> RolloutGroup:
@@ -101,16 +128,25 @@ class _Episode:
     def record(self) -> dict:
         return {"turns": self.turns, "env_s": self.env_s, "reward_parts": self.reward_parts, "error": self.error}
 
+    def save(self, *, over: bool) -> dict:
+        """The episode at a cut (partial rollouts), as plain data: its environment saved (save_env), unless the
+        episode is over (or failed) and calls it no more."""
+        env = None if over or self.error is not None else save_env(self.env, where=self.where)
+        return {"env": env, "where": self.where, "max_new_tokens": self.max_new_tokens, "cap": self.cap,
+                "turns": self.turns, "tokens": self.tokens, "env_s": self.env_s, "reward_parts": dict(self.reward_parts),
+                "error": self.error, "ended": self.ended, "last": self.last}
 
-class MultiTurn:
+
+class MultiTurn(_Runs):
     embedded_reward = "embedded_lookup"
 
     @staticmethod
     def response_tokens(config: MultiTurnConfig, max_new_tokens: int) -> int:
         return config.total_tokens(max_new_tokens)  # model turns and observations together
 
-    def __init__(self, *, tokenizer, config: MultiTurnConfig, max_new_tokens: int):
+    def __init__(self, *, tokenizer, config: MultiTurnConfig, max_new_tokens: int, max_prompt_tokens: int):
         self.cfg, self.tokenizer, self.spec = config, tokenizer, config.env or "lookup"
+        self.max_prompt_tokens = max_prompt_tokens  # a prompt with its first observation: vLLM's context is sized so
         self.env_cls = env_class(self.spec)
         if config.require_deterministic and not getattr(self.env_cls, "deterministic", True):
             raise ValueError(f"multi_turn.env={self.spec!r} says it is not deterministic (deterministic = False), "
@@ -127,55 +163,56 @@ class MultiTurn:
     def embedded(self, row: dict) -> dict:
         return hide_digit(row)  # the embedded multi-turn task: its digit is behind a tool
 
-    def run(self, engine, prompts, params, *, step, stop):
-        requests, rows = [], {}
+    def complete(self, engine, prompts, params, *, step, stop, budget=None, resumed=None):
+        """Every sample an episode: a new prompt's environments made and reset on the pool while the engine decodes
+        the prompts already opened (its first observation joins the prompt), a resumed group's restored where they
+        were cut; the engine runs the turns, the pool the calls."""
         wheres = {index: f"step {step}, prompt {index}" + (f" (data row {row.line})" if row.line else "")
                   for index, row, _ in prompts}
         episodes = {(index, j): _Episode(env=None, where=f"{wheres[index]}, sample {j}",
                                          max_new_tokens=params.max_new_tokens, cap=params.max_new_tokens)
                     for index, _, _ in prompts for j in range(params.n)}
-        firsts = self._start({(index, j): row for index, row, _ in prompts for j in range(params.n)}, episodes)
-        for index, row, ids in prompts:
-            group = {tuple(firsts[(index, j)]) for j in range(params.n) if episodes[(index, j)].error is None} or {()}
-            if len(group) > 1:
-                raise ValueError(f"environment {self.spec!r}: reset() gave the samples of {wheres[index]} different "
-                                 f"first observations; it must depend on the data row only (it extends the shared "
-                                 f"prompt)")
-            rows[index] = row
-            requests.append(PromptRequest(index=index, prompt_ids=list(ids) + list(group.pop())))
-        turns = _Turns(self, episodes)
-        for done in engine.generate(requests, params, step=step, stop=stop, turns=turns):
-            yield rollout_group(step, rows[done.index], done,
-                                episodes=[episodes.pop((done.index, j)).record() for j in range(params.n)])
+        self._restore(resumed or {}, episodes)
+        turns = _Turns(self, episodes, samples=params.n, wheres=wheres)
+        fresh = turns.open(prompts)  # the requests, those whose environments are not yet reset waiting for them
+        for done in engine.generate(_requests([], resumed) + fresh, params, step=step, stop=stop, turns=turns,
+                                    budget=budget):
+            eps = [episodes.pop((done.index, j)) for j in range(params.n)]
+            if done.cut:  # saved: the next step restores them (a checkpoint writes them as they are)
+                yield done, {"episodes": [ep.save(over=bool(over)) for ep, over in zip(eps, done.over_G)]}
+            else:
+                yield done, {"episodes": [ep.record() for ep in eps]}
 
-    def _start(self, rows: dict, episodes: dict) -> dict:
-        """Every sample's environment made and reset, the calls side by side on the pool: its first
-        observation's token ids ([] for none, or where it failed)."""
-        made = self._gather({key: (self.env_cls, ({"prompt": row.prompt, **row.extras},))
-                             for key, row in rows.items()}, episodes, kwargs=self.cfg.env_args)
-        for key, env in made.items():
+    def _restore(self, resumed: Mapping[int, Carried], episodes: dict) -> None:
+        """The episodes of the groups cut in an earlier step, as they were saved; their environments restored on
+        the pool (one that fails to restore fails its episode, named)."""
+        calls = {}
+        for index, carried in resumed.items():
+            for j, saved in enumerate(carried.episodes):
+                saved = dict(saved)
+                env = saved.pop("env")
+                episodes[(index, j)] = _Episode(env=None, **saved)
+                if env is not None:
+                    calls[(index, j)] = (restore_env, (self.env_cls, env))
+        for key, env in self._gather(calls, episodes).items():
             episodes[key].env = env
-        firsts = dict.fromkeys(rows, [])
-        for key, first in self._gather({key: (env.reset, ()) for key, env in made.items()}, episodes).items():
-            ep = episodes[key]
-            try:
-                if isinstance(first, EnvStep):
-                    if first.done or first.reward_parts:
-                        raise _Failed("reset() returned an EnvStep with done or reward_parts; before the first turn "
-                                      "only its observation and max_tokens apply")
-                    self._cap(ep, first.max_tokens, "reset()")
-                    first = first.observation
-                firsts[key] = [] if first is None else self._tokens(first, closed=True)
-            except _Failed as failed:
-                self._failed(ep, str(failed))
-        return firsts
 
-    def _gather(self, calls: dict, episodes: dict, *, kwargs: dict | None = None) -> dict:
+    def first_observation(self, ep: _Episode, first) -> list[int]:
+        """reset()'s value as the token ids it appends to the prompt (its cap applied); _Failed where it is wrong."""
+        if isinstance(first, EnvStep):
+            if first.done or first.reward_parts:
+                raise _Failed("reset() returned an EnvStep with done or reward_parts; before the first turn "
+                              "only its observation and max_tokens apply")
+            self._cap(ep, first.max_tokens, "reset()")
+            first = first.observation
+        return [] if first is None else self._tokens(first, closed=True)
+
+    def _gather(self, calls: dict, episodes: dict) -> dict:
         """{key: (fn, args)} submitted together; the values of those that succeeded (the others' episodes
         fail, named). A stop abandons them."""
         for key, (fn, args) in calls.items():
-            self.pool.submit(key, functools.partial(fn, **kwargs) if kwargs else fn, *args)
-        out, left = {}, set(calls)
+            self.pool.submit(key, fn, *args)
+        out, left = {}, set(calls)  # nothing else is in flight: every answer is one of these
         while left:
             if aborted():
                 self.pool.abandon()
@@ -269,35 +306,104 @@ class _Failed(Exception):
     pass
 
 
-@dataclass
 class _Turns:
-    """The engine's side of a multi-turn rollout (tidal/executors/generator/contract.py Turns): turns go to
-    the environment on the rollout's pool, answers come back as the calls return."""
+    """The engine's side of a multi-turn rollout (tidal/executors/generator/contract.py Turns): every environment
+    call goes to the rollout's pool and its answer comes back as the engine asks. A new prompt opens when its G
+    environments are made and reset (`opened`: its first observation, which joins the prompt); a turn goes to
+    its environment's step() (`submit`), and its answer comes back from `ready`. The pool's answers are sorted by
+    the call they answer, so an opening waits for `opened` and a turn's answer for `ready`."""
 
-    rollout: MultiTurn
-    episodes: dict
-    over: list = field(default_factory=list)  # turns that needed no call (a failed episode)
+    def __init__(self, rollout: MultiTurn, episodes: dict, *, samples: int, wheres: dict):
+        self.rollout, self.episodes, self.G, self.wheres = rollout, episodes, samples, wheres
+        self.max_total_tokens, self.max_prompt_tokens = rollout.max_total_tokens, rollout.max_prompt_tokens
+        self.answers: list = []  # (index, sample, answer) of turns answered, or needing no call (a failed episode)
+        self.firsts: dict[int, dict[int, list[int]]] = {}  # per prompt not yet opened, its samples' first observations
+        self.prompt_len: dict[int, int] = {}
+        self.openings: dict[int, list[int]] = {}  # opened since `opened` was last asked
 
-    @property
-    def max_total_tokens(self) -> int:
-        return self.rollout.max_total_tokens
+    def open(self, prompts) -> list[PromptRequest]:
+        """Each prompt's G environments made (then reset) on the pool; its request, which waits for `opened`
+        where the calls have not answered by the time this returns (an inline environment's always have)."""
+        cfg = self.rollout.cfg
+        make = functools.partial(self.rollout.env_cls, **cfg.env_args) if cfg.env_args else self.rollout.env_cls
+        for index, row, ids in prompts:
+            self.firsts[index], self.prompt_len[index] = {}, len(ids)
+            for j in range(self.G):
+                self.rollout.pool.submit(("make", index, j), make, {"prompt": row.prompt, **row.extras})
+        self._pump(wait_s=0.0)
+        opened, self.openings = self.openings, {}
+        return [PromptRequest(index=i, prompt_ids=list(ids) + opened[i]) if i in opened else
+                PromptRequest(index=i, prompt_ids=ids, opening=True) for i, _, ids in prompts]
+
+    def opened(self, *, wait_s: float = 0.0) -> dict[int, list[int]]:
+        if not self.openings:
+            self._pump(wait_s=wait_s)
+        out, self.openings = self.openings, {}
+        return out
 
     def max_tokens(self, *, index: int, sample: int) -> int:
         return self.episodes[(index, sample)].cap
 
     def submit(self, *, index: int, sample: int, turn_ids: torch.Tensor, ended: bool) -> None:
-        if not self.rollout.submit((index, sample), self.episodes[(index, sample)], turn_ids, ended):
-            self.over.append((index, sample, None))
+        if not self.rollout.submit(("step", index, sample), self.episodes[(index, sample)], turn_ids, ended):
+            self.answers.append((index, sample, None))
 
     def ready(self, *, wait_s: float = 0.0) -> list[tuple[int, int, list[int] | None]]:
-        out, self.over = self.over, []
-        for answer in self.rollout.pool.ready(wait_s=0.0 if out else wait_s):
-            out.append((*answer.key, self.rollout.answer(self.episodes[answer.key], answer)))
+        self._pump(wait_s=0.0 if self.answers else wait_s)
+        out, self.answers = self.answers, []
         return out
 
     def abandon(self) -> None:
-        self.over = []
+        self.answers, self.openings = [], {}
         self.rollout.pool.abandon()
+
+    def _pump(self, *, wait_s: float) -> None:
+        """Every answer the pool has (waiting up to `wait_s` for one), each to its call's next move; an inline
+        environment answers at once, so a make's reset answers within the same pump."""
+        answers = self.rollout.pool.ready(wait_s=wait_s)
+        while answers:
+            chained = False  # a reset submitted: an inline environment's answer is there already
+            for answer in answers:
+                kind, index, sample = answer.key
+                ep = self.episodes[(index, sample)]
+                if kind == "step":
+                    self.answers.append((index, sample, self.rollout.answer(ep, answer)))
+                    continue
+                try:
+                    value = self.rollout._value(ep, self.rollout.env_cls if kind == "make" else ep.env.reset, answer)
+                    if kind == "make":
+                        ep.env = value
+                        self.rollout.pool.submit(("reset", index, sample), value.reset)
+                        chained = True
+                        continue
+                    first = self.rollout.first_observation(ep, value)
+                except _Failed as failed:
+                    self.rollout._failed(ep, str(failed))
+                    first = []
+                self._first(index, sample, first)
+            answers = self.rollout.pool.ready(wait_s=0.0) if chained else []
+
+    def _first(self, index: int, sample: int, first: list[int]) -> None:
+        """A sample's first observation; with the group's G, the prompt opens with theirs (which must agree)."""
+        firsts = self.firsts[index]
+        firsts[sample] = first
+        if len(firsts) < self.G:
+            return
+        del self.firsts[index]
+        eps = [self.episodes[(index, j)] for j in range(self.G)]
+        group = {tuple(firsts[j]) for j, ep in enumerate(eps) if ep.error is None} or {()}
+        if len(group) > 1:
+            raise ValueError(f"environment {self.rollout.spec!r}: reset() gave the samples of {self.wheres[index]} "
+                             f"different first observations; it must depend on the data row only (it extends the "
+                             f"shared prompt)")
+        opening = list(group.pop())
+        if self.prompt_len[index] + len(opening) > self.max_prompt_tokens:
+            for ep in eps:  # vLLM's context and the native engine's slots hold a prompt of max_prompt_tokens
+                self.rollout._failed(ep, f"reset()'s observation of {len(opening)} tokens makes the prompt "
+                                         f"{self.prompt_len[index] + len(opening)} tokens, over "
+                                         f"data.max_prompt_tokens={self.max_prompt_tokens}")
+            opening = []
+        self.openings[index] = opening
 
 
 class ObservationRenderer:

@@ -1,6 +1,6 @@
 """The native engine's decode state: N samples in fixed slots on the device, with their KV.
 
-One object owns the rows, the KV and what a forward sees (nano-vllm's split: the drivers in native_engine.py
+One object owns the rows, the KV and what a forward sees (nano-vllm's split: the drivers in drivers.py
 schedule, this runs). A sample holds its slot from admission until its group is copied out; the slot then goes
 to the next prompt. Per slot, on the device: its seed, the next position it feeds, the tokens and log-probs it
 has written (a [N, T] response buffer), whether it hit EOS or its stop, and the token it samples next (drawn
@@ -62,8 +62,8 @@ class Slots:
         return torch.tensor(slots, dtype=torch.long, device=self.engine.device)
 
     def start(self, slots: list[int], *, seeds: list[int], stop: list[int], written: list[tuple] | None = None) -> None:
-        """Fresh samples in `slots` (their positions from 0; written: each one's (tokens, log-probs, ended) so far,
-        a resumed sample's)."""
+        """Fresh samples in `slots` (their positions from 0; written: each one's (tokens, log-probs, ended, sampled
+        mask or None) so far, a resumed sample's)."""
         rows = self.rows_of(slots)
         dev = self.engine.device
         self.seed_N[rows] = torch.tensor(seeds, device=dev)
@@ -74,9 +74,11 @@ class Slots:
         self.logp_NT[rows] = 0.0
         self.sampled_NT[rows] = False
         self.hpos[slots] = 0
-        for s, (ids, logp, ended) in zip(slots, written or []):
+        for s, (ids, logp, ended, sampled) in zip(slots, written or []):
             n = ids.numel()
             self.tokens_NT[s, :n], self.logp_NT[s, :n] = ids.to(dev), logp.to(dev)
+            if sampled is not None:
+                self.sampled_NT[s, :n] = sampled.to(dev)
             self.len_N[s], self.eos_N[s], self.ended_N[s] = n, bool(ended), bool(ended)
 
     def forward(self, slots: list[int], chunks: list[list[int]] | list[torch.Tensor]) -> torch.Tensor:

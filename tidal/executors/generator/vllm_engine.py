@@ -30,7 +30,8 @@ import torch
 
 from tidal.channels.payloads import ParamSpec, chunk, local_shape
 from tidal.executors.generator.config import VllmConfig
-from tidal.executors.generator.contract import GroupCompletion, PromptRequest, SamplingParams, Turns, room_for_a_turn
+from tidal.executors.generator.contract import (GroupCompletion, PromptRequest, SamplingParams, Turns, room_for_a_turn,
+                                                with_openings)
 from tidal.executors.generator.sampling import sample_seed
 from tidal.executors.generator.vllm_world import generator_world, keep_default_group
 
@@ -154,7 +155,11 @@ class VllmEngine:
         if params.top_p < 1.0 or params.top_k > 0:
             raise ValueError("the vLLM engine samples with top_p = 1 and top_k = 0 only (see "
                              "tidal/executors/generator/vllm_engine.py)")
-        assert budget is None or (budget >= 1 and turns is None), "partial rollouts are single-turn"
+        assert budget is None or (budget >= 1 and turns is None), "partial rollouts of episodes are the native engine's"
+        requests = with_openings(requests, turns, stop)  # every prompt whole before the first request
+        if requests is None:
+            turns.abandon()
+            return iter(())
         owner: dict[str, tuple[int, int]] = {}
         prompts, done, live = {}, defaultdict(dict), defaultdict(_Sample)
         for r in requests:
