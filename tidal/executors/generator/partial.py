@@ -52,7 +52,7 @@ def max_cuts(*, response_tokens: int, budget: int) -> int:
 
 
 class PartialRollouts:
-    """One replica's cut groups, step by step; the single-turn rollout of a step under partial rollouts."""
+    """One replica's cut groups, step by step; a step's rollout (either: its `complete`) under partial rollouts."""
 
     def __init__(self, *, rollout: Rollout, prompts_per_step: int, unit: int, units: int, budget: int):
         self.rollout, self.B, self.unit, self.units, self.budget = rollout, prompts_per_step, unit, units, budget
