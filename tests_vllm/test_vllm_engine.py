@@ -98,6 +98,24 @@ def _checks(tp: int) -> dict:
                                for sample in turns.seen.values() for cap, (ids, ended) in zip(Capped.caps, sample))
         out["turns_seen"] = {len(sample) for sample in turns.seen.values()}
 
+        class Opening(Capped):  # prompts 3..5 open (first observation [7, 8]) only once a group has come out
+            max_prompt_tokens, seen, released = 64, {}, False
+
+            def opened(self, *, wait_s=0.0):
+                if not self.released or getattr(self, "given", False):
+                    return {}
+                self.given = True
+                return {i: [7, 8] for i in (3, 4, 5)}
+
+        turns = Opening()
+        late = [PromptRequest(index=i, prompt_ids=p, opening=i >= 3) for i, p in enumerate(prompts)]
+        order = []
+        for g in engine.generate(late, params, step=6, turns=turns, stop=lambda: len(order) > 6):
+            order.append((g.index, g.prompt_ids_P[-2:].tolist()))
+            turns.released = True
+        out["opened_late"] = (order[0][0] < 3 and sorted(i for i, _ in order) == list(range(6))
+                              and all((tail == [7, 8]) == (i >= 3) for i, tail in order))
+
         # partial rollouts: 3 tokens per sample in a call; the cut groups resumed in the next one
         cut = [g for g in engine.generate(reqs, params, step=7, budget=3) if g.cut]
         out["n_cut"], out["cut_lengths"] = len(cut), {r.numel() for g in cut
@@ -155,6 +173,14 @@ def test_logprobs_are_the_trainers_definition(checks):
     for r in results[:tp]:
         for T in TEMPERATURES:
             assert r[f"lp_err_T{T}"] < 1e-4, (T, r[f"lp_err_T{T}"])
+
+
+def test_prompts_join_as_their_environments_open(checks):
+    """A prompt whose environments are not ready waits; the others decode, and it joins (its first observation
+    appended) once they are: the first group out is one that never waited."""
+    tp, results = checks
+    for r in results[:tp]:
+        assert r["opened_late"]
 
 
 def test_each_turn_stops_at_its_cap(checks):

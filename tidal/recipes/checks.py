@@ -329,6 +329,13 @@ def check_rollout(cfg: RunConfig) -> None:
     if cfg.generator.tp > 1 and not getattr(env, "deterministic", True):
         raise ValueError(f"multi_turn.env={m.env!r} is not deterministic, and generator.tp={cfg.generator.tp}: every tp "
                          f"rank of a replica steps its own copy of the environment, and they must agree")
+    if cfg.generator.tp > 1 and not getattr(env, "inline", False) and m.env_workers != 0:
+        # the ranks' forwards are one collective: each must feed the same samples, so take each answer (and each
+        # first observation) at the same iteration, which calls on threads do not promise
+        raise ValueError(f"multi_turn.env={m.env or 'lookup'} with generator.tp={cfg.generator.tp}: every tp rank of a "
+                         f"replica calls its own copy of the environment, off the decode loop, so an answer may reach "
+                         f"one rank an iteration before another and their forwards would differ; set "
+                         f"multi_turn.env_workers=0 (calls inline: every rank takes an answer at the same iteration)")
     if m.total_tokens(cfg.generator.max_new_tokens) <= cfg.generator.max_new_tokens:
         raise ValueError(f"multi_turn.max_total_tokens={m.max_total_tokens} leaves no room for an observation after a "
                          f"turn of generator.max_new_tokens={cfg.generator.max_new_tokens}")

@@ -129,19 +129,6 @@ class Turns(Protocol):
         """A stop: forget the turns in flight."""
 
 
-def with_openings(requests: list[PromptRequest], turns: Turns | None, stop: Callable[[], bool]) -> list[PromptRequest] | None:
-    """The requests with every first observation appended, waiting for all of them: for an engine that takes every
-    request at the start of the call. None where `stop()` came first."""
-    waiting = {r.index for r in requests if r.opening}
-    openings: dict[int, list[int]] = {}
-    while waiting - openings.keys():
-        if stop():
-            return None
-        openings.update(turns.opened(wait_s=0.05))
-    return [PromptRequest(index=r.index, prompt_ids=list(r.prompt_ids) + openings[r.index]) if r.opening else r
-            for r in requests]
-
-
 class AnsweredTurns:
     """Turns whose answers are a function of the turn, given at once (`answer`): engine tests and
     simple rollouts implement `answer` and `max_tokens` alone."""

@@ -23,6 +23,7 @@ import os
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
@@ -30,8 +31,7 @@ import torch
 
 from tidal.channels.payloads import ParamSpec, chunk, local_shape
 from tidal.executors.generator.config import VllmConfig
-from tidal.executors.generator.contract import (GroupCompletion, PromptRequest, SamplingParams, Turns, room_for_a_turn,
-                                                with_openings)
+from tidal.executors.generator.contract import GroupCompletion, PromptRequest, SamplingParams, Turns, room_for_a_turn
 from tidal.executors.generator.sampling import sample_seed
 from tidal.executors.generator.vllm_world import generator_world, keep_default_group
 
@@ -156,35 +156,37 @@ class VllmEngine:
             raise ValueError("the vLLM engine samples with top_p = 1 and top_k = 0 only (see "
                              "tidal/executors/generator/vllm_engine.py)")
         assert budget is None or (budget >= 1 and turns is None), "partial rollouts of episodes are the native engine's"
-        requests = with_openings(requests, turns, stop)  # every prompt whole before the first request
-        if requests is None:
-            turns.abandon()
-            return iter(())
-        owner: dict[str, tuple[int, int]] = {}
-        prompts, done, live = {}, defaultdict(dict), defaultdict(_Sample)
+        ids = {r.index: [int(t) for t in torch.as_tensor(r.prompt_ids).reshape(-1)] for r in requests}
+        if not all(ids.values()):
+            raise ValueError("empty prompt")
+        call = _Call(owner={}, prompts={}, done=defaultdict(dict), live=defaultdict(_Sample), params=params, step=step,
+                     turns=turns, budget=budget)
         for r in requests:
-            ids = [int(t) for t in torch.as_tensor(r.prompt_ids).reshape(-1)]
-            if not ids:
-                raise ValueError("empty prompt")
-            prompts[r.index] = ids
-            origin = (r.resume.step, r.resume.index) if r.resume is not None else (step, r.index)
-            for j in range(params.n):
-                key, so_far = (r.index, j), 0
-                if r.resume is not None:
-                    sample = live[key]
-                    sample.add(r.resume.response_ids[j], r.resume.logprobs[j], sampled=True)
-                    so_far = sample.length
-                    if bool(r.resume.finished_G[j]):
-                        sample.finished = True
-                        done[r.index][j] = live.pop(key)
-                        continue
-                cap = params.max_new_tokens - so_far if turns is None else \
-                    min(turns.max_tokens(index=r.index, sample=j), turns.max_total_tokens)
-                seed = sample_seed(run_seed=params.seed, step=origin[0], prompt_index=origin[1], sample_index=j)
-                self._add(owner, key, ids + [int(t) for t in r.resume.response_ids[j]] if so_far else ids, params,
-                          seed=seed + so_far, tag=f"s{step}-p{r.index}-j{j}-t0",
-                          max_tokens=cap if budget is None else min(cap, budget))
-        return self._stream(owner, prompts, params, step, stop, turns, budget, done, live)
+            if not r.opening:  # one that waits for its environments is submitted once they have opened it
+                self._submit(call, r, ids[r.index])
+        return self._stream(call, stop, {r.index: r for r in requests if r.opening}, ids)
+
+    def _submit(self, call: "_Call", r: PromptRequest, ids: list[int]) -> None:
+        """A request's G samples as requests of vLLM's: each its own seed, a resumed one after its tokens so far."""
+        params, turns = call.params, call.turns
+        call.prompts[r.index] = ids
+        origin = (r.resume.step, r.resume.index) if r.resume is not None else (call.step, r.index)
+        for j in range(params.n):
+            key, so_far = (r.index, j), 0
+            if r.resume is not None:
+                sample = call.live[key]
+                sample.add(r.resume.response_ids[j], r.resume.logprobs[j], sampled=True)
+                so_far = sample.length
+                if bool(r.resume.finished_G[j]):
+                    sample.finished = True
+                    call.done[r.index][j] = call.live.pop(key)
+                    continue
+            cap = params.max_new_tokens - so_far if turns is None else \
+                min(turns.max_tokens(index=r.index, sample=j), turns.max_total_tokens)
+            seed = sample_seed(run_seed=params.seed, step=origin[0], prompt_index=origin[1], sample_index=j)
+            self._add(call.owner, key, ids + [int(t) for t in r.resume.response_ids[j]] if so_far else ids, params,
+                      seed=seed + so_far, tag=f"s{call.step}-p{r.index}-j{j}-t0",
+                      max_tokens=cap if call.budget is None else min(cap, call.budget))
 
     def _add(self, owner, sample: tuple[int, int], ids: list[int], params: SamplingParams, *, seed: int, tag: str,
              max_tokens: int) -> None:
@@ -200,11 +202,17 @@ class VllmEngine:
         owner[rid] = sample
         self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, sp, lora_request=self.lora_request)
 
-    def _stream(self, owner, prompts, params, step, stop, turns, budget, done: dict[int, dict[int, "_Sample"]],
-                live: dict[tuple[int, int], "_Sample"]) -> Iterator[GroupCompletion]:
-        engine = self.llm.llm_engine
+    def _stream(self, call: "_Call", stop, unopened: dict[int, PromptRequest],
+                ids: dict[int, list[int]]) -> Iterator[GroupCompletion]:
+        owner, prompts, params, step, turns, budget = (call.owner, call.prompts, call.params, call.step, call.turns,
+                                                        call.budget)
+        done, live, engine = call.done, call.live, self.llm.llm_engine
         away: dict[tuple[int, int], bool] = {}  # samples whose turn the environment has: whether it ended with EOS
-        while engine.has_unfinished_requests() or away:
+        while engine.has_unfinished_requests() or away or unopened:
+            if unopened:  # prompts whose environments are ready join the engine now (with nothing to run, wait)
+                idle = not engine.has_unfinished_requests() and not away
+                for index, opening in turns.opened(wait_s=0.05 if idle else 0.0).items():
+                    self._submit(call, unopened.pop(index), ids[index] + opening)
             if stop():
                 engine.abort_request(list(owner))  # the engine is left empty for whatever comes next
                 if turns is not None:
@@ -310,6 +318,19 @@ class VllmEngine:
             start, stop = chunk(spec.shape[spec.tp_dim], self.tp, self.tp_rank)
             full.narrow(spec.tp_dim, start, stop - start).copy_(local)
             yield name, full
+
+
+@dataclass
+class _Call:
+    """One generate call's state: its requests' owners, prompts and samples, and what it was asked."""
+    owner: dict  # vLLM request id -> (prompt index, sample)
+    prompts: dict  # prompt index -> its token ids (with its first observation)
+    done: dict  # prompt index -> {sample: _Sample} of the samples that are over
+    live: dict  # (prompt index, sample) -> _Sample still writing
+    params: SamplingParams
+    step: int
+    turns: Turns | None
+    budget: int | None
 
 
 def _settle(settled, *, live, done, prompts, params, turns, budget) -> Iterator[GroupCompletion]:
