@@ -90,13 +90,12 @@ def check_partial(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
                  f"a response's {longest} tokens (multi_turn.max_total_tokens)")
         raise ValueError(f"{field} is not below {limit}: no sample would ever be cut; set it lower (e.g. "
                          f"{max(1, longest // 4)}) or leave it unset")
-    why = ENGINES.get(g.engine).no_turn_cuts
-    if cfg.rollout == "multi_turn" and why:
-        raise ValueError(f"{field} with rollout=multi_turn and generator.engine={g.engine}: {why}; "
-                         f"{ENGINES.offer(lambda e: not e.no_turn_cuts)}")
     if cfg.rollout == "multi_turn":
         from tidal.executors.environments.base import env_class
 
+        if why := ENGINES.get(g.engine).no_turn_cuts:
+            raise ValueError(f"{field} with rollout=multi_turn and generator.engine={g.engine}: {why}; "
+                             f"{ENGINES.offer(lambda e: not e.no_turn_cuts)}")
         spec = cfg.multi_turn.env or "lookup"
         if not getattr(env_class(spec), "resumable", True):
             raise ValueError(f"{field} with multi_turn.env={spec}: that environment says it cannot be saved and "

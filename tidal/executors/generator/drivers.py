@@ -200,9 +200,10 @@ class MultiTurnDriver(Driver):
     def take(self, waiting: collections.deque, n: int) -> list:
         """The next (up to) n waiting prompts whose environments are ready (their first observation appended): the
         engine decodes those admitted while the others' are made and reset; with nothing to decode, it waits for one."""
-        if self.unopened:
-            idle = not self.decoding and not self.away
-            self.openings.update(self.turns.opened(wait_s=0.05 if idle else 0.0))
+        if not self.unopened:
+            return super().take(waiting, n)
+        idle = not self.decoding and not self.away
+        self.openings.update(self.turns.opened(wait_s=0.05 if idle else 0.0))
         out, kept = [], collections.deque()
         while waiting:
             index, prompt, resume = waiting.popleft()

@@ -132,9 +132,7 @@ class _Episode:
         """The episode at a cut (partial rollouts), as plain data: its environment saved (save_env), unless the
         episode is over (or failed) and calls it no more."""
         env = None if over or self.error is not None else save_env(self.env, where=self.where)
-        return {"env": env, "where": self.where, "max_new_tokens": self.max_new_tokens, "cap": self.cap,
-                "turns": self.turns, "tokens": self.tokens, "env_s": self.env_s, "reward_parts": dict(self.reward_parts),
-                "error": self.error, "ended": self.ended, "last": self.last}
+        return {**vars(self), "env": env, "reward_parts": dict(self.reward_parts)}
 
 
 class MultiTurn(_Runs):
