@@ -82,9 +82,9 @@ def test_aipo_weighs_the_policy_gradient_by_the_ratio_to_mu_clipped_at_rho():
 
 
 def test_a_correction_of_ones_own_is_one_file_named_in_the_config():
-    """tests/correction_plugin.py: geometric-mean sequence TIS. k = [1, 3, 0.5] has the geometric mean
+    """tests/objective_plugin.py: geometric-mean sequence TIS. k = [1, 3, 0.5] has the geometric mean
     1.5 ** (1/3); [4, 1] has 2, at the cap."""
-    plugin = {"kind": "tests.correction_plugin:GEO_TIS"}
+    plugin = {"kind": "tests.objective_plugin:GEO_TIS"}
     out, grad = _loss(correction=plugin)
     g = 1.5 ** (1 / 3)
     assert out.loss_sum.item() == pytest.approx(-(3 * g) + 2 * (2 * 2))
@@ -92,13 +92,13 @@ def test_a_correction_of_ones_own_is_one_file_named_in_the_config():
     assert out.stats["is_weight_mean"].total == pytest.approx(3 * g + 4)
     out, _ = _loss(correction={**plugin, "high": 1.1})
     assert out.loss_sum.item() == pytest.approx(-(3 * 1.1) + 2 * (2 * 1.1))
-    with pytest.raises(ValidationError, match="correction.kind='tests.correction_plugin:GEO_TIS' has no lower bound"):
+    with pytest.raises(ValidationError, match="correction.kind='tests.objective_plugin:GEO_TIS' has no lower bound"):
         GRPOConfig(correction={**plugin, "low": 0.5})
-    with pytest.raises(ValidationError, match="module .tests.correction_plugin. has no attribute .NOPE."):
-        GRPOConfig(correction={"kind": "tests.correction_plugin:NOPE"})
-    with pytest.raises(ValidationError, match="tests.correction_plugin.geo_tis_weights is of type function, where an "
+    with pytest.raises(ValidationError, match="module .tests.objective_plugin. has no attribute .NOPE."):
+        GRPOConfig(correction={"kind": "tests.objective_plugin:NOPE"})
+    with pytest.raises(ValidationError, match="tests.objective_plugin.geo_tis_weights is of type function, where an "
                                               "object of type Correction is needed"):
-        GRPOConfig(correction={"kind": "tests.correction_plugin:geo_tis_weights"})
+        GRPOConfig(correction={"kind": "tests.objective_plugin:geo_tis_weights"})
 
 
 def test_dual_clip_caps_the_loss_of_negative_advantages():
@@ -140,12 +140,15 @@ def test_bad_configs_are_named():
 # ---- end to end: the generator's log-probs reach the loss under every layout ------------------------
 
 def test_corrections_end_to_end(tmp_path):
-    """A correction (tests/correction_plugin.py's, a file of one's own: the path is every kind's) on one
-    trainer rank and on two (dp=2; two epochs: the second reads mu again) trains the same weights, its
-    weights ~1 on-policy; a masked-IS band no token falls in trains nothing."""
+    """A correction, a surrogate and a penalty of one's own (tests/objective_plugin.py, a file of one's own: the
+    path is every kind's) on one trainer rank and on two (dp=2; two epochs: the second reads mu again) train the
+    same weights, the correction's weights ~1 on-policy, the penalty's figure reported (0 on a first pass only);
+    a masked-IS band no token falls in trains nothing."""
     from tests.e2e import launch, max_abs_diff, metrics, weights
 
-    tis = ["--set", "algorithm.correction.kind=tests.correction_plugin:GEO_TIS", "--set", "trainer.epochs=2",
+    tis = ["--set", "algorithm.correction.kind=tests.objective_plugin:GEO_TIS", "--set", "trainer.epochs=2",
+           "--set", "algorithm.surrogate=tests.objective_plugin:UNCLIPPED",
+           "--set", 'algorithm.penalties={"tests.objective_plugin:OLD_K2": 0.5}',
            "--set", "reward.functions=[tests.rewards:length_parity]"]  # dense: every pass has a signal
     for name, extra, nproc in (("one", [], 3), ("dp2", ["--set", "trainer.dp=2"], 4)):
         proc = launch(tmp_path / name, *tis, *extra, nproc=nproc, steps=2)
@@ -155,6 +158,8 @@ def test_corrections_end_to_end(tmp_path):
     assert max_abs_diff(weights(tmp_path / "one/final"), weights(tmp_path / "dp2/final")) < 1e-5
     for r in one + dp2:  # fp32 engines agree to ~1e-6 in log-prob: weights within 1e-4 of 1, nothing dropped
         assert abs(r["trainer/is_weight_mean"] - 1) < 1e-4 and r["trainer/is_dropped_frac"] == 0 and r["trainer/optimizer_steps"] == 2
+        assert r["trainer/old_k2"] > 0 and r["trainer/clip_frac"] == 0  # the second epoch moved pi; nothing clips
+    assert [r["trainer/old_k2"] for r in one] == pytest.approx([r["trainer/old_k2"] for r in dp2], rel=1e-4)
 
     proc = launch(tmp_path / "none", "--set", "algorithm.correction.kind=mis", "--set", "algorithm.correction.low=3",
                   "--set", "algorithm.correction.high=4", steps=2)

@@ -18,7 +18,8 @@ from tidal.algorithms.corrections import correction_figures, log_ratio
 from tidal.algorithms.figures import Largest, Mean
 from tidal.algorithms.grpo import group_normalised
 from tidal.algorithms.kl import check_kl_inputs, kl_in_loss, masked_kl_NT
-from tidal.algorithms.token_loss import ClipConfig, clipped_surrogate
+from tidal.algorithms.surrogates import clipped_surrogate
+from tidal.algorithms.token_loss import ClipConfig
 
 
 class GSPOConfig(ClipConfig):
@@ -30,9 +31,10 @@ class GSPOConfig(ClipConfig):
     def _token_options(self) -> "GSPOConfig":
         # its ratio and clip are per sequence: the token-level corrections have nothing to act on
         for name, off in (("correction", not self.correction.needs_behaviour), ("clip_ratio_c", self.clip_ratio_c is None),
-                          ("log_ratio_clamp", self.log_ratio_clamp is None), ("entropy_coef", self.entropy_coef == 0)):
+                          ("log_ratio_clamp", self.log_ratio_clamp is None), ("entropy_coef", self.entropy_coef == 0),
+                          ("surrogate", self.surrogate == "clip"), ("penalties", not self.penalties)):
             if not off:
-                raise ValueError(f"{name}: gspo's ratio is per sequence; the corrections apply to the "
+                raise ValueError(f"{name}: gspo's ratio is per sequence; it applies to the "
                                  f"token-level losses (grpo, dr_grpo, dapo, rloo, reinforce_pp, ppo)")
         return self
 

@@ -61,6 +61,10 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._entries)
 
+    def entries(self) -> list[tuple[str, T]]:
+        """(name, entry) in the order registered."""
+        return list(self._entries.items())
+
     def having(self, capability: Callable[[T], object]) -> list[str]:
         """The names of the entries that have a capability (`capability(entry)` true)."""
         return [name for name in self.names() if capability(self._entries[name])]

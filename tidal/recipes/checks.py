@@ -26,8 +26,10 @@ def check_trainer(cfg: RunConfig, *, dynamic_sampling: bool) -> None:
                          f"{BACKENDS.offer(lambda b: b.fp16)}")
     BACKENDS.get(t.backend).check(t, cfg.model.path)
     if cfg.algo_config is not None and cfg.algo_config.needs_entropy and not BACKENDS.get(t.backend).entropy_bonus:
-        raise ValueError(f"algorithm.entropy_coef={cfg.algo_config.entropy_coef} with trainer.backend={t.backend}: that "
-                         f"backend's entropy has no gradient; {BACKENDS.offer(lambda b: b.entropy_bonus)}")
+        what = (f"algorithm.entropy_coef={cfg.algo_config.entropy_coef}" if cfg.algo_config.entropy_coef else
+                f"algorithm.penalties={cfg.algo_config.penalties} (a penalty that reads the entropy)")
+        raise ValueError(f"{what} with trainer.backend={t.backend}: that backend's entropy has no gradient; "
+                         f"{BACKENDS.offer(lambda b: b.entropy_bonus)}")
     if dynamic_sampling and t.mini_batches > 1:
         raise ValueError("algorithm.dynamic_sampling with trainer.mini_batches > 1 is not supported yet "
                          "(kept prompt indices are not contiguous, so a mini-batch could be empty)")
