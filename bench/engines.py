@@ -38,7 +38,7 @@ import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from tidal.executors.generator.config import VllmConfig  # noqa: E402
+from tidal.executors.generator.vllm_engine import VllmConfig  # noqa: E402
 from tidal.executors.generator.contract import PromptRequest, SamplingParams  # noqa: E402
 from tidal.executors.generator.native_engine import NativeEngine  # noqa: E402
 from tidal.executors.generator.vllm_engine import VllmEngine, receive_buffers  # noqa: E402

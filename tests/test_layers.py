@@ -332,14 +332,21 @@ def test_an_engine_in_a_file_of_its_own_runs_a_job(tmp_path):
     """generator.engine=module:attr names an EngineKind in a user's file (tests/engine_plugin.py), with no line
     added to the registry: RECORD (the native engine, saving each group) and REPLAY (no decoding at all: the
     saved groups) run the job; the replayed run trains on the same groups, so its weights end bit for bit the
-    same. A name that is no EngineKind is refused in one line."""
+    same. Their options section (generator.replay) is validated by their model. A name that is no EngineKind is
+    refused in one line."""
     from tests.e2e import launch, metrics
+    from tidal.launch.cli import parser, resolve
 
-    env = {"TIDAL_REPLAY_DIR": str(tmp_path / "groups")}
     (tmp_path / "groups").mkdir()
+    replay = ["--algo", "grpo", "--set", "generator.engine=tests.engine_plugin:REPLAY"]
+    with pytest.raises(ValueError, match=r"generator.replay.dri: unknown key; did you mean generator.replay.dir\?"):
+        resolve(parser().parse_args([*replay, "--set", "generator.replay.dri=x"]))
+    with pytest.raises(ValueError, match=r"generator.replay.dir: Field required"):
+        resolve(parser().parse_args(replay))
     runs = {}
     for name in ("RECORD", "REPLAY"):
-        runs[name] = launch(tmp_path / name, "--set", f"generator.engine=tests.engine_plugin:{name}", env=env)
+        runs[name] = launch(tmp_path / name, "--set", f"generator.engine=tests.engine_plugin:{name}",
+                            "--set", f"generator.replay.dir={tmp_path / 'groups'}")
         assert runs[name].returncode == 0, runs[name].stderr[-3000:]
     rows = {name: metrics(tmp_path / name) for name in runs}
     assert len(list((tmp_path / "groups").glob("*.pt"))) == sum(r["trainer/groups"] for r in rows["RECORD"]) > 0

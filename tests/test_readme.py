@@ -12,7 +12,8 @@ from pydantic import BaseModel
 
 from tidal.executors.critic.config import CriticConfig
 from tidal.executors.evaluation.config import EvalConfig
-from tidal.executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, MultiTurnConfig, VllmConfig
+from tidal.executors.generator.config import DataConfig, GeneratorConfig, ModelConfig, MultiTurnConfig
+from tidal.executors.generator.vllm_engine import VllmConfig
 from tidal.executors.reward.config import RewardConfig, RewardModelConfig
 from tidal.executors.trainer.config import TrainerConfig
 from tidal.modeling.lora import LoraConfig
@@ -114,6 +115,7 @@ def test_every_page_is_linked_from_the_readme():
 def _config_keys() -> set[str]:
     """Every dotted key --set takes (algorithm.* under any algorithm's options)."""
     from tidal.algorithms.registry import ALGORITHMS
+    from tidal.executors.generator.engines import options_sections
 
     def walk(cls, prefix: str) -> set[str]:
         out = set()
@@ -128,6 +130,8 @@ def _config_keys() -> set[str]:
         return out
 
     keys = walk(RunConfig, "")
+    for section, options in options_sections("native").items():  # every registered engine's own section
+        keys |= {f"generator.{section}"} | walk(options, f"generator.{section}.")
     for name in ALGORITHMS.names():
         keys |= walk(ALGORITHMS.get(name).config_cls, "algorithm.")
     return keys

@@ -39,7 +39,7 @@ def _checks(tp: int) -> dict:
 
     from tidal.channels.payloads import chunk
     from tidal.controller.devices import detect_device, init_distributed
-    from tidal.executors.generator.config import VllmConfig
+    from tidal.executors.generator.vllm_engine import VllmConfig
     from tidal.executors.generator.contract import PromptRequest, Resume, SamplingParams
     from tidal.executors.generator.vllm_engine import VllmEngine, engine_model_dir, receive_buffers
     from tidal.modeling.hf import load_model, load_tokenizer
@@ -228,7 +228,7 @@ def _streaming() -> dict:
     import torch.distributed as dist
 
     from tidal.controller.devices import detect_device, init_distributed
-    from tidal.executors.generator.config import VllmConfig
+    from tidal.executors.generator.vllm_engine import VllmConfig
     from tidal.executors.generator.contract import PromptRequest, SamplingParams
     from tidal.executors.generator.vllm_engine import VllmEngine, engine_model_dir
     from tidal.modeling.hf import load_tokenizer

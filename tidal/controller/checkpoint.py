@@ -21,16 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.common.files import readable_as_umask
-from tidal.executors.generator.engines import ENGINES
+from tidal.executors.generator.config import GeneratorConfig
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d{6,})$")
-# every engine's own options (tidal/executors/generator/engines.py): a resume may change the engine, and its options with it
-ENGINE_OPTIONS = tuple(filter(None, (ENGINES.get(name).options for name in ENGINES.names())))
 # settings a resumed run may change: where and how it runs, not what it computes
 RESUMABLE_CHANGES = ("steps", "output_dir", "timeout_s", "stop_timeout_s", "checkpoint_every", "checkpoint_minutes",
                      "checkpoint_keep", "trainer.dp", "trainer.cp", "trainer.tp", "trainer.pp", "trainer.pp_drain", "trainer.fsdp", "trainer.ep", "trainer.lora.merged", "critic.dp", "critic.cp", "critic.tp", "critic.fsdp", "generator.replicas",
-                     "generator.tp", "generator.engine", *ENGINE_OPTIONS, "generator.max_batch_prompts",
+                     "generator.tp", "generator.engine", "generator.max_batch_prompts",
                      "generator.admission", "generator.kv_budget_tokens", "generator.kv_memory_fraction",
                      "reward.replicas", "reward.timeout_s", "logging")
 
@@ -158,4 +156,11 @@ def config_changes(saved: dict, now: dict) -> list[str]:
 
     a, b = flat(saved), flat(now)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
-            if a.get(k) != b.get(k) and k not in RESUMABLE_CHANGES]
+            if a.get(k) != b.get(k) and k not in RESUMABLE_CHANGES and not _engine_option(k)]
+
+
+def _engine_option(key: str) -> bool:
+    """A key of an engine's own options (generator.<section>.*, every generator key that is not a declared field):
+    a resume may change the engine, and its options with it."""
+    section, _, rest = key.removeprefix("generator.").partition(".")
+    return key.startswith("generator.") and bool(rest) and section not in GeneratorConfig.model_fields

@@ -18,8 +18,9 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from tidal.common.config_errors import config_error
 from tidal.launch.preflight import RunComplete
-from tidal.recipes.config import RunConfig, config_error
+from tidal.recipes.config import RunConfig
 
 # a rank other than 0 that meets a config error waits this long for the launcher to stop it (rank 0 says the error)
 RANK_ERROR_WAIT_S = 10

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tidal.algorithms.base import AlgoConfig
 from tidal.algorithms.registry import get_algorithm
+from tidal.common.config_errors import config_error
 from tidal.controller.schedules import ScheduleConfig
 from tidal.executors.critic.config import CriticConfig
 from tidal.executors.evaluation.config import EvalConfig
@@ -128,30 +129,3 @@ def non_defaults(cfg: RunConfig) -> list[tuple[str, object, str]]:
     return [(key, value, cfg.sources.get(key, "default")) for key, value in flatten(cfg.resolved()).items()
             if cfg.sources.get(key, "default") != "default"]
 
-def config_error(exc: ValidationError, source: str, *, prefix: str = "",
-                 model: type[BaseModel] | None = None) -> str:
-    """One line per problem, naming the dotted field: `trainer.lr: Input should be ...`; an unknown
-    key gets the closest known key of its section (`model`: the class validated)."""
-    lines = []
-    for err in exc.errors():
-        field = (prefix + ".".join(str(p) for p in err["loc"])).rstrip(".") or "(top level)"  # a section's own check: its name
-        got = f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and "input" in err and \
-            not isinstance(err["input"], dict) else ""
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        if err["type"] == "extra_forbidden" and model is not None:
-            msg += _did_you_mean(model, err["loc"], prefix=prefix)
-        lines.append(f"{field}: {msg}{got}")
-    return f"invalid config ({source}): " + "; ".join(lines)
-
-def _did_you_mean(model: type[BaseModel], loc: tuple, *, prefix: str) -> str:
-    """`; did you mean trainer.lr?` for the unknown key at `loc`, or "" when no known key is close."""
-    import difflib
-
-    for part in loc[:-1]:  # down to the section that holds the key
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
-            return ""
-        model = field.annotation
-    known = [name for name, f in model.model_fields.items() if not f.exclude]  # algo, sources: not user keys
-    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-    return f"; did you mean {prefix}{'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ModelConfig(BaseModel):
@@ -41,31 +41,15 @@ class DataConfig(BaseModel):
         return Columns(prompt=self.prompt_key, answer=self.answer_key)
 
 
-class VllmConfig(BaseModel):
-    """Options of the vLLM engine (`generator.engine=vllm`); the native engine ignores them."""
-
-    model_config = ConfigDict(extra="forbid")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="GPU/NPU: fraction of device memory "
-                                          "vLLM may use (weights + KV cache); leave room for the push buffer (one "
-                                          "copy of this rank's shards); ignored when kv_cache_gb is set")
-    kv_cache_gb: float | None = Field(None, gt=0, description="KV cache size in GiB; None: 1 on CPU (host "
-                                      "memory), gpu_memory_utilization on a GPU/NPU")
-    max_model_len: int | None = Field(None, ge=1, description="None: data.max_prompt_tokens + "
-                                      "generator.max_new_tokens")
-    enforce_eager: bool | None = Field(None, description="no torch.compile / CUDA graphs: faster start, slower "
-                                       "decode; None: eager on CPU (compiling made start-up 44-92 s there), compiled elsewhere")
-    prefix_caching: bool = Field(True, description="a prompt's G samples share its KV blocks")
-    max_num_seqs: int = Field(256, ge=1, description="sample rows decoded together (continuous batching); with "
-                              "a model.path: G x the native engine's slots, so the step's requests run in waves")
-
-
 # how the native engine admits prompt groups to its slots: the one default of the engine, the config and the planner
 ADMISSIONS = ("continuous", "chunked")
 DEFAULT_ADMISSION = "continuous"
 
 
 class GeneratorConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # besides these fields, the options section of an engine (generator.<its section>, e.g. generator.vllm): each
+    # engine declares its own model (tidal/executors/generator/engines.py EngineKind.options), validated here
+    model_config = ConfigDict(extra="allow")
     replicas: int = Field(1, ge=1, description="generator data-parallel replicas")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks per replica (independent of trainer.tp)")
     samples_per_prompt: int = Field(16, ge=1, description="G: responses sampled per prompt")
@@ -99,7 +83,31 @@ class GeneratorConfig(BaseModel):
         "staleness). Multi-turn episodes are cut within their turns, their environments saved. None: off")
     engine: str = Field("native", description="native: batched HF decoding, always there; vllm: vLLM (see "
                         "docs/engines.md); tidal/executors/generator/engines.py registers them")
-    vllm: VllmConfig = Field(default_factory=VllmConfig)
+
+    @model_validator(mode="after")
+    def _engine_options(self) -> "GeneratorConfig":
+        """Each extra section validated by the engine that declares it; the chosen engine's present (its defaults)."""
+        from tidal.executors.generator.engines import ENGINES, options_sections  # the registry imports this module
+
+        sections, extra = options_sections(self.engine), self.__pydantic_extra__
+        own = ENGINES.get(self.engine)
+        if own.options is not None:
+            extra.setdefault(own.section, {})  # its defaults, validated below
+        for key, value in extra.items():
+            if key not in sections:
+                import difflib
+
+                close = difflib.get_close_matches(key, [*type(self).model_fields, *sections], n=1)
+                raise ValueError(f"generator.{key}: unknown key" + (f"; did you mean generator.{close[0]}?" if close else
+                                 f" (the engines' option sections: {', '.join(sections) or 'none'})"))
+            try:
+                extra[key] = sections[key].model_validate(value)
+            except ValidationError as e:  # named from the top, as a declared section's errors are
+                from tidal.common.config_errors import config_error
+
+                raise ValueError(config_error(e, "", prefix=f"generator.{key}.", model=sections[key])
+                                 .removeprefix("invalid config (): ")) from None
+        return self
 
     @property
     def logprob_temperature(self) -> float:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal
 
+from pydantic import BaseModel
+
 from tidal.common.registry import Registry
 from tidal.executors.generator.config import ADMISSIONS, DEFAULT_ADMISSION, GeneratorConfig  # noqa: F401 (the planner reads them here)
 
@@ -25,9 +27,10 @@ class EngineKind:
     push_buffer: bool  # receives pushes into a buffer of its own weights' size, then loads them
     # how it admits groups: fixed ("continuous": a continuous batcher), or None: generator.admission
     admission: Literal["continuous", "chunked"] | None = None
-    # its own options' section under generator (generator.vllm), if it has one: a resume may change it
-    # (tidal/controller/checkpoint.py), as it may change the engine
-    options: str | None = None
+    # its own options: a pydantic model, set as the section generator.<section> (GeneratorConfig validates it with
+    # this model; a resume may change it, as it may change the engine: tidal/controller/checkpoint.py)
+    options: type[BaseModel] | None = None
+    section: str | None = None
     kv_note: str = ""  # its KV cache, where the memory estimate cannot size it: how it is sized
     # (device type) -> why it cannot give its device memory back there (placement=colocated), or "" when it can
     no_release: Callable[[str], str] = lambda device_type: ""
@@ -41,6 +44,9 @@ class EngineKind:
     # with (tidal/modeling/numerics.py), so its log-probs are the trainer's bit for bit
     exact: bool = False
 
+    def __post_init__(self) -> None:
+        assert (self.options is None) == (self.section is None), "an engine's options come with their section's name"
+
     def slots(self, generator: dict) -> int:
         """Its decode slots in prompt groups, from a resolved generator section (config.json's)."""
         value = generator
@@ -51,6 +57,13 @@ class EngineKind:
     def slots_setting(self, groups: int, *, samples: int) -> tuple[str, int]:
         """The --set that gives it `groups` decode slots."""
         return self.slots_key, groups * samples if self.slots_are_rows else groups
+
+
+def options_sections(engine: str) -> dict[str, type[BaseModel]]:
+    """generator.<section> -> the options model of the engine that declares it: every registered engine's, and the
+    chosen one's (a module:attr engine of one's own)."""
+    kinds = [kind for _, kind in ENGINES.entries()] + ([] if engine in ENGINES else [ENGINES.get(engine)])
+    return {kind.section: kind.options for kind in kinds if kind.options is not None}
 
 
 def _no_check(cfg: GeneratorConfig, model_path: str | None) -> None:
@@ -137,12 +150,14 @@ def _build_vllm(spec: EngineSpec):
     return engine, specs, shards
 
 
+from tidal.executors.generator.vllm_engine import VllmConfig  # noqa: E402 (light: vLLM itself loads in build)
+
 ENGINES: Registry[EngineKind] = Registry("generator engine", key="generator.engine", plugin=EngineKind)
 ENGINES.register("native", EngineKind(build=_build_native, check=_no_check, slots_key="generator.max_batch_prompts",
                                       slots_are_rows=False, push_buffer=False, exact=True))
 ENGINES.register("vllm", EngineKind(build=_build_vllm, check=_check_vllm, slots_key="generator.vllm.max_num_seqs",
                                     slots_are_rows=True, push_buffer=True, admission="continuous",
-                                    options="generator.vllm",
+                                    options=VllmConfig, section="vllm",
                                     no_release=_vllm_no_release,
                                     # it shares the device with the trainer's weights, which stay there
                                     # (verl's co-located rollout default is 0.5)

@@ -28,15 +28,34 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.channels.payloads import ParamSpec, chunk, local_shape
-from tidal.executors.generator.config import VllmConfig
 from tidal.executors.generator.contract import GroupCompletion, PromptRequest, SamplingParams, Turns, room_for_a_turn
 from tidal.executors.generator.sampling import sample_seed
 from tidal.executors.generator.vllm_world import generator_world, keep_default_group
 
 if TYPE_CHECKING:
     import vllm
+
+
+
+class VllmConfig(BaseModel):
+    """Options of the vLLM engine, its section generator.vllm (its registry entry names this model)."""
+
+    model_config = ConfigDict(extra="forbid")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="GPU/NPU: fraction of device memory "
+                                          "vLLM may use (weights + KV cache); leave room for the push buffer (one "
+                                          "copy of this rank's shards); ignored when kv_cache_gb is set")
+    kv_cache_gb: float | None = Field(None, gt=0, description="KV cache size in GiB; None: 1 on CPU (host "
+                                      "memory), gpu_memory_utilization on a GPU/NPU")
+    max_model_len: int | None = Field(None, ge=1, description="None: data.max_prompt_tokens + "
+                                      "generator.max_new_tokens")
+    enforce_eager: bool | None = Field(None, description="no torch.compile / CUDA graphs: faster start, slower "
+                                       "decode; None: eager on CPU (compiling made start-up 44-92 s there), compiled elsewhere")
+    prefix_caching: bool = Field(True, description="a prompt's G samples share its KV blocks")
+    max_num_seqs: int = Field(256, ge=1, description="sample rows decoded together (continuous batching); with "
+                              "a model.path: G x the native engine's slots, so the step's requests run in waves")
 
 
 @contextlib.contextmanager
