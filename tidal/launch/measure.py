@@ -15,10 +15,13 @@ pin_threads):
   train     a group of G responses to a prompt of at most TRAIN_PROMPT tokens, packed as the trainer
             packs it, its forward (the chunked LM head, the entropy) and backward, at two response
             lengths for a fixed part and a per-token part; a forward without grad for the reference where the objective has one
-  barrier   one AdamW step over the parameters
-  copy      every parameter copied into a buffer (the push's local part)
+  barrier   one AdamW step (fused, as the trainer's), timed over a part of the parameters and scaled by
+            their count: the step streams each element's weight, gradient and two moments once, so its
+            time is linear in them, and a 0.5B model's whole state took 14 s to allocate and step here
+  copy      parameters copied into a buffer (the push's local part), the same part, scaled the same way
 
-Each figure is timed after a warm-up call of the same kind (the first allocates and picks kernels): one
+Each figure is timed after a warm-up call of the same kind (the first allocates and picks kernels; at the
+second thread count and after, the process is warm and none is made): one
 call where it takes REPEAT_S or more (a 0.5B model's micro-steps take seconds on a CPU, and the
 choice needs ratios between candidates, not a benchmark's repeats), else the median of up to REPEATS
 (the embedded model's calls take milliseconds, and a single one measured at a process's start ran 2x
@@ -36,11 +39,16 @@ from pathlib import Path
 
 REPEAT_S, REPEATS = 0.2, 7
 DECODE_EXTRA = 8  # the D decode forwards a longer call adds
-TRAIN_RESPONSES = (4, 24)  # a group's responses at two lengths (capped at the job's)
+# a group's responses at two lengths (capped at the job's): far apart, as the per-token part is their difference
+# (a 0.5B model's group at 4 and 24 tokens differed by ~1 s at 2 threads, less than this machine's noise)
+TRAIN_RESPONSES = (4, 48)
 # the measured rows' prompt and the decode calls' context, at most: their cost per token is what is fitted
 # (a longer context's attention is a small part of a token's cost at these lengths), and shorter calls
 # keep the measurement to seconds
 TRAIN_PROMPT, DECODE_CONTEXT = 64, 128
+# the elements the barrier's and the copy's part holds, at most (128 MB of float32: far past any cache, so the
+# time per element is memory's, as the whole model's is)
+STATE_PART = 32 << 20
 
 
 def _timed(fn) -> float:
@@ -60,7 +68,18 @@ def _line(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]
     return max(0.0, a[1] - slope * a[0]), slope
 
 
-def decode_rates(model, *, eos: int, pad: int, samples: int, groups: int, context: int) -> dict:
+def part_of(params: list, *, most: int = STATE_PART) -> list:
+    """Parameters (in order, skipping any that would overflow it) holding at most `most` elements; the smallest
+    one where none fits."""
+    part, held = [], 0
+    for p in params:
+        if held + p.numel() <= most:
+            part.append(p)
+            held += p.numel()
+    return part or [min(params, key=lambda p: p.numel())]
+
+
+def decode_rates(model, *, eos: int, pad: int, samples: int, groups: int, context: int, warm: bool = False) -> dict:
     import torch
 
     from tidal.executors.generator.contract import PromptRequest, SamplingParams
@@ -76,7 +95,8 @@ def decode_rates(model, *, eos: int, pad: int, samples: int, groups: int, contex
         params = SamplingParams(n=samples, max_new_tokens=tokens, seed=0, temperature=1.0)
         return _timed(lambda: list(engine.generate(requests, params, step=0)))
 
-    call(1, 2)  # warm-up
+    if not warm:
+        call(1, 2)
     points = {}
     for k in sorted({1, groups}, reverse=True):
         short, long = call(k, 2), call(k, 2 + DECODE_EXTRA)
@@ -88,13 +108,14 @@ def decode_rates(model, *, eos: int, pad: int, samples: int, groups: int, contex
     return {"forward_s": forward_s, "row_s": row_s, "prefill_token_s": prefill_token_s}
 
 
-def train_rates(model, optim, *, prompt_len: int, samples: int, response: int, extra_forwards: int,
-                trainer: dict) -> dict:
+def train_rates(model, *, prompt_len: int, samples: int, response: int, extra_forwards: int, trainer: dict,
+                warm: bool = False) -> dict:
     """A group's micro-steps as the trainer runs them (tidal/modeling/packing.py: packed rows under the token
     budget, the chunked LM head with the entropy), at two response lengths: the fixed part per group
-    and the part per token."""
+    and the part per token; the barrier's step and the push's copy per parameter, from a part of them."""
     import torch
 
+    from tidal.modeling.optim import fused_adamw
     from tidal.modeling.packing import make_micro_batches
 
     vocab = model.config.vocab_size
@@ -114,18 +135,25 @@ def train_rates(model, optim, *, prompt_len: int, samples: int, response: int, e
             mb.forward(model, temperature=1.0, chunk=trainer["logprob_chunk"], entropy=True).logp_NT.sum().backward()
 
     lengths = sorted({min(n, response) for n in TRAIN_RESPONSES})
-    group(lengths[-1])  # warm-up at the larger size: its first allocations are the slow ones
+    if not warm:
+        group(lengths[0])  # its first allocations (the gradients) are the slow ones; the smaller costs least
     measured = [(prompt_len + samples * n, _timed(lambda n=n: group(n))) for n in lengths]
     group_s, token_s = _line(measured[0], measured[-1]) if len(measured) > 1 else (0.0, measured[0][1] / measured[0][0])
-    if not optim.state:
-        optim.step()  # the first step makes the state (the gradients are the groups')
-    barrier_s = _timed(optim.step)
-    params = [p.detach() for p in model.parameters()]
-    into = [torch.empty_like(p) for p in params]
-    for dst, src in zip(into, params):  # warm-up: the pages of the copies' destination
-        dst.copy_(src)
-    copy_s = _timed(lambda: [dst.copy_(src) for dst, src in zip(into, params)])
-    model.zero_grad(set_to_none=True)
+    params = list(model.parameters())
+    part = part_of(params)
+    scale = sum(p.numel() for p in params) / sum(p.numel() for p in part)
+    optim = torch.optim.AdamW(part, lr=1e-9, fused=fused_adamw(part))
+    optim.step()  # the first step makes the state (the gradients are the groups')
+    barrier_s = scale * _timed(optim.step)
+    into = [torch.empty_like(p) for p in part]
+
+    def copy() -> None:
+        for dst, src in zip(into, part):
+            dst.copy_(src.detach())
+
+    copy()  # the pages of the copies' destination
+    copy_s = scale * _timed(copy)
+    model.zero_grad(set_to_none=False)  # kept: a later thread count's backward finds them allocated, as warm as now
     return {"group_s": group_s, "token_s": token_s, "barrier_s": barrier_s, "copy_s": copy_s}
 
 
@@ -164,17 +192,16 @@ def measure(spec: dict) -> dict:
     # not a second load, where both sides compute in one dtype: loading a 0.5B model again costs seconds
     train_model = copy.deepcopy(gen_model) if spec["train_dtype"] == spec["gen_dtype"] else \
         load_model(spec["model_path"], dtype=getattr(torch, spec["train_dtype"])).to(device)
-    optim = torch.optim.AdamW(train_model.parameters(), lr=1e-9)
     never = gen_model.config.vocab_size + 1  # an EOS no sample draws: every call writes all its tokens
     out = {}
-    for threads in spec["threads"]:
+    for i, threads in enumerate(spec["threads"]):
         torch.set_num_threads(threads)
         out[str(threads)] = {
             "gen": decode_rates(gen_model, eos=never, pad=tok.pad_token_id or 0, samples=spec["samples"],
-                                groups=spec["groups"], context=context),
-            "train": train_rates(train_model, optim, prompt_len=prompt_len, samples=spec["samples"],
+                                groups=spec["groups"], context=context, warm=i > 0),
+            "train": train_rates(train_model, prompt_len=prompt_len, samples=spec["samples"],
                                  response=spec["response_tokens"], extra_forwards=spec["extra_forwards"],
-                                 trainer=spec["trainer"]),
+                                 trainer=spec["trainer"], warm=i > 0),
         }
     return {"prompt_len": prompt_len, "rates": out}
 
