@@ -4,6 +4,7 @@ Light on purpose: the CLI and --dry-run import these without any model code.
 """
 from __future__ import annotations
 
+import difflib
 from typing import Literal
 
 import torch
@@ -95,8 +96,6 @@ class GeneratorConfig(BaseModel):
             extra.setdefault(own.section, {})  # its defaults, validated below
         for key, value in extra.items():
             if key not in sections:
-                import difflib
-
                 close = difflib.get_close_matches(key, [*type(self).model_fields, *sections], n=1)
                 raise ValueError(f"generator.{key}: unknown key" + (f"; did you mean generator.{close[0]}?" if close else
                                  f" (the engines' option sections: {', '.join(sections) or 'none'})"))

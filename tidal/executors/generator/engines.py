@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from tidal.common.registry import Registry
 from tidal.executors.generator.config import ADMISSIONS, DEFAULT_ADMISSION, GeneratorConfig  # noqa: F401 (the planner reads them here)
+from tidal.executors.generator.vllm_engine import VllmConfig  # light: vLLM itself loads in its build
 
 if TYPE_CHECKING:
     from tidal.executors.generator.contract import EngineSpec
@@ -149,8 +150,6 @@ def _build_vllm(spec: EngineSpec):
         print(f"tidal: vLLM engine ready in {engine.init_s:.1f} s", flush=True)
     return engine, specs, shards
 
-
-from tidal.executors.generator.vllm_engine import VllmConfig  # noqa: E402 (light: vLLM itself loads in build)
 
 ENGINES: Registry[EngineKind] = Registry("generator engine", key="generator.engine", plugin=EngineKind)
 ENGINES.register("native", EngineKind(build=_build_native, check=_no_check, slots_key="generator.max_batch_prompts",
