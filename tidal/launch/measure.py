@@ -15,9 +15,10 @@ pin_threads):
   train     a group of G responses to a prompt of at most TRAIN_PROMPT tokens, packed as the trainer
             packs it, its forward (the chunked LM head, the entropy) and backward, at two response
             lengths for a fixed part and a per-token part; a forward without grad for the reference where the objective has one
-  barrier   one AdamW step (fused, as the trainer's), timed over a part of the parameters and scaled by
-            their count: the step streams each element's weight, gradient and two moments once, so its
-            time is linear in them, and a 0.5B model's whole state took 14 s to allocate and step here
+  barrier   the trainer's optimizer step (tidal/modeling/optim.py Optimizer.apply: the gradients normalised,
+            their norm clipped, the fused AdamW step, the gradients freed), timed over a part of the
+            parameters and scaled by their count: each pass streams every element once, so its time is
+            linear in them, and a 0.5B model's whole AdamW state took 14 s to allocate and step here
   copy      parameters copied into a buffer (the push's local part), the same part, scaled the same way
 
 Each figure is timed after a warm-up call of the same kind (the first allocates and picks kernels; at the
@@ -51,11 +52,13 @@ TRAIN_PROMPT, DECODE_CONTEXT = 64, 128
 STATE_PART = 32 << 20
 
 
-def _timed(fn) -> float:
+def _timed(fn, *, setup=lambda: None) -> float:
     """The median of as many calls as fit in REPEAT_S (at most REPEATS): one for a 0.5B model's
-    micro-steps, several for a small model's milliseconds, whose first calls in a process run slow."""
+    micro-steps, several for a small model's milliseconds, whose first calls in a process run slow.
+    setup: run before each call, not timed."""
     times, start = [], time.perf_counter()
     while not times or (time.perf_counter() - start < REPEAT_S and len(times) < REPEATS):
+        setup()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -77,6 +80,26 @@ def part_of(params: list, *, most: int = STATE_PART) -> list:
             part.append(p)
             held += p.numel()
     return part or [min(params, key=lambda p: p.numel())]
+
+
+def _barrier(part: list) -> float:
+    """The trainer's step at the barrier over `part` (their gradients the groups'), each call given them anew."""
+    import torch
+
+    from tidal.modeling.optim import GradLayout, Optimizer
+    from tidal.modeling.optim_config import OptimConfig
+
+    grads = [p.grad.detach().clone() for p in part]
+    optim = Optimizer(torch.nn.ParameterList(part), cfg=OptimConfig(lr=1e-9), total_steps=1, passes=("score",),
+                      layout=GradLayout())
+
+    def given() -> None:
+        for p, g in zip(part, grads):
+            p.grad = g.clone()
+
+    given()
+    optim.apply([p.grad for p in part], denom=1.0)  # the first makes AdamW's state
+    return _timed(lambda: optim.apply([p.grad for p in part], denom=1.0), setup=given)
 
 
 def decode_rates(model, *, eos: int, pad: int, samples: int, groups: int, context: int, warm: bool = False) -> dict:
@@ -115,7 +138,6 @@ def train_rates(model, *, prompt_len: int, samples: int, response: int, extra_fo
     and the part per token; the barrier's step and the push's copy per parameter, from a part of them."""
     import torch
 
-    from tidal.modeling.optim import fused_adamw
     from tidal.modeling.packing import make_micro_batches
 
     vocab = model.config.vocab_size
@@ -142,9 +164,7 @@ def train_rates(model, *, prompt_len: int, samples: int, response: int, extra_fo
     params = list(model.parameters())
     part = part_of(params)
     scale = sum(p.numel() for p in params) / sum(p.numel() for p in part)
-    optim = torch.optim.AdamW(part, lr=1e-9, fused=fused_adamw(part))
-    optim.step()  # the first step makes the state (the gradients are the groups')
-    barrier_s = scale * _timed(optim.step)
+    barrier_s = scale * _barrier(part)
     into = [torch.empty_like(p) for p in part]
 
     def copy() -> None:
