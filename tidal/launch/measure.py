@@ -89,7 +89,8 @@ def _barrier(part: list) -> float:
     from tidal.modeling.optim import GradLayout, Optimizer
     from tidal.modeling.optim_config import OptimConfig
 
-    grads = [p.grad.detach().clone() for p in part]
+    # a parameter no token reached (an MoE expert the micro-steps did not route to) steps on a zero gradient
+    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in part]
     optim = Optimizer(torch.nn.ParameterList(part), cfg=OptimConfig(lr=1e-9), total_steps=1, passes=("score",),
                       layout=GradLayout())
 
