@@ -36,5 +36,11 @@ def _did_you_mean(model: type[BaseModel], loc: tuple, *, prefix: str) -> str:
             return ""
         model = field.annotation
     known = [name for name, f in model.model_fields.items() if not f.exclude]  # algo, sources: not user keys
-    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-    return f"; did you mean {prefix}{'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
+    close = closest(str(loc[-1]), known)
+    return f"; did you mean {prefix}{'.'.join([*map(str, loc[:-1]), close])}?" if close else ""
+
+
+def closest(key: str, known) -> str | None:
+    """The known key closest to a mistyped one, or None when none is close."""
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return close[0] if close else None

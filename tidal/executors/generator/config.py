@@ -4,11 +4,12 @@ Light on purpose: the CLI and --dry-run import these without any model code.
 """
 from __future__ import annotations
 
-import difflib
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tidal.common.config_errors import closest, config_error
 
 
 class ModelConfig(BaseModel):
@@ -96,14 +97,12 @@ class GeneratorConfig(BaseModel):
             extra.setdefault(own.section, {})  # its defaults, validated below
         for key, value in extra.items():
             if key not in sections:
-                close = difflib.get_close_matches(key, [*type(self).model_fields, *sections], n=1)
-                raise ValueError(f"generator.{key}: unknown key" + (f"; did you mean generator.{close[0]}?" if close else
+                close = closest(key, [*type(self).model_fields, *sections])
+                raise ValueError(f"generator.{key}: unknown key" + (f"; did you mean generator.{close}?" if close else
                                  f" (the engines' option sections: {', '.join(sections) or 'none'})"))
             try:
                 extra[key] = sections[key].model_validate(value)
             except ValidationError as e:  # named from the top, as a declared section's errors are
-                from tidal.common.config_errors import config_error
-
                 raise ValueError(config_error(e, "", prefix=f"generator.{key}.", model=sections[key])
                                  .removeprefix("invalid config (): ")) from None
         return self
