@@ -11,7 +11,8 @@ import torch
 
 from tidal.launch import jobs
 from tidal.launch.cli import auto_keys, parser, resolve
-from tidal.launch import auto
+from tidal.launch import auto, cli
+from tidal.launch.plan_watch import PlanWatch
 from tidal.launch.measure import measure
 from tests.e2e import max_abs_diff, weights
 
@@ -94,6 +95,41 @@ def test_under_torchrun_the_world_size_decides(monkeypatch):
     assert _resolve().placement == "colocated"
 
 
+@pytest.mark.parametrize("rates, more", [(at(gen=0.05, train=1e-4), "replicas"), (at(gen=1e-3, train=2e-2), "dp")])
+def test_several_accelerators_are_filled_with_the_split_the_planner_favours(monkeypatch, rates, more):
+    """On a machine of 8 accelerators (told to the launch: this one has none), generator.replicas and
+    trainer.dp left unset are chosen with the plan: every device a rank (the reward's one of them), the
+    generator's side larger where decoding costs most, the trainer's where training does, and the split
+    `--plan --devices 8` rates best (tidal/planner/plan.py splits) on the same rates."""
+    from tidal.planner.plan import splits
+
+    job = ("--set", "placement=split")
+    cfg = _resolve(*job)  # one accelerator's view: the layout as configured, whose spec the rates are cached under
+    threads = auto.threads_for(8)
+    spec = auto.measure_spec(cfg, threads=[threads])
+    auto.cache_dir().mkdir(parents=True, exist_ok=True)
+    auto.entry_path(spec, threads).write_text(json.dumps({"prompt_len": 20, "measure_s": 1.0,
+                                                           "rates": {str(threads): rates}}))
+    monkeypatch.setattr(cli, "accelerators", lambda: 8)
+    chosen = _resolve(*job)
+    assert chosen.generator.replicas + 1 + chosen.trainer.dp == 8, chosen.auto.lines()
+    assert chosen.sources["generator.replicas"] == chosen.sources["trainer.dp"] == "auto"
+    r, d = chosen.generator.replicas, chosen.trainer.dp
+    assert (r > d) if more == "replicas" else (d > r), chosen.auto.lines()
+    assert f"{r} generator replica{'s' * (r > 1)} + trainer dp {d}" in chosen.auto.lines()[1]
+    shape = auto.step_shape(cfg, prompt_len=20, slots=cfg.generator.max_batch_prompts)
+    planned = splits([shape], auto.rates_at({"rates": {str(threads): rates}}, threads, placement="split",
+                                            device="cpu"), devices=8, other_devices=1)
+    fastest = min(planned, key=lambda s: min(s.sync_s, s.periodic_s))
+    assert (fastest.replicas, fastest.dp) == (r, d)
+    assert chosen.auto.chosen.step_s == pytest.approx(min(fastest.sync_s, fastest.periodic_s), rel=1e-9)
+    # one of the two set: the other keeps its default, as on a machine of one device
+    one = _resolve(*job, "--set", "trainer.dp=2")
+    assert (one.generator.replicas, one.trainer.dp) == (1, 2) and "generator.replicas" not in one.auto.settings
+    monkeypatch.setattr(cli, "accelerators", lambda: 0)  # a CPU machine: its ranks share its cores, nothing to fill
+    assert "trainer.dp" not in _resolve(*job).auto.settings
+
+
 def test_waves_only_where_they_pay(tmp_path):
     model = tmp_path / "model"
     from tidal.modeling.hf import load_model, load_tokenizer, save_hf
@@ -128,7 +164,7 @@ def test_a_run_off_its_plan_is_told_which_plan_its_rates_favour():
     cfg = _resolve()
     chosen, said = cfg.auto.chosen, []
     assert chosen.placement == "split"
-    watch = auto.PlanWatch(cfg, cfg.auto, say=said.append)
+    watch = PlanWatch(cfg, cfg.auto, say=said.append)
     for _ in range(1 + auto.OFF_FOR - 1):  # the first step warms up; then one short of saying it
         watch.observe(step_s=2 * chosen.step_s, gen_s=chosen.gen_s, train_s=4 * chosen.train_s)
     assert said == []

@@ -23,6 +23,7 @@ the rates, not the job's name, tell them apart.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -30,13 +31,16 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from tidal.planner.model import GenRates, Rates, StepShape, TrainRates, simulate
 
 PLACEMENTS = ("split", "colocated")
+# the generator's replicas and the trainer's dp units, left to the launch together on a machine of several
+# accelerators (tidal/launch/cli.py auto_keys): the ranks then fill its devices
+LAYOUT_KEYS = frozenset({"generator.replicas", "trainer.dp"})
 # two busy ranks on a shared CPU keep this much of their solo speed (memory bandwidth; fitted by
 # --plan on this project's 2-core machine: docs/benchmarks.md); separate accelerators keep all of it
 SHARED_CPU_CONCURRENCY = 0.93
@@ -51,6 +55,15 @@ OFF_BY = 0.25  # learn from the run: a step this far from the plan's prediction 
 OFF_FOR = 3  # ... this many steps in a row is said on the console
 
 
+class Plan(NamedTuple):
+    """A placement, schedule and layout the job takes, and the ranks they need."""
+    placement: str
+    schedule: str
+    ranks: int
+    replicas: int
+    dp: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class Option:
     """One plan and the model's prediction of its step."""
@@ -62,9 +75,13 @@ class Option:
     step_s: float
     gen_s: float
     train_s: float
+    replicas: int = 1  # the generator's replicas and the trainer's dp units
+    dp: int = 1
 
     def label(self) -> str:
-        return f"{self.placement} {self.schedule}, {self.slots} group{'s' * (self.slots > 1)} at once"
+        layout = (f", {self.replicas} generator replica{'s' * (self.replicas > 1)} + trainer dp {self.dp}"
+                  if (self.replicas, self.dp) != (1, 1) else "")
+        return f"{self.placement} {self.schedule}{layout}, {self.slots} group{'s' * (self.slots > 1)} at once"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +100,7 @@ class Choice:
         head = f"tidal: auto: {keys} ({self.basis})"
         if self.chosen is None:
             return [head]
-        rows = [f"  predicted s/step: " + "; ".join(
+        rows = ["  predicted s/step: " + "; ".join(
             f"{o.label()} {o.step_s:.3g}{' <- chosen' if o == self.chosen else ''}" for o in self.options)]
         return [head, *rows]
 
@@ -228,21 +245,26 @@ def slot_values(cfg) -> list[int]:
 
 def predict(cfg, rates: Rates, *, placement: str, schedule: str, slots: int, prompt_len: int, ranks: int,
             threads: int, length: int | None = None) -> Option:
+    """cfg: the job at the plan's layout (with_layout)."""
     p = simulate(step_shape(cfg, prompt_len=prompt_len, slots=slots, length=length), rates, schedule=schedule)
     return Option(placement=placement, schedule=schedule, slots=slots, ranks=ranks, threads=threads,
+                  replicas=cfg.generator.replicas, dp=cfg.trainer.dp,
                   step_s=p.step_s + rates.swap_s, gen_s=p.gen_s, train_s=p.train_end_s - p.first_train_s)
 
 
-def options(cfg, measured: dict, plans: list[tuple[str, str, int]], *, slots: list[int], device: str,
-            threads_of) -> list[Option]:
-    """Every (placement, schedule, ranks) at every slot value, predicted."""
+def options(cfg, measured: dict, plans: list[Plan], *, slots_free: bool, device: str, threads_of) -> list[Option]:
+    """Every plan at every slot value its layout takes (or the slots as configured), predicted."""
+    from tidal.executors.generator.engines import ENGINES
+
+    current = ENGINES.get(cfg.generator.engine).slots(cfg.generator.model_dump())
     out = []
-    for placement, schedule, ranks in plans:
-        threads = threads_of(ranks)
-        rates = rates_at(measured, threads, placement=placement, device=device)
-        for n in slots:
-            out.append(predict(cfg, rates, placement=placement, schedule=schedule, slots=n,
-                               prompt_len=measured["prompt_len"], ranks=ranks, threads=threads))
+    for plan in plans:
+        at = with_layout(cfg, replicas=plan.replicas, dp=plan.dp)
+        threads = threads_of(plan.ranks)
+        rates = rates_at(measured, threads, placement=plan.placement, device=device)
+        for n in slot_values(at) if slots_free else [current]:
+            out.append(predict(at, rates, placement=plan.placement, schedule=plan.schedule, slots=n,
+                               prompt_len=measured["prompt_len"], ranks=plan.ranks, threads=threads))
     return out
 
 
@@ -264,94 +286,115 @@ def threads_for(ranks: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // ranks)
 
 
-def plans_of(cfg, *, free: set[str], build, world_size: int | None) -> list[tuple[str, str, int]]:
-    """(placement, schedule, ranks) of every plan the job takes (and the world size fits)."""
+def with_layout(cfg, *, replicas: int, dp: int):
+    """The job with `replicas` generator replicas and `dp` trainer units."""
+    if (replicas, dp) == (cfg.generator.replicas, cfg.trainer.dp):
+        return cfg
+    return cfg.model_copy(update={"generator": cfg.generator.model_copy(update={"replicas": replicas}),
+                                  "trainer": cfg.trainer.model_copy(update={"dp": dp})})
+
+
+def layouts_of(cfg, *, free: set[str], devices: int | None) -> list[tuple[int, int]]:
+    """(replicas, dp) of every layout to weigh: as configured, or where both are left to the launch on
+    `devices` accelerators, every pair up to the step's prompt groups (more would idle) that a plan may fit."""
+    if not devices or not LAYOUT_KEYS <= free:
+        return [(cfg.generator.replicas, cfg.trainer.dp)]
+    most = min(devices, cfg.data.prompts_per_step)
+    return [(r, d) for r in range(1, most + 1) for d in range(1, most + 1)]
+
+
+def plans_of(cfg, *, free: set[str], build, world_size: int | None, devices: int | None = None) -> list[Plan]:
+    """Every plan the job takes (and the world size, or the accelerators of a free layout, fits).
+    build(placement, schedule, replicas, dp) -> its ranks (ValueError: the job does not take it)."""
+    fill = world_size or (devices if LAYOUT_KEYS <= free else None)
     plans = []
     for placement in PLACEMENTS if "placement" in free else (cfg.placement,):
         schedules = (("sync",) if placement == "colocated" else ("periodic", "sync")) \
             if "schedule.kind" in free else (cfg.schedule.kind,)
         for schedule in schedules:
-            try:
-                ranks = build(placement, schedule)
-            except ValueError:  # this job does not take the plan (its build's own error says why)
-                continue
-            if world_size is None or ranks == world_size:
-                plans.append((placement, schedule, ranks))
+            for replicas, dp in layouts_of(cfg, free=free, devices=devices):
+                try:
+                    ranks = build(placement, schedule, replicas, dp)
+                except ValueError:  # this job does not take the plan (its build's own error says why)
+                    continue
+                if fill is None or ranks == fill:
+                    plans.append(Plan(placement, schedule, ranks, replicas, dp))
     return plans
 
 
 def settings_of(cfg, *, free: set[str], slots_key: str | None, placement: str, schedule: str,
-                slots: int | None) -> dict:
+                slots: int | None, replicas: int = 1, dp: int = 1) -> dict:
     """The values of the free keys that give this plan (the slots as the engine sets them)."""
     from tidal.executors.generator.engines import ENGINES
 
-    out = {"placement": placement, "schedule.kind": schedule}
+    out = {"placement": placement, "schedule.kind": schedule, "generator.replicas": replicas, "trainer.dp": dp}
     if slots is not None and slots_key:
         out[slots_key] = ENGINES.get(cfg.generator.engine).slots_setting(slots, samples=cfg.generator.samples_per_prompt)[1]
     return {k: v for k, v in out.items() if k in free}
 
 
-def rule_choice(cfg, plans: list, *, settings, slots_free: bool, device: str, basis: str) -> Choice:
-    """No rates: split before co-located, periodic before sync, the slots by tidal/recipes/defaults.py decode_slots."""
+def rule_choice(cfg, plans: list[Plan], *, settings, slots_free: bool, device: str, basis: str) -> Choice:
+    """No rates: split before co-located, periodic before sync, a free layout's devices shared most evenly
+    (the generator's side the larger), the slots by tidal/recipes/defaults.py decode_slots."""
     from tidal.recipes.defaults import decode_slots
 
-    placement, schedule, _ = min(plans, key=lambda p: (p[0] != "split", p[1] != "periodic"))
+    plan = min(plans, key=lambda p: (p.placement != "split", p.schedule != "periodic", abs(p.replicas - p.dp),
+                                     p.dp > p.replicas))
     slots = decode_slots(prompts=cfg.data.prompts_per_step, samples=cfg.generator.samples_per_prompt,
-                         replicas=cfg.generator.replicas, device_type=device,
-                         overlaps=schedule != "sync" and placement != "colocated")
-    return Choice(settings=settings(placement=placement, schedule=schedule, slots=slots if slots_free else None),
+                         replicas=plan.replicas, device_type=device,
+                         overlaps=plan.schedule != "sync" and plan.placement != "colocated")
+    return Choice(settings=settings(placement=plan.placement, schedule=plan.schedule,
+                                    slots=slots if slots_free else None, replicas=plan.replicas, dp=plan.dp),
                   basis=basis)
 
 
-def model_choice(cfg, measured: dict, plans: list, *, settings, slots_free: bool, device: str,
-                 basis: str) -> Choice:
+def model_choice(cfg, measured: dict, plans: list[Plan], *, settings, slots_free: bool, device: str,
+                 basis: str, threads_of=threads_for) -> Choice:
     """Every plan at every slot value (or the slots as configured), predicted; the best chosen."""
-    from tidal.executors.generator.engines import ENGINES
-
-    current = ENGINES.get(cfg.generator.engine).slots(cfg.generator.model_dump())
-    found = options(cfg, measured, plans, slots=slot_values(cfg) if slots_free else [current], device=device,
-                    threads_of=threads_for)
+    found = options(cfg, measured, plans, slots_free=slots_free, device=device, threads_of=threads_of)
     chosen = best(found)
     per_plan = {}
     for o in sorted(found, key=lambda o: o.step_s):
         per_plan.setdefault((o.placement, o.schedule), o)
     shown = tuple(sorted({chosen, *per_plan.values()}, key=lambda o: o.step_s))
     return Choice(settings=settings(placement=chosen.placement, schedule=chosen.schedule,
-                                    slots=chosen.slots if slots_free else None),
+                                    slots=chosen.slots if slots_free else None, replicas=chosen.replicas, dp=chosen.dp),
                   basis=basis, chosen=chosen, options=shown, rates=measured, device=device)
 
 
 def choose(cfg, *, free: set[str], slots_key: str | None, build, world_size: int | None,
-           recorded: dict | None = None, rates: str = "rule", say=lambda line: None) -> Choice | None:
-    """The values of the `free` keys (of "placement", "schedule.kind", slots_key). cfg: the job with the
-    classes' values in the free keys; build(placement, schedule) -> the ranks that plan needs
-    (ValueError: the job does not take it); world_size: under torchrun, the ranks there are;
-    recorded: a resumed run's config.json (flattened), whose values it keeps. rates: "measure" (the
-    launching process: measured unless cached), "cached" (a rank: the cache or the rule), "rule" (a
-    library call: the classes' placement and schedule, decode_slots)."""
+           recorded: dict | None = None, rates: str = "rule", devices: int | None = None,
+           say=lambda line: None) -> Choice | None:
+    """The values of the `free` keys (of "placement", "schedule.kind", slots_key, LAYOUT_KEYS). cfg: the job
+    with the classes' values in the free keys; build(placement, schedule, replicas, dp) -> the ranks that plan
+    needs (ValueError: the job does not take it); world_size: under torchrun, the ranks there are; devices: the
+    accelerators a free layout fills; recorded: a resumed run's config.json (flattened), whose values it keeps.
+    rates: "measure" (the launching process: measured unless cached), "cached" (a rank: the cache or the
+    rule), "rule" (a library call: the classes' placement and schedule, decode_slots)."""
     if not free:
         return None
     if recorded is not None:
         return Choice(settings={k: recorded[k] for k in sorted(free) if k in recorded},
                       basis="as the resumed run chose")
-    plans = plans_of(cfg, free=free, build=build, world_size=world_size)
+    plans = plans_of(cfg, free=free, build=build, world_size=world_size, devices=devices)
     if not plans and (world_size is not None or rates == "measure"):
         return None  # the build says why (e.g. a world size no placement fits: tidal/launch/cli.py check_world)
     if not plans:  # a library call on a config no plan builds (e.g. vLLM not installed): the rule's values
         schedule = "sync" if cfg.placement == "colocated" and "schedule.kind" in free else cfg.schedule.kind
-        plans, rates = [(cfg.placement, schedule, 1)], "rule"
+        plans, rates = [Plan(cfg.placement, schedule, 1, cfg.generator.replicas, cfg.trainer.dp)], "rule"
     from tidal.controller.devices import detect_device
 
-    def settings(**plan) -> dict:
-        return settings_of(cfg, free=free, slots_key=slots_key, **plan)
-
+    settings = functools.partial(settings_of, cfg, free=free, slots_key=slots_key)
     slots_free = slots_key in free
     if len(plans) == 1 and not slots_free:
-        placement, schedule, _ = plans[0]
-        return Choice(settings=settings(placement=placement, schedule=schedule, slots=None),
+        plan = plans[0]
+        return Choice(settings=settings(placement=plan.placement, schedule=plan.schedule, slots=None,
+                                        replicas=plan.replicas, dp=plan.dp),
                       basis=f"world size {world_size}" if world_size else "the only plan this job takes")
     device = detect_device().type
-    spec = measure_spec(cfg, threads=[threads_for(r) for _, _, r in plans])
+    # a free layout's ranks each drive an accelerator: its rates are the device's, at one thread count
+    threads_of = (lambda _: threads_for(devices)) if devices and LAYOUT_KEYS <= free else threads_for
+    spec = measure_spec(cfg, threads=[threads_of(p.ranks) for p in plans])
     measured = cached_rates(spec) if rates != "rule" else None
     if measured is None and rates != "measure":  # a rank resolves the config alone: none may time anything
         where = f"world size {world_size}; " if world_size else ""
@@ -365,69 +408,5 @@ def choose(cfg, *, free: set[str], slots_key: str | None, build, world_size: int
             f"{cache_dir()}) to choose what placement, schedule and slots leave to it ...")
         measured = measured_rates(spec)
         basis = f"rates measured here in {measured['measure_s']:.0f} s, cached"
-    return model_choice(cfg, measured, plans, settings=settings, slots_free=slots_free, device=device, basis=basis)
-
-
-# ---- learning from the run ------------------------------------------------------------------------
-
-def replan(cfg, choice: Choice, *, gen_scale: float = 1.0, train_scale: float = 1.0,
-           length: int | None = None) -> list[Option]:
-    """The choice's options again, with every generator rate times gen_scale and every trainer rate
-    times train_scale (what a run measured against what was predicted), responses `length` long."""
-    out = []
-    for o in choice.options:
-        rates = rates_at(choice.rates, o.threads, placement=o.placement, device=choice.device)
-        rates = replace(rates, gen=GenRates(**{k: v * gen_scale for k, v in rates.gen.__dict__.items()}),
-                        train=TrainRates(**{k: v * train_scale for k, v in rates.train.__dict__.items()}))
-        out.append(predict(cfg, rates, placement=o.placement, schedule=o.schedule, slots=o.slots,
-                           prompt_len=choice.rates["prompt_len"], ranks=o.ranks, threads=o.threads, length=length))
-    return out
-
-
-class PlanWatch:
-    """Compares each step (after the first, which warms up) with the plan's prediction for that step's
-    response length (the choice assumed the cap); after OFF_FOR steps in a row more than OFF_BY off,
-    says so once, with the plan the run's own rates favour."""
-
-    def __init__(self, cfg, choice: Choice, *, say=lambda line: print(line, file=sys.stderr, flush=True)):
-        self.cfg, self.choice, self.say = cfg, choice, say
-        self.steps = 0
-        self.off: list[tuple[float, float, float]] = []  # (step, gen, train) ratios, measured / predicted
-        self.said = False
-
-    def _same(self, o: Option) -> bool:
-        p = self.choice.chosen
-        return (o.placement, o.schedule, o.slots) == (p.placement, p.schedule, p.slots)
-
-    def observe(self, *, step_s: float, gen_s: float, train_s: float, length: float | None = None) -> None:
-        self.steps += 1
-        if self.said or self.steps == 1:
-            return
-        length = max(1, round(length)) if length else None
-        p = next(o for o in replan(self.cfg, self.choice, length=length) if self._same(o))
-        ratios = (step_s / p.step_s, gen_s / max(p.gen_s, 1e-9), train_s / max(p.train_s, 1e-9))
-        self.off = self.off + [ratios] if abs(ratios[0] - 1) > OFF_BY else []
-        if len(self.off) < OFF_FOR:
-            return
-        self.said = True
-        mean = [sum(r[i] for r in self.off) / len(self.off) for i in range(3)]
-        found = replan(self.cfg, self.choice, gen_scale=mean[1], train_scale=mean[2], length=length)
-        favoured = best(found)
-        now = next(o for o in found if self._same(o))
-        head = (f"tidal: auto: the last {len(self.off)} steps took {mean[0]:.2f}x the plan's {p.step_s:.3g} s "
-                f"(generation {mean[1]:.2f}x, training {mean[2]:.2f}x)")
-        if self._same(favoured):
-            self.say(f"{head}; with this run's rates the plan still stands ({now.step_s:.3g} s predicted)")
-            return
-        keys = " ".join(f"--set {k}={v}" for k, v in settings_for(self.cfg, self.choice, favoured).items())
-        self.say(f"{head}; with this run's rates {favoured.label()} is faster ({favoured.step_s:.3g} s vs "
-                 f"{now.step_s:.3g} s predicted): {keys} for the next run")
-
-
-def settings_for(cfg, choice: Choice, option: Option) -> dict:
-    """The --set values that give `option`, for the keys the choice decided."""
-    from tidal.executors.generator.engines import ENGINES
-
-    key = ENGINES.get(cfg.generator.engine).slots_key
-    return settings_of(cfg, free=set(choice.settings), slots_key=key, placement=option.placement,
-                       schedule=option.schedule, slots=option.slots)
+    return model_choice(cfg, measured, plans, settings=settings, slots_free=slots_free, device=device, basis=basis,
+                        threads_of=threads_of)

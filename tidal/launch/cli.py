@@ -139,7 +139,7 @@ def resolve(args: argparse.Namespace, *, rates: str = "rule") -> RunConfig:
     from tidal.recipes.advantages import ADVANTAGE_SOURCES
 
     sections = ADVANTAGE_SOURCES.get(get_algorithm(args.algo).advantage_source).sections
-    free = auto_keys(data)
+    free = auto_keys(data, accelerators=accelerators())
     pretrained = defaults.pretrained_defaults(data, sections=sections)
     defaults.apply(data, pretrained)
     layers.insert(0, (defaults.PRETRAINED_SOURCE, {k: v for k, v in pretrained.items()}))
@@ -193,10 +193,19 @@ def _user_layers(args: argparse.Namespace) -> tuple[dict, list[tuple[str, dict]]
     return data, layers
 
 
-def auto_keys(data: dict) -> set[str]:
+def accelerators() -> int:
+    """This machine's GPUs/NPUs; 0 on a CPU machine (its ranks share its cores: there is nothing to fill)."""
+    from tidal.controller.devices import detect_device, device_count
+
+    return device_count() if detect_device().type != "cpu" else 0
+
+
+def auto_keys(data: dict, *, accelerators: int = 0) -> set[str]:
     """The keys the launch chooses (tidal/launch/auto.py): placement, schedule.kind and, for a pretrained
-    model.path, the engine's slots, where unset or `auto` (an `auto` is taken out of `data`)."""
+    model.path, the engine's slots, where unset or `auto` (an `auto` is taken out of `data`); on a machine
+    of several accelerators also generator.replicas and trainer.dp, where both are."""
     from tidal.executors.generator.engines import ENGINES
+    from tidal.launch.auto import LAYOUT_KEYS
 
     free = set()
     if isinstance(data.get("schedule"), str):  # --set schedule=NAME names the section's kind
@@ -208,7 +217,7 @@ def auto_keys(data: dict) -> set[str]:
         slots_key = None  # the config's validation names the field
     model = data.get("model")
     keys = ("placement", "schedule.kind") + ((slots_key,) if slots_key and isinstance(model, dict) and model.get("path")
-                                             else ())
+                                             else ()) + (tuple(sorted(LAYOUT_KEYS)) if accelerators > 1 else ())
     for key in keys:
         *parents, leaf = key.split(".")
         node = data
@@ -219,6 +228,8 @@ def auto_keys(data: dict) -> set[str]:
         elif node[leaf] == "auto":
             del node[leaf]
             free.add(key)
+    if not LAYOUT_KEYS <= free:  # one of the two set: the other keeps its default
+        free -= LAYOUT_KEYS
     return free
 
 
@@ -226,7 +237,7 @@ def choose_auto(args: argparse.Namespace, cfg: RunConfig, *, free: set[str], rat
     """tidal/launch/auto.py's choice for the free keys. A rank under `python launch.py` takes the launcher's
     (TIDAL_AUTO); under torchrun the world size and cached rates decide; a resume keeps its run's."""
     from tidal.launch.selflaunch import under_launcher
-    from tidal.launch.auto import Choice, choose
+    from tidal.launch.auto import LAYOUT_KEYS, Choice, choose, with_layout
     from tidal.recipes.defaults import flatten
     from tidal.recipes.registry import recipe_for
 
@@ -242,13 +253,15 @@ def choose_auto(args: argparse.Namespace, cfg: RunConfig, *, free: set[str], rat
 
     recipe = recipe_for(cfg.algo)
 
-    def build(placement: str, schedule: str) -> int:
+    def build(placement: str, schedule: str, replicas: int, dp: int) -> int:
         update = {"placement": placement, "schedule": cfg.schedule.model_copy(update={"kind": schedule})}
-        return world_size_of(recipe.build(cfg.model_copy(update=update)))
+        return world_size_of(recipe.build(with_layout(cfg, replicas=replicas, dp=dp).model_copy(update=update)))
 
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() and "WORLD_SIZE" in os.environ else None
-    return choose(cfg, free=free, slots_key=next((k for k in free if k.startswith("generator.")), None), build=build,
-                  world_size=world, recorded=recorded, rates="cached" if world is not None else rates,
+    slots_key = next((k for k in free - LAYOUT_KEYS if k.startswith("generator.")), None)
+    devices = (world or accelerators()) if LAYOUT_KEYS <= free else None  # what a free layout fills
+    return choose(cfg, free=free, slots_key=slots_key, build=build, world_size=world, recorded=recorded,
+                  rates="cached" if world is not None else rates, devices=devices,
                   say=lambda line: print(line, file=sys.stderr, flush=True))
 
 

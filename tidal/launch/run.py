@@ -64,11 +64,11 @@ def run(cfg: RunConfig, recipe: Recipe, graph: Graph, *, resume: str | None = No
 
 
 def watched(derive, cfg: RunConfig):
-    """The step's figures, each step also held against the launch's plan (tidal/launch/auto.py PlanWatch):
+    """The step's figures, each step also held against the launch's plan (tidal/launch/plan_watch.py):
     a run that strays from it is told which plan its own rates favour."""
     if derive is None or cfg.auto is None or cfg.auto.chosen is None:
         return derive
-    from tidal.launch.auto import PlanWatch
+    from tidal.launch.plan_watch import PlanWatch
 
     watch = PlanWatch(cfg, cfg.auto)
 
