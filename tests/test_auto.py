@@ -4,6 +4,10 @@ winning, the same bits as the fixed plan it picks, and what a run that strays fr
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -198,6 +202,34 @@ def test_the_measurement_times_the_real_engine_and_trainer_model(dtype):
     r = out["rates"]["1"]
     assert r["gen"]["forward_s"] + r["gen"]["row_s"] > 0 and r["train"]["token_s"] + r["train"]["group_s"] > 0
     assert r["train"]["barrier_s"] > 0 and r["train"]["copy_s"] > 0
+
+
+def test_rates_measured_on_a_busy_machine_serve_one_launch_and_are_not_cached():
+    """A process spinning on each of the measurement's cores: the rates come back with the share of the cores
+    others kept busy, and nothing is cached (a busy machine's rates once picked a plan 2x slower). A quiet
+    function's own threads are not counted as others'."""
+    from tidal.launch.measure import others_share
+
+    def work():  # half a second: /proc/stat counts in 10 ms ticks
+        a, end = torch.randn(256, 256), time.perf_counter() + 0.5
+        while time.perf_counter() < end:
+            a = torch.tanh(a @ a)
+
+    assert others_share(work)[1] < auto.BUSY_SHARE
+    spec = {"model_path": None, "gen_dtype": "float32", "train_dtype": "float32", "samples": 2, "groups": 1,
+            "response_tokens": 4, "extra_forwards": 0, "threads": [1],
+            "trainer": {"shared_prompt": "auto", "token_budget": 4096, "micro_batch_size": 8, "logprob_chunk": 1024},
+            "data": {"path": None, "prompt_key": "prompt", "chat_template": False, "max_prompt_tokens": 256,
+                     "prompts": 1, "seed": 0, "embedded_prompts": 64}}
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in os.sched_getaffinity(0)]
+    try:
+        measured = auto.measured_rates(spec)
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
+    assert measured["others_share"] > auto.BUSY_SHARE and measured["rates"]["1"]["train"]["token_s"] > 0
+    assert auto.cached_rates(spec) is None
 
 
 def test_the_barrier_and_copy_are_timed_over_a_part_of_the_parameters():

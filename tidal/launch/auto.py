@@ -51,6 +51,8 @@ SPLIT_PUSH_COPIES = 3
 # overstate a second thread's gain (the embedded model's: 15-25% faster measured, no faster in the job,
 # whose co-located step was 0.40 s against split+periodic's 0.28), so it must be predicted clearly faster
 COLOCATED_MARGIN = 0.15
+# rates measured while other processes kept more than this share of the cores busy are not cached
+BUSY_SHARE = 0.2
 OFF_BY = 0.25  # learn from the run: a step this far from the plan's prediction ...
 OFF_FOR = 3  # ... this many steps in a row is said on the console
 
@@ -207,12 +209,16 @@ def measured_rates(spec: dict) -> dict:
             raise ValueError(f"auto: measuring this job's rates failed: {last} (placement, schedule.kind and the "
                              f"slots, all set, skip the measurement)")
         result = json.loads(out_path.read_text())
+    if (result.get("others_share") or 0.0) > BUSY_SHARE:  # a busy machine's rates serve this launch only
+        known = {str(t): json.loads(entry_path(spec, t).read_text())["rates"][str(t)]
+                 for t in spec["threads"] if t not in missing}
+        return {**result, "rates": {**known, **result["rates"]}}
     for threads in missing:
         final = entry_path(spec, threads)
         tmp_final = final.with_suffix(f".tmp{os.getpid()}")
         tmp_final.write_text(json.dumps({**result, "rates": {str(threads): result["rates"][str(threads)]}}))
         tmp_final.replace(final)
-    return {**cached_rates(spec), "measure_s": result["measure_s"]}
+    return {**cached_rates(spec), "measure_s": result["measure_s"], "others_share": result.get("others_share")}
 
 
 def rates_at(measured: dict, threads: int, *, placement: str, device: str) -> Rates:
@@ -407,6 +413,9 @@ def choose(cfg, *, free: set[str], slots_key: str | None, build, world_size: int
         say("tidal: auto: measuring this job's decode and train micro-steps on this machine (once: cached in "
             f"{cache_dir()}) to choose what placement, schedule and slots leave to it ...")
         measured = measured_rates(spec)
-        basis = f"rates measured here in {measured['measure_s']:.0f} s, cached"
+        busy = (measured.get("others_share") or 0.0) > BUSY_SHARE
+        basis = f"rates measured here in {measured['measure_s']:.0f} s, " + (
+            f"not cached: other processes kept {measured['others_share']:.0%} of this machine's cores busy meanwhile, "
+            "so the choice may be off; measure again on a quiet machine" if busy else "cached")
     return model_choice(cfg, measured, plans, settings=settings, slots_free=slots_free, device=device, basis=basis,
                         threads_of=threads_of)

@@ -21,6 +21,11 @@ pin_threads):
             linear in them, and a 0.5B model's whole AdamW state took 14 s to allocate and step here
   copy      parameters copied into a buffer (the push's local part), the same part, scaled the same way
 
+Other processes on the same cores slow every figure (a test job running beside the Qwen job's
+measurement made a co-located decode forward 3.5x slower and picked a plan 2x slower than co-location):
+the share of this process's cores others kept busy meanwhile (/proc/stat, less this process's own CPU
+time) comes back with the rates, and tidal/launch/auto.py caches none measured on a busy machine.
+
 Each figure is timed after a warm-up call of the same kind (the first allocates and picks kernels; at the
 second thread count and after, the process is warm and none is made): one
 call where it takes REPEAT_S or more (a 0.5B model's micro-steps take seconds on a CPU, and the
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -227,11 +233,38 @@ def measure(spec: dict) -> dict:
     return {"prompt_len": prompt_len, "rates": out}
 
 
+def cores_busy() -> float | None:
+    """CPU-seconds this process's cores have been busy since boot (every process, steal included: what
+    another VM took from them too), from /proc/stat; None where it cannot be read (not Linux)."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    mine = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+    busy = 0
+    for line in lines:
+        name, *ticks = line.split()
+        if name in mine:  # user nice system idle iowait irq softirq steal ...: all but idle and iowait
+            busy += sum(int(t) for t in ticks[:8]) - int(ticks[3]) - int(ticks[4])
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def others_share(fn):
+    """fn() and the share of this process's cores that other processes kept busy while it ran (None: unknown)."""
+    before, own, t0 = cores_busy(), os.times(), time.perf_counter()
+    result = fn()
+    after, own_after, wall = cores_busy(), os.times(), time.perf_counter() - t0
+    if before is None or after is None:
+        return result, None
+    mine = own_after.user + own_after.system - own.user - own.system
+    return result, max(0.0, after - before - mine) / (wall * len(os.sched_getaffinity(0)))
+
+
 def main(argv: list[str]) -> int:
     spec_path, out_path = map(Path, argv)
     t0 = time.perf_counter()
-    result = measure(json.loads(spec_path.read_text()))
-    out_path.write_text(json.dumps({**result, "measure_s": time.perf_counter() - t0}))
+    result, others = others_share(lambda: measure(json.loads(spec_path.read_text())))
+    out_path.write_text(json.dumps({**result, "measure_s": time.perf_counter() - t0, "others_share": others}))
     return 0
 
 
