@@ -230,6 +230,7 @@ def test_rates_measured_on_a_busy_machine_serve_one_launch_and_are_not_cached():
             proc.wait()
     assert measured["others_share"] > auto.BUSY_SHARE and measured["rates"]["1"]["train"]["token_s"] > 0
     assert auto.cached_rates(spec) is None
+    assert "not cached: other processes kept" in auto.measured_basis(measured)  # the choice's first line
 
 
 def test_the_barrier_and_copy_are_timed_over_a_part_of_the_parameters():

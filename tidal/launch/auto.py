@@ -221,6 +221,15 @@ def measured_rates(spec: dict) -> dict:
     return {**cached_rates(spec), "measure_s": result["measure_s"], "others_share": result.get("others_share")}
 
 
+def measured_basis(measured: dict) -> str:
+    """What the choice's first line says of rates measured just now."""
+    if (measured.get("others_share") or 0.0) > BUSY_SHARE:
+        return (f"rates measured here in {measured['measure_s']:.0f} s, not cached: other processes kept "
+                f"{measured['others_share']:.0%} of this machine's cores busy meanwhile, so the choice may be off; "
+                "measure again on a quiet machine")
+    return f"rates measured here in {measured['measure_s']:.0f} s, cached"
+
+
 def rates_at(measured: dict, threads: int, *, placement: str, device: str) -> Rates:
     """The planner's Rates for a placement's ranks at `threads` threads each."""
     r = measured["rates"][str(threads)]
@@ -413,9 +422,6 @@ def choose(cfg, *, free: set[str], slots_key: str | None, build, world_size: int
         say("tidal: auto: measuring this job's decode and train micro-steps on this machine (once: cached in "
             f"{cache_dir()}) to choose what placement, schedule and slots leave to it ...")
         measured = measured_rates(spec)
-        busy = (measured.get("others_share") or 0.0) > BUSY_SHARE
-        basis = f"rates measured here in {measured['measure_s']:.0f} s, " + (
-            f"not cached: other processes kept {measured['others_share']:.0%} of this machine's cores busy meanwhile, "
-            "so the choice may be off; measure again on a quiet machine" if busy else "cached")
+        basis = measured_basis(measured)
     return model_choice(cfg, measured, plans, settings=settings, slots_free=slots_free, device=device, basis=basis,
                         threads_of=threads_of)
