@@ -265,7 +265,7 @@ def choose_auto(args: argparse.Namespace, cfg: RunConfig, *, free: set[str], rat
                   say=lambda line: print(line, file=sys.stderr, flush=True))
 
 
-def _plan(args: argparse.Namespace, cfg: RunConfig) -> int:
+def _plan(args: argparse.Namespace, cfg: RunConfig, recipe) -> int:
     from tidal.planner.plan import plan_from_file, plan_here
 
     if args.rates:
@@ -278,8 +278,18 @@ def _plan(args: argparse.Namespace, cfg: RunConfig) -> int:
     job = ["--algo", args.algo, *(["--config", str(args.config)] if args.config else []),
            *(["--seed", str(args.seed)] if args.seed is not None else []),
            *[arg for spec in args.overrides for arg in ("--set", spec)]]
-    print(plan_here(job, devices=devices, gen_tp=cfg.generator.tp, train_unit=cfg.trainer.ranks_per_unit,
-                    partial=cfg.generator.partial_rollout_tokens))
+    from tidal.controller.world import world_size_of
+    from tidal.launch import jobs
+
+    def run(argv: list[str], nproc: int) -> tuple[int, str]:
+        """A calibration run, its ranks forked by the warm launcher (tidal/launch/warm.py): the three runs
+        import torch and the model code once, not once a rank each."""
+        code, _, err = jobs.run_script(jobs.ROOT / "launch.py", *argv, nproc=nproc)
+        return code, err
+
+    split = cfg.model_copy(update={"placement": "split", "schedule": cfg.schedule.model_copy(update={"kind": "sync"})})
+    print(plan_here(job, run=run, devices=devices, gen_tp=cfg.generator.tp, train_unit=cfg.trainer.ranks_per_unit,
+                    split_ranks=world_size_of(recipe.build(split)), partial=cfg.generator.partial_rollout_tokens))
     return 0
 
 
@@ -349,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         from tidal.launch.preflight import preflight
 
         if args.plan:
-            return _plan(args, cfg)
+            return _plan(args, cfg, recipe)
         preflight(cfg, resume=args.resume, overwrite=args.overwrite, writes=not args.dry_run)
         if cfg.auto is not None and cfg.auto.unmeasured and not under_launcher():
             # the process that starts the ranks measures what the launch chooses, once the inputs are checked

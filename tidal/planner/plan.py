@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, replace
@@ -214,26 +213,27 @@ def load_rates(path: Path) -> tuple[Rates, list[StepShape], dict]:
     return rates, [shape], data.get("layout", {})
 
 
-def calibration_runs(argv: list[str], out: Path, *, steps: int = 5,
+def calibration_runs(argv: list[str], out: Path, *, run, ranks: dict[str, int], steps: int = 5,
                      colocated: tuple[str, ...] = ()) -> tuple[Path, ...]:
     """Run the configured job on this machine (sync: the rates; periodic: how much the executors slow
     each other when they overlap), `steps` steps each, the first warming up; with `colocated` (the
-    --set layout it needs) a third, co-located, for the swap's cost."""
+    --set layout it needs) a third, co-located, for the swap's cost. run(launch.py's args, nproc) ->
+    (exit code, stderr); ranks: each run's world size."""
     split = ("--set", "placement=split")  # not the launch's choice (tidal/launch/auto.py): the placement is what is measured
     runs = [("sync", split), ("periodic", split)] + ([("colocated", ("--set", "placement=colocated", *colocated))]
                                                      if colocated else [])
     dirs = []
     for name, extra in runs:
         d = out / name
-        cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "launch.py"), *argv, "--steps", str(steps),
-               "--schedule", "sync" if name == "colocated" else name, "--output-dir", str(d), "--overwrite",
-               "--set", "logging.samples_every=1", "--set", "checkpoint_every=0", "--set", "checkpoint_minutes=0",
-               # whole rollouts: a group's lengths and its leave time then belong to one step (partial.py predicts cuts)
-               "--set", "generator.partial_rollout_tokens=null", *extra]
+        args = [*argv, "--steps", str(steps), "--schedule", "sync" if name == "colocated" else name,
+                "--output-dir", str(d), "--overwrite", "--set", "logging.samples_every=1", "--set", "checkpoint_every=0",
+                "--set", "checkpoint_minutes=0",
+                # whole rollouts: a group's lengths and its leave time then belong to one step (partial.py predicts cuts)
+                "--set", "generator.partial_rollout_tokens=null", *extra]
         print(f"tidal plan: calibration run ({name}, {steps} steps)", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode:
-            raise ValueError(f"calibration run ({name}) failed:\n{proc.stderr[-2000:]}")
+        code, err = run(args, ranks[name])
+        if code:
+            raise ValueError(f"calibration run ({name}) failed:\n{err[-2000:]}")
         dirs.append(d)
     return tuple(dirs)
 
@@ -244,13 +244,16 @@ def colocated_layout(*, gen_tp: int, train_unit: int) -> tuple[str, ...]:
     return ("--set", f"generator.replicas={ranks // gen_tp}", "--set", f"trainer.dp={ranks // train_unit}")
 
 
-def plan_here(argv: list[str], *, devices: int, gen_tp: int, train_unit: int, partial: int | None = None) -> str:
-    """partial: the job's generator.partial_rollout_tokens (calibrated on whole rollouts, then predicted)."""
+def plan_here(argv: list[str], *, run, devices: int, gen_tp: int, train_unit: int, split_ranks: int,
+              partial: int | None = None) -> str:
+    """run: how a calibration run is run (calibration_runs); split_ranks: the job's world size placed split.
+    partial: the job's generator.partial_rollout_tokens (calibrated on whole rollouts, then predicted)."""
     from tidal.planner.calibrate import calibrate, fit_concurrency, shapes_of, swap_seconds
 
+    ranks = {"sync": split_ranks, "periodic": split_ranks, "colocated": math.lcm(gen_tp, train_unit)}
     with tempfile.TemporaryDirectory(prefix="tidal-plan-") as tmp:
         sync_dir, periodic_dir, colocated_dir = calibration_runs(
-            argv, Path(tmp), colocated=colocated_layout(gen_tp=gen_tp, train_unit=train_unit))
+            argv, Path(tmp), run=run, ranks=ranks, colocated=colocated_layout(gen_tp=gen_tp, train_unit=train_unit))
         rates = calibrate(sync_dir)
         rates = replace(rates, concurrency=fit_concurrency(rates, periodic_dir), swap_s=swap_seconds(colocated_dir))
         shapes = [s for step, s in sorted(shapes_of(sync_dir).items()) if step >= 1]
