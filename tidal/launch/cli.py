@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -278,14 +279,21 @@ def _plan(args: argparse.Namespace, cfg: RunConfig, recipe) -> int:
     job = ["--algo", args.algo, *(["--config", str(args.config)] if args.config else []),
            *(["--seed", str(args.seed)] if args.seed is not None else []),
            *[arg for spec in args.overrides for arg in ("--set", spec)]]
+    from tidal.controller.devices import detect_device
     from tidal.controller.world import world_size_of
+    from tidal.executors.generator.engines import ENGINES
     from tidal.launch import jobs
 
+    # on a CPU, an engine whose rank may fork: the runs' ranks fork from the warm launcher (tidal/launch/warm.py),
+    # the three runs importing torch and the model code once, not once a rank each; else `python launch.py`
+    warm = detect_device().type == "cpu" and ENGINES.get(cfg.generator.engine).forks
+
     def run(argv: list[str], nproc: int) -> tuple[int, str]:
-        """A calibration run, its ranks forked by the warm launcher (tidal/launch/warm.py): the three runs
-        import torch and the model code once, not once a rank each."""
-        code, _, err = jobs.run_script(jobs.ROOT / "launch.py", *argv, nproc=nproc)
-        return code, err
+        if warm:
+            code, _, err = jobs.run_script(jobs.ROOT / "launch.py", *argv, nproc=nproc)
+            return code, err
+        proc = subprocess.run([sys.executable, str(jobs.ROOT / "launch.py"), *argv], capture_output=True, text=True)
+        return proc.returncode, proc.stderr
 
     split = cfg.model_copy(update={"placement": "split", "schedule": cfg.schedule.model_copy(update={"kind": "sync"})})
     print(plan_here(job, run=run, devices=devices, gen_tp=cfg.generator.tp, train_unit=cfg.trainer.ranks_per_unit,

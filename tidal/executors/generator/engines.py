@@ -44,6 +44,9 @@ class EngineKind:
     # model.numerics=exact: it decodes with the batch-invariant products and attention the trainer computes
     # with (tidal/modeling/numerics.py), so its log-probs are the trainer's bit for bit
     exact: bool = False
+    # its rank may be forked from the warm launcher (tidal/launch/warm.py), which ends a rank by os._exit: no
+    # C++ teardown at exit (vLLM's CPU shared memory needs it)
+    forks: bool = False
 
     def __post_init__(self) -> None:
         assert (self.options is None) == (self.section is None), "an engine's options come with their section's name"
@@ -153,7 +156,7 @@ def _build_vllm(spec: EngineSpec):
 
 ENGINES: Registry[EngineKind] = Registry("generator engine", key="generator.engine", plugin=EngineKind)
 ENGINES.register("native", EngineKind(build=_build_native, check=_no_check, slots_key="generator.max_batch_prompts",
-                                      slots_are_rows=False, push_buffer=False, exact=True))
+                                      slots_are_rows=False, push_buffer=False, exact=True, forks=True))
 ENGINES.register("vllm", EngineKind(build=_build_vllm, check=_check_vllm, slots_key="generator.vllm.max_num_seqs",
                                     slots_are_rows=True, push_buffer=True, admission="continuous",
                                     options=VllmConfig, section="vllm",
