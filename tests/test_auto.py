@@ -206,7 +206,7 @@ def test_the_measurement_times_the_real_engine_and_trainer_model(dtype):
 
 def test_rates_measured_on_a_busy_machine_serve_one_launch_and_are_not_cached():
     """A process spinning on each of the measurement's cores: the rates come back with the share of the cores
-    others kept busy, and nothing is cached (a busy machine's rates once picked a plan 2x slower). A quiet
+    others kept busy, and nothing is cached (a busy machine's rates once picked a plan 2x slower). A
     function's own threads are not counted as others'."""
     from tidal.launch.measure import others_share
 
@@ -215,7 +215,7 @@ def test_rates_measured_on_a_busy_machine_serve_one_launch_and_are_not_cached():
         while time.perf_counter() < end:
             a = torch.tanh(a @ a)
 
-    assert others_share(work)[1] < auto.BUSY_SHARE
+    quiet = others_share(work)[1]
     spec = {"model_path": None, "gen_dtype": "float32", "train_dtype": "float32", "samples": 2, "groups": 1,
             "response_tokens": 4, "extra_forwards": 0, "threads": [1],
             "trainer": {"shared_prompt": "auto", "token_budget": 4096, "micro_batch_size": 8, "logprob_chunk": 1024},
@@ -231,6 +231,9 @@ def test_rates_measured_on_a_busy_machine_serve_one_launch_and_are_not_cached():
     assert measured["others_share"] > auto.BUSY_SHARE and measured["rates"]["1"]["train"]["token_s"] > 0
     assert auto.cached_rates(spec) is None
     assert "not cached: other processes kept" in auto.measured_basis(measured)  # the choice's first line
+    # the function's own threads (both cores busy) are not counted: far below the spinners' share, whatever
+    # else this machine runs
+    assert quiet < measured["others_share"] - auto.BUSY_SHARE, (quiet, measured["others_share"])
 
 
 def test_the_barrier_and_copy_are_timed_over_a_part_of_the_parameters():

@@ -210,8 +210,7 @@ def measured_rates(spec: dict) -> dict:
                              f"slots, all set, skip the measurement)")
         result = json.loads(out_path.read_text())
     if (result.get("others_share") or 0.0) > BUSY_SHARE:  # a busy machine's rates serve this launch only
-        known = {str(t): json.loads(entry_path(spec, t).read_text())["rates"][str(t)]
-                 for t in spec["threads"] if t not in missing}
+        known = cached_rates({**spec, "threads": [t for t in spec["threads"] if t not in missing]})["rates"]
         return {**result, "rates": {**known, **result["rates"]}}
     for threads in missing:
         final = entry_path(spec, threads)

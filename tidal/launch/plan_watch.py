@@ -19,7 +19,8 @@ def replan(cfg, choice: Choice, *, gen_scale: float = 1.0, train_scale: float = 
         rates = replace(rates, gen=GenRates(**{k: v * gen_scale for k, v in rates.gen.__dict__.items()}),
                         train=TrainRates(**{k: v * train_scale for k, v in rates.train.__dict__.items()}))
         out.append(predict(with_layout(cfg, replicas=o.replicas, dp=o.dp), rates, placement=o.placement,
-                           schedule=o.schedule, slots=o.slots, prompt_len=choice.rates["prompt_len"], ranks=o.ranks, threads=o.threads, length=length))
+                           schedule=o.schedule, slots=o.slots, prompt_len=choice.rates["prompt_len"], ranks=o.ranks,
+                           threads=o.threads, length=length))
     return out
 
 

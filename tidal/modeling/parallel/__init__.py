@@ -114,7 +114,7 @@ def clip_grad_norm_(params, max_norm: float, *, mesh: DeviceMesh | None, held_by
             copies = world // sharded
         # each tensor's norm in float32, the squares summed in float64: a float64 norm took 1.5 of a 0.5B model's
         # 2.2 s barrier on 2 cores (0.38 s a 136M-element embedding, against 0.056 in float32: torch's float32
-        # reduction is vectorised, accumulates pairwise and is off by ~1e-7 relative, far inside what a clip needs)
+        # reduction is vectorised; the embedded jobs' norms moved by at most 3.6e-6 relative, nothing to a clip)
         sq += torch.linalg.vector_norm(local(g), dtype=torch.float32).double().square() / copies
     for dim in range(mesh.ndim if mesh is not None else 0):  # a sum over the grid: each dimension in turn
         if mesh.size(dim) > 1:
